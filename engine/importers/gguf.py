@@ -1,0 +1,306 @@
+"""GGUF (llama.cpp) files to an MLX-format folder that mlx_lm.load can open.
+
+Contract: `import_gguf(path, dest, progress, cancel)` validates the file (magic, version,
+truncation, architecture, tensor types) before writing anything, then writes config.json,
+model*.safetensors and tokenizer files into `dest` (a temporary folder owned by the library).
+Q4_0, Q4_1 and Q8_0 are repacked exactly into MLX affine triples (group 32); K-quants and
+Q5 types are dequantized with the `gguf` package and requantized at the nearest MLX width;
+F32/F16/BF16 stay as they are. Llama Q/K rows are un-permuted to the Hugging Face layout.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.errors import Cancelled, ImportFailed
+
+Progress = Callable[[int, int], None]
+CancelFlag = Callable[[], bool]
+
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+EXACT_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
+REQUANT_TYPES = {"Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+FLOAT_TYPES = {"F32", "F16", "BF16"}
+SUPPORTED_TYPES = FLOAT_TYPES | set(EXACT_TYPES) | set(REQUANT_TYPES)
+GROUP = 32
+SHARD_BYTES = 2 << 30
+
+_LAYER_MAP = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_MAP = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# Tensors llama.cpp adds that mlx-lm recomputes itself.
+_SKIP = {"rope_freqs.weight"}
+
+
+@dataclass
+class GGUFImport:
+    """What an import produced, for the manifest."""
+
+    config: dict[str, Any]
+    tensor_formats: dict[str, set[str]] = field(default_factory=dict)
+    params: int = 0
+    stored_bits: int = 0
+    tokenizer: dict[str, Any] = field(default_factory=dict)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_MAP:
+        return f"model.layers.{parts[1]}.{_LAYER_MAP[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _TOP_MAP:
+        return f"{_TOP_MAP[parts[0]]}.{parts[1]}"
+    return None
+
+
+def _tensor_class(hf_name: str) -> str:
+    for key, cls in (
+        ("embed_tokens", "embedding"),
+        ("lm_head", "output"),
+        ("self_attn", "attention"),
+        ("mlp", "mlp"),
+        ("norm", "norm"),
+    ):
+        if key in hf_name:
+            return cls
+    return "other"
+
+
+def read_metadata(path: Path) -> tuple[Any, dict[str, Any]]:
+    """Open a GGUF with the `gguf` reader and check it is whole; (reader, metadata dict)."""
+    if not path.exists():
+        raise ImportFailed(f"{path}: no such file")
+    if not path.is_file():
+        raise ImportFailed(f"{path}: not a file")
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise ImportFailed(f"{path}: not a GGUF file (bad magic {magic!r})")
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, KeyError, IndexError, OverflowError, TypeError, MemoryError) as exc:
+        raise ImportFailed(f"{path}: corrupt or truncated GGUF header ({exc})") from exc
+    meta: dict[str, Any] = {}
+    for key, fld in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = fld.contents()
+        except (ValueError, IndexError, UnicodeDecodeError) as exc:
+            raise ImportFailed(f"{path}: unreadable metadata field {key} ({exc})") from exc
+    size = os.path.getsize(path)
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size or t.data.nbytes != int(t.n_bytes):
+            raise ImportFailed(
+                f"{path}: truncated: tensor {t.name} needs bytes up to {end}, file has {size}"
+            )
+    return reader, meta
+
+
+def _arch_config(path: Path, meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    arch = str(meta.get("general.architecture", ""))
+    if arch not in ARCHITECTURES:
+        raise ImportFailed(
+            f"{path}: unsupported architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})"
+        )
+
+    def need(key: str) -> Any:
+        value = meta.get(f"{arch}.{key}")
+        if value is None:
+            raise ImportFailed(f"{path}: missing metadata {arch}.{key}")
+        return value
+
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
+    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+    vocab = len(meta.get("tokenizer.ggml.tokens") or []) or int(meta.get(f"{arch}.vocab_size", 0))
+    config: dict[str, Any] = {
+        "model_type": ARCHITECTURES[arch],
+        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 4096)),
+        "vocab_size": vocab,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+    }
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling == "linear":
+        config["rope_scaling"] = {
+            "type": "linear",
+            "factor": float(meta.get(f"{arch}.rope.scaling.factor", 1.0)),
+        }
+    for key, hf in (
+        ("tokenizer.ggml.bos_token_id", "bos_token_id"),
+        ("tokenizer.ggml.eos_token_id", "eos_token_id"),
+    ):
+        if key in meta:
+            config[hf] = int(meta[key])
+    return config
+
+
+def _unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (interleaved RoPE -> half-split RoPE)."""
+    r = rows.shape[0]
+    return (
+        rows.reshape(n_head, r // n_head // 2, 2, *rows.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(rows.shape)
+    )
+
+
+def _f16_field(blocks: np.ndarray, start: int) -> np.ndarray:
+    return np.ascontiguousarray(blocks[..., start : start + 2]).view(np.float16)[..., 0]
+
+
+def _pack4(values: np.ndarray) -> np.ndarray:
+    """(R, N) uint8 values < 16 to MLX's 4-bit packing: 8 per uint32, low nibble first."""
+    packed = (values[:, 0::2] | (values[:, 1::2] << 4)).astype(np.uint8)
+    return np.ascontiguousarray(packed).view(np.uint32)
+
+
+def exact_triple(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Repack Q8_0/Q4_0/Q4_1 block rows (R, bytes) into MLX (weight, scales, biases), exactly."""
+    rows = raw.shape[0]
+    if qtype == "Q8_0":
+        blocks = raw.reshape(rows, -1, 34)
+        d = _f16_field(blocks, 0)
+        q = blocks[..., 2:].view(np.int8).astype(np.int16) + 128
+        weight = np.ascontiguousarray(q.astype(np.uint8).reshape(rows, -1)).view(np.uint32)
+        return weight, d, (d * np.float16(-128)).astype(np.float16)
+    if qtype in ("Q4_0", "Q4_1"):
+        width = 18 if qtype == "Q4_0" else 20
+        blocks = raw.reshape(rows, -1, width)
+        d = _f16_field(blocks, 0)
+        qs = blocks[..., width - 16 :]
+        values = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, -1)
+        bias = (d * np.float16(-8)).astype(np.float16) if qtype == "Q4_0" else _f16_field(blocks, 2)
+        return _pack4(values), d, bias
+    raise ValueError(qtype)
+
+
+def import_gguf(
+    path: Path,
+    dest: Path,
+    progress: Progress | None = None,
+    cancel: CancelFlag | None = None,
+) -> GGUFImport:
+    """Convert a GGUF file into `dest`. See the module docstring."""
+    import gguf
+    import mlx.core as mx
+
+    from engine.importers.vocab import write_tokenizer
+
+    reader, meta = read_metadata(path)
+    names = {t.name for t in reader.tensors}
+    config = _arch_config(path, meta, names)
+    if not reader.tensors:
+        raise ImportFailed(f"{path}: no tensors")
+    plan = []
+    for t in reader.tensors:
+        if t.name in _SKIP:
+            continue
+        hf = _hf_name(t.name)
+        if hf is None:
+            raise ImportFailed(f"{path}: unexpected tensor {t.name} for {config['model_type']}")
+        qtype = t.tensor_type.name
+        if qtype not in SUPPORTED_TYPES:
+            raise ImportFailed(
+                f"{path}: unsupported tensor type {qtype} in {t.name} "
+                f"(supported: {', '.join(sorted(SUPPORTED_TYPES))})"
+            )
+        plan.append((t, hf, qtype))
+
+    result = GGUFImport(config=config)
+    meta["context_length"] = config["max_position_embeddings"]
+    result.tokenizer = write_tokenizer(meta, dest)
+    quant: dict[str, Any] = {"group_size": GROUP, "bits": 4}
+    shard: dict[str, Any] = {}
+    shard_bytes = 0
+    shards: list[dict[str, Any]] = []
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    unpermute = config["model_type"] == "llama"
+    for i, (t, hf, qtype) in enumerate(plan):
+        if cancel is not None and cancel():
+            raise Cancelled("import")
+        raw = np.asarray(t.data)
+        if unpermute and (".q_proj." in hf or ".k_proj." in hf):
+            raw = _unpermute_rows(raw, heads if ".q_proj." in hf else kv_heads)
+        n = int(np.prod([int(x) for x in t.shape]))
+        module = hf.rsplit(".", 1)[0]
+        arrays: dict[str, Any]
+        if qtype in EXACT_TYPES:
+            w, s, b = exact_triple(raw, qtype)
+            arrays = {hf: mx.array(w), f"{module}.scales": mx.array(s),
+                      f"{module}.biases": mx.array(b)}
+            bits = EXACT_TYPES[qtype]
+            fmt = f"affine {bits}-bit g{GROUP} (from {qtype}, exact)"
+        elif qtype in REQUANT_TYPES:
+            dense = gguf.quants.dequantize(raw, t.tensor_type).astype(np.float32)
+            bits = REQUANT_TYPES[qtype]
+            w, s, b = mx.quantize(mx.array(dense), group_size=GROUP, bits=bits)
+            arrays = {hf: w, f"{module}.scales": s.astype(mx.float16),
+                      f"{module}.biases": b.astype(mx.float16)}
+            fmt = f"affine {bits}-bit g{GROUP} (from {qtype}, requantized)"
+        else:
+            if qtype == "BF16":
+                dense = gguf.quants.dequantize(raw, t.tensor_type).astype(np.float32)
+                arr = mx.array(dense).astype(mx.bfloat16)
+            else:
+                arr = mx.array(np.ascontiguousarray(raw))
+            shape = tuple(reversed([int(x) for x in t.shape]))
+            arrays = {hf: arr.reshape(shape)}
+            bits = {"F32": 32, "F16": 16, "BF16": 16}[qtype]
+            fmt = qtype.lower()
+        if qtype in EXACT_TYPES or qtype in REQUANT_TYPES:
+            quant[module] = {"group_size": GROUP, "bits": bits}
+        result.tensor_formats.setdefault(_tensor_class(hf), set()).add(fmt)
+        result.params += n
+        result.stored_bits += sum(a.nbytes for a in arrays.values()) * 8
+        shard.update(arrays)
+        shard_bytes += sum(a.nbytes for a in arrays.values())
+        if shard_bytes >= SHARD_BYTES:
+            shards.append(shard)
+            shard, shard_bytes = {}, 0
+        if progress is not None:
+            progress(i + 1, len(plan))
+    if shard:
+        shards.append(shard)
+    per_module = [v for v in quant.values() if isinstance(v, dict)]
+    if per_module:
+        bits_seen = [v["bits"] for v in per_module]
+        quant["bits"] = max(set(bits_seen), key=bits_seen.count)
+        config["quantization"] = quant
+        config["quantization_config"] = quant
+    for k, arrays in enumerate(shards):
+        name = "model.safetensors" if len(shards) == 1 else (
+            f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors")
+        mx.save_safetensors(str(dest / name), arrays, metadata={"format": "mlx"})
+    return result

@@ -1,0 +1,131 @@
+"""Platform facts: which backend MLX runs on, the Linux BLAS shim, memory, compute profiles.
+
+`preload_blas()` must run before the first `import mlx.core`; `engine/__init__` calls it.
+Nothing here imports mlx at module level.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+_BLAS_CANDIDATES = (
+    "libopenblas.so.0",
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+)
+_blas_path: str | None = None
+
+
+def preload_blas() -> str | None:
+    """Load the system OpenBLAS globally on Linux so MLX's CPU matmuls use it.
+
+    MLX's Linux wheel links a slow reference BLAS; symbols already loaded with RTLD_GLOBAL
+    win over it (about 30x on float32 matmul here). Returns the library loaded, or None.
+    Set STRATA_NO_BLAS_SHIM=1 to measure without it.
+    """
+    global _blas_path
+    if _blas_path is not None or not sys.platform.startswith("linux"):
+        return _blas_path
+    if os.environ.get("STRATA_NO_BLAS_SHIM") == "1":
+        return None
+    if "mlx.core" in sys.modules:
+        # Too late to interpose; say so through blas_status() rather than fail.
+        return None
+    for candidate in _BLAS_CANDIDATES:
+        try:
+            ctypes.CDLL(candidate, mode=os.RTLD_GLOBAL)
+        except OSError:
+            continue
+        _blas_path = candidate
+        return candidate
+    return None
+
+
+def blas_status() -> str:
+    """Which BLAS MLX's CPU path uses: 'openblas (path)', 'reference' or 'accelerate'."""
+    if sys.platform == "darwin":
+        return "accelerate"
+    return f"openblas ({_blas_path})" if _blas_path else "reference"
+
+
+def backend() -> str:
+    """'metal', 'cuda' or 'cpu': where MLX's default device computes."""
+    import mlx.core as mx
+
+    if mx.default_device() == mx.gpu:
+        if mx.metal.is_available():
+            return "metal"
+        cuda = getattr(mx, "cuda", None)
+        if cuda is not None and cuda.is_available():
+            return "cuda"
+        return "gpu"
+    return "cpu"
+
+
+@dataclass(frozen=True)
+class ComputeProfile:
+    """How weights are held for compute on a backend.
+
+    dequantize: expand quantized layers to `dtype` at load (Linux CPU: MLX's quantized CPU
+    kernels do not use BLAS and run 30x slower than float32 + OpenBLAS).
+    """
+
+    name: str
+    dequantize: bool
+    dtype: str  # "float32" | "float16" | "bfloat16"
+
+
+def compute_profile(name: str | None = None) -> ComputeProfile:
+    """The profile for this backend, or the one named ('native', 'cpu-f32')."""
+    name = name or os.environ.get("STRATA_PROFILE") or ""
+    if name == "native":
+        return ComputeProfile("native", dequantize=False, dtype="float16")
+    if name == "cpu-f32":
+        return ComputeProfile("cpu-f32", dequantize=True, dtype="float32")
+    if name:
+        from engine.errors import StrataError
+
+        raise StrataError(f"unknown compute profile {name!r}: use 'native' or 'cpu-f32'")
+    return compute_profile("cpu-f32" if backend() == "cpu" else "native")
+
+
+@dataclass(frozen=True)
+class MemoryFacts:
+    total_bytes: int
+    available_bytes: int
+    process_rss_bytes: int
+
+
+def memory_facts() -> MemoryFacts:
+    """System and process memory from psutil."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return MemoryFacts(vm.total, vm.available, psutil.Process().memory_info().rss)
+
+
+def default_home() -> Path:
+    """STRATA_HOME, else the platform's per-user data folder."""
+    env = os.environ.get("STRATA_HOME")
+    if env:
+        return Path(env).expanduser()
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Application Support" / "Strata"
+    xdg = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(xdg) / "strata"
+
+
+def default_cache() -> Path:
+    """Downloads kept once per machine (the starter wheel): STRATA_CACHE or the user cache."""
+    env = os.environ.get("STRATA_CACHE")
+    if env:
+        return Path(env).expanduser()
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "Strata"
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "strata"

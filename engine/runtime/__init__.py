@@ -1,0 +1,1 @@
+"""Runtime: load a library model, tokenize, sample and generate. One thread owns MLX."""

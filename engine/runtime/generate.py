@@ -1,0 +1,269 @@
+"""Load a library model and generate from it: the decode loop, prompt reuse, chat sessions.
+
+Contract: `LoadedModel.load(name)` maps the weights and applies the backend's compute
+profile; `generate(lm, prompt_ids, ...)` yields `GenerationEvent`s (text deltas that never
+split a UTF-8 character) and stops at EOS, a stop string, max_tokens or the cancel flag,
+checked between steps. A `PromptCache` keeps the KV of the tokens it has seen, so a follow-up
+prompt that shares a prefix prefills only what is new. All MLX work happens on the calling
+thread: the thread that loads a model must be the one that generates with it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.errors import StrataError
+from engine.platform import ComputeProfile, compute_profile
+from engine.runtime.sampling import Sampler, SamplingParams
+from engine.runtime.tokenizer import StreamingDetokenizer, Tokenizer
+from engine.telemetry import GenerationEvent, Timeline
+
+PREFILL_STEP = 512
+
+
+class LoadedModel:
+    """A model ready to generate: mlx-lm module, config, tokenizer, manifest, profile."""
+
+    def __init__(self, model: Any, config: dict[str, Any], tokenizer: Tokenizer,
+                 manifest: dict[str, Any], profile: ComputeProfile, timeline: Timeline) -> None:
+        self.model = model
+        self.config = config
+        self.tokenizer = tokenizer
+        self.manifest = manifest
+        self.profile = profile
+        self.timeline = timeline
+        extra = config.get("eos_token_id")
+        extra_ids = extra if isinstance(extra, list) else ([extra] if extra is not None else [])
+        self.eos_ids = tokenizer.eos_ids(extra_ids)
+        self.context_length = int(config.get("max_position_embeddings") or 4096)
+
+    @classmethod
+    def load(cls, name: str | Path, library: Any = None, profile: ComputeProfile | None = None,
+             timeline: Timeline | None = None, warm_up: bool = True) -> LoadedModel:
+        """Load by library name or alias, or from an MLX folder path."""
+        from engine.library import Library
+        from engine.runtime.model import load_weights_into_model
+
+        timeline = timeline or Timeline()
+        path = Path(name)
+        if path.is_dir() and (path / "config.json").is_file():
+            manifest: dict[str, Any] = {"name": path.name, "path": str(path)}
+        else:
+            library = library or Library()
+            manifest = library.get(str(name))
+            path = Path(manifest["path"])
+        with timeline.phase("imports"):
+            import mlx.core  # noqa: F401  (timed: the first import costs on a cold start)
+        profile = profile or compute_profile()
+        with timeline.phase("weights"):
+            model, config = load_weights_into_model(path, profile)
+        with timeline.phase("tokenizer"):
+            tokenizer = Tokenizer.load(path)
+        lm = cls(model, config, tokenizer, manifest, profile, timeline)
+        if warm_up:
+            with timeline.phase("warm-up"):
+                lm.warm_up()
+        return lm
+
+    def warm_up(self) -> None:
+        """One short forward pass, so the first real token pays no first-call costs."""
+        import mlx.core as mx
+
+        cache = self.new_cache()
+        out = self.model(mx.array([[self.tokenizer.bos_id or 0] * 4]), cache=cache.cache)
+        mx.eval(out)
+
+    def new_cache(self) -> PromptCache:
+        return PromptCache(self)
+
+
+@dataclass
+class PromptCache:
+    """KV cache plus the token ids whose keys and values it holds, in order."""
+
+    lm: LoadedModel
+    cache: list[Any] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.cache:
+            from engine.runtime.model import cache_module
+
+            self.cache = cache_module().make_prompt_cache(self.lm.model)
+
+    def reuse(self, prompt: Sequence[int]) -> int:
+        """Trim to the longest prefix shared with `prompt` (at least one token left to run)."""
+        common = 0
+        limit = min(len(self.tokens), len(prompt) - 1)
+        while common < limit and self.tokens[common] == prompt[common]:
+            common += 1
+        drop = len(self.tokens) - common
+        if drop:
+            if not all(c.is_trimmable() for c in self.cache):
+                self.clear()
+                return 0
+            for c in self.cache:
+                c.trim(drop)
+            del self.tokens[common:]
+        return common
+
+    def clear(self) -> None:
+        from engine.runtime.model import cache_module
+
+        self.cache = cache_module().make_prompt_cache(self.lm.model)
+        self.tokens = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(getattr(c, "nbytes", 0)) for c in self.cache)
+
+
+def _stop_split(text: str, stops: Sequence[str]) -> tuple[str, str, bool]:
+    """(emit now, hold back, stopped): cut at a stop string or hold a possible prefix of one."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    if hits:
+        return text[: min(hits)], "", True
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    return text[: len(text) - hold], text[len(text) - hold :], False
+
+
+def generate(
+    lm: LoadedModel,
+    prompt: Sequence[int],
+    params: SamplingParams | None = None,
+    max_tokens: int = 256,
+    stop: Sequence[str] = (),
+    cancel: Callable[[], bool] | None = None,
+    prompt_cache: PromptCache | None = None,
+    timeline: Timeline | None = None,
+) -> Iterator[GenerationEvent]:
+    """Stream a completion of `prompt` (token ids). See the module docstring."""
+    import mlx.core as mx
+
+    params = params or SamplingParams()
+    if not prompt:
+        raise StrataError("empty prompt: nothing to generate from")
+    if len(prompt) + max_tokens > lm.context_length * 4:
+        raise StrataError(f"prompt of {len(prompt)} tokens is too long for {lm.manifest['name']} "
+                          f"(context {lm.context_length})")
+    cancel = cancel or (lambda: False)
+    timeline = timeline or Timeline()
+    pc = prompt_cache or lm.new_cache()
+    model, cache = lm.model, None
+    sampler = Sampler(params)
+    pipelined = params.repetition_penalty == 1.0
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+
+    with timeline.phase("cache lookup"):
+        cached = pc.reuse(prompt)
+    cache = pc.cache
+    todo = list(prompt[cached:])
+    history = list(prompt)
+    detok = StreamingDetokenizer(lm.tokenizer)
+    stats = dict(prompt_tokens=len(prompt), cached_tokens=cached)
+
+    def event(text: str, token: int | None, n: int, t_first: float, prefill_s: float,
+              reason: str | None = None) -> GenerationEvent:
+        now = time.perf_counter()
+        return GenerationEvent(
+            text=text, token=token, generated_tokens=n, ttft_s=t_first - start,
+            prefill_tps=(len(prompt) - cached) / prefill_s if prefill_s > 0 else 0.0,
+            decode_tps=(n - 1) / (now - t_first) if n > 1 and now > t_first else 0.0,
+            peak_memory_bytes=int(mx.get_peak_memory()), finish_reason=reason, **stats)
+
+    t_prefill = time.perf_counter()
+    while len(todo) > 1:
+        n = min(PREFILL_STEP, len(todo) - 1)
+        model(mx.array(todo[:n])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        pc.tokens.extend(todo[:n])
+        todo = todo[n:]
+        if cancel():
+            timeline.add("prefill", t_prefill)
+            yield event("", None, 0, time.perf_counter(), 0.0, "cancelled")
+            return
+    logits = model(mx.array(todo)[None], cache=cache)[:, -1, :]
+    pc.tokens.extend(todo)
+    y = sampler(logits, history)
+    mx.eval(y)
+    timeline.add("prefill", t_prefill)
+    t_first_decode = time.perf_counter()
+    prefill_s = t_first_decode - t_prefill
+
+    pending = ""
+    n = 0
+    t_first = 0.0
+    reason: str | None = None
+    while True:
+        fed = False
+        if pipelined and n + 1 < max_tokens:
+            next_y = sampler(model(y[None], cache=cache)[:, -1, :], history)
+            mx.async_eval(next_y)
+            fed = True
+        tok = int(y.item())
+        if fed:
+            pc.tokens.append(tok)
+        n += 1
+        if n == 1:
+            t_first = time.perf_counter()
+            timeline.add("first decode", t_first_decode, t_first)
+        if tok in lm.eos_ids:
+            reason = "stop"
+            break
+        history.append(tok)
+        text, pending, stopped = _stop_split(pending + detok.add(tok), stop)
+        if stopped:
+            yield event(text, tok, n, t_first, prefill_s, "stop")
+            return
+        if n >= max_tokens:
+            reason = "length"
+            yield event(text, tok, n, t_first, prefill_s)
+            break
+        if cancel():
+            reason = "cancelled"
+            yield event(text, tok, n, t_first, prefill_s)
+            break
+        yield event(text, tok, n, t_first, prefill_s)
+        if not fed:
+            next_y = sampler(model(mx.array([[tok]]), cache=cache)[:, -1, :], history)
+            pc.tokens.append(tok)
+            mx.async_eval(next_y)
+        y = next_y
+    tail, _, _ = _stop_split(pending + detok.flush(), stop)
+    yield event(tail, None, n, t_first, prefill_s, reason)
+
+
+class ChatSession:
+    """A multi-turn chat over one model: messages in, streamed replies out, KV reused."""
+
+    def __init__(self, lm: LoadedModel, system: str | None = None) -> None:
+        self.lm = lm
+        self.messages: list[dict[str, str]] = []
+        if system:
+            self.messages.append({"role": "system", "content": system})
+        self.cache = lm.new_cache()
+
+    def send(self, text: str, params: SamplingParams | None = None, max_tokens: int = 512,
+             cancel: Callable[[], bool] | None = None, timeline: Timeline | None = None
+             ) -> Iterator[GenerationEvent]:
+        """Append the user's message, stream the reply, and record it when done."""
+        self.messages.append({"role": "user", "content": text})
+        prompt = self.lm.tokenizer.encode_chat(self.messages)
+        reply: list[str] = []
+        try:
+            for ev in generate(self.lm, prompt, params, max_tokens, cancel=cancel,
+                               prompt_cache=self.cache, timeline=timeline):
+                reply.append(ev.text)
+                yield ev
+        finally:
+            self.messages.append({"role": "assistant", "content": "".join(reply)})

@@ -1,0 +1,168 @@
+"""Build an mlx-lm model from an MLX-format folder without importing transformers.
+
+Contract: `load_weights_into_model(folder, profile)` returns (model, config). Architectures
+come from mlx-lm's own model files (never written here). Importing `mlx_lm` as a package pulls
+in transformers (about 0.65 s); we register a bare package module instead so that only
+`mlx_lm.models.*` load. If the real `mlx_lm` is already imported, it is used as is.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+from engine.errors import LoadFailed
+from engine.platform import ComputeProfile
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def _ensure_mlx_lm_package() -> None:
+    """Make `import mlx_lm.models.X` work without running mlx_lm/__init__.py."""
+    if "mlx_lm" in sys.modules:
+        return
+    spec = importlib.util.find_spec("mlx_lm")
+    if spec is None or not spec.submodule_search_locations:
+        raise LoadFailed("mlx-lm is not installed: reinstall Strata's dependencies")
+    bare = types.ModuleType("mlx_lm")
+    bare.__path__ = list(spec.submodule_search_locations)
+    bare.__package__ = "mlx_lm"
+    bare.__file__ = spec.origin
+    sys.modules["mlx_lm"] = bare
+
+
+def model_module(model_type: str) -> types.ModuleType:
+    """mlx-lm's module for an architecture (llama, qwen2, ...)."""
+    _ensure_mlx_lm_package()
+    # mlx-lm maps some names onto others (mistral -> llama).
+    remap = {"mistral": "llama"}
+    name = remap.get(model_type, model_type)
+    try:
+        return importlib.import_module(f"mlx_lm.models.{name}")
+    except ImportError as exc:
+        raise LoadFailed(f"architecture {model_type!r} is not supported by mlx-lm") from exc
+
+
+def cache_module() -> types.ModuleType:
+    _ensure_mlx_lm_package()
+    return importlib.import_module("mlx_lm.models.cache")
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    path = folder / "config.json"
+    try:
+        config: dict[str, Any] = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise LoadFailed(f"{path}: missing config.json") from exc
+    except (OSError, ValueError) as exc:
+        raise LoadFailed(f"{path}: unreadable config ({exc})") from exc
+    return config
+
+
+def weight_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("model*.safetensors"))
+
+
+def build_model(config: dict[str, Any], weights: dict[str, Any] | None = None) -> Any:
+    """An uninitialised mlx-lm model for a config, quantized layers in place where it says so.
+
+    As in mlx-lm: a path named in config["quantization"] takes its own settings; any other
+    quantizable layer whose `.scales` are among `weights` takes the default ones.
+    """
+    import mlx.nn as nn
+
+    module = model_module(config.get("model_type", ""))
+    args = module.ModelArgs.from_dict(config)
+    model = module.Model(args)
+    quant = config.get("quantization")
+    if quant:
+        per_path = {k: v for k, v in quant.items() if isinstance(v, dict)}
+
+        def predicate(path: str, mod: Any) -> bool | dict[str, Any]:
+            if path in per_path:
+                return per_path[path]
+            return bool(weights) and hasattr(mod, "to_quantized") and f"{path}.scales" in weights
+
+        nn.quantize(
+            model,
+            group_size=quant.get("group_size", 64),
+            bits=quant.get("bits", 4),
+            class_predicate=predicate,
+        )
+    return model
+
+
+def load_weights_into_model(folder: Path, profile: ComputeProfile) -> tuple[Any, dict[str, Any]]:
+    """Load weights (memory-mapped by mx.load) and apply the compute profile."""
+    import mlx.core as mx
+
+    config = read_config(folder)
+    files = weight_files(folder)
+    if not files:
+        raise LoadFailed(f"{folder}: no model*.safetensors weights")
+    weights: dict[str, Any] = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except (RuntimeError, ValueError) as exc:
+            raise LoadFailed(f"{f}: unreadable weights ({exc})") from exc
+    model = build_model(config, weights)
+    weights = model.sanitize(weights) if hasattr(model, "sanitize") else weights
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        raise LoadFailed(f"{folder}: weights do not match the config ({exc})") from exc
+    model.eval()
+    apply_profile(model, profile)
+    mx.eval(model.parameters())
+    return model, config
+
+
+def apply_profile(model: Any, profile: ComputeProfile) -> None:
+    """Dequantize and/or cast parameters as the profile says, in place."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_map
+
+    dtype = getattr(mx, profile.dtype)
+    if profile.dequantize:
+        replacements = []
+        for path, mod in model.named_modules():
+            if isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+                w = mx.dequantize(
+                    mod.weight,
+                    mod.scales.astype(mx.float32),
+                    None if mod.biases is None else mod.biases.astype(mx.float32),
+                    group_size=mod.group_size,
+                    bits=mod.bits,
+                    mode=getattr(mod, "mode", "affine"),
+                ).astype(dtype)
+                if isinstance(mod, nn.QuantizedEmbedding):
+                    new: nn.Module = nn.Embedding(w.shape[0], w.shape[1])
+                else:
+                    new = nn.Linear(w.shape[1], w.shape[0], bias="bias" in mod)
+                    if "bias" in mod:
+                        new.bias = mod.bias.astype(dtype)
+                new.weight = w
+                replacements.append((path, new))
+        if replacements:
+            model.update_modules(_unflatten(replacements))
+    # Cast float parameters (norms, unquantized weights); quantized weights stay uint32.
+    params = model.parameters()
+    model.update(
+        tree_map(
+            lambda a: a.astype(dtype) if mx.issubdtype(a.dtype, mx.floating) else a,
+            params,
+        )
+    )
+
+
+def _unflatten(pairs: list[tuple[str, Any]]) -> Any:
+    from mlx.utils import tree_unflatten
+
+    return tree_unflatten(pairs)

@@ -1,0 +1,63 @@
+"""Events and timelines that the CLI, the app and the benchmarks read.
+
+Contract: plain frozen dataclasses and a `Timeline` of (phase, seconds) marks taken with
+time.perf_counter(); no I/O, no Qt, no MLX.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+PROCESS_START = time.perf_counter()
+
+
+@dataclass
+class Timeline:
+    """Phases in order, each with its start and end on the perf_counter clock."""
+
+    marks: list[tuple[str, float, float]] = field(default_factory=list)
+
+    def add(self, phase: str, start: float, end: float | None = None) -> None:
+        self.marks.append((phase, start, time.perf_counter() if end is None else end))
+
+    def phase(self, name: str) -> _Phase:
+        return _Phase(self, name)
+
+    def durations(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, start, end in self.marks:
+            out[name] = out.get(name, 0.0) + (end - start)
+        return out
+
+
+class _Phase:
+    def __init__(self, timeline: Timeline, name: str) -> None:
+        self.timeline, self.name = timeline, name
+
+    def __enter__(self) -> _Phase:
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.timeline.add(self.name, self.start)
+
+
+@dataclass(frozen=True)
+class GenerationEvent:
+    """One step of a generation: a text delta and the running figures.
+
+    `finish_reason` is None until the last event: 'stop' (EOS or a stop string), 'length'
+    (max tokens) or 'cancelled'.
+    """
+
+    text: str
+    token: int | None
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    ttft_s: float
+    prefill_tps: float
+    decode_tps: float
+    peak_memory_bytes: int
+    finish_reason: str | None = None
