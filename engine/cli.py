@@ -1,0 +1,292 @@
+"""The `strata` command line (also `python -m engine`). Headless subcommands never import Qt.
+
+Contract: each subcommand prints its result on stdout (JSON with --json) and progress on
+stderr. A user error (engine.errors.StrataError) prints one line, `strata: error: ...`, and
+exits 1; Ctrl-C exits 130. `strata` with no subcommand opens the window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from engine.errors import StrataError
+
+
+def _progress_printer(label: str) -> Callable[[int, int], None]:
+    tty = sys.stderr.isatty()
+    last = [-1]
+
+    def show(done: int, total: int) -> None:
+        pct = int(100 * done / max(total, 1))
+        if pct == last[0]:
+            return
+        last[0] = pct
+        if tty:
+            print(f"\r{label}: {pct:3d}%", end="" if done < total else "\n", file=sys.stderr,
+                  flush=True)
+        elif done == total:
+            print(f"{label}: done", file=sys.stderr)
+
+    return show
+
+
+def _library() -> Any:
+    from engine.library import Library
+
+    return Library()
+
+
+def _print(obj: Any, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(obj, indent=2, sort_keys=True))
+
+
+# -- subcommands --------------------------------------------------------------------------
+def cmd_pull(args: argparse.Namespace) -> int:
+    lib = _library()
+    if args.what == "starter":
+        from engine.library.starter import ensure_starter
+
+        m = ensure_starter(lib, progress=lambda msg: print(msg, file=sys.stderr),
+                           import_progress=_progress_printer("importing"))
+    else:
+        from engine.library.hub import pull_hub
+
+        m = pull_hub(lib, args.what, name=args.name,
+                     progress=_progress_printer("importing"))
+    if args.json:
+        _print(m, True)
+    else:
+        print(f"{m['name']}: ready ({m['bytes'] / 1e6:.1f} MB, {m['bits_per_weight']} bits/weight)")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    models = _library().manifests()
+    if args.json:
+        _print(models, True)
+        return 0
+    if not models:
+        print("no models yet: try `strata pull starter`")
+        return 0
+    print(f"{'NAME':32} {'ALIASES':12} {'SIZE':>9} {'BPW':>6} {'CTX':>7}  SOURCE")
+    for m in models:
+        print(f"{m['name']:32} {','.join(m.get('aliases', [])):12} "
+              f"{m['bytes'] / 1e6:8.1f}M {m['bits_per_weight']:6.2f} "
+              f"{m.get('context_length') or '-':>7}  {m.get('source_format')}")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from engine.importers import import_path
+
+    m = import_path(_library(), Path(args.path), name=args.name,
+                    progress=_progress_printer("importing"))
+    if args.json:
+        _print(m, True)
+    else:
+        print(f"imported {m['name']} ({m['bytes'] / 1e6:.1f} MB, {m['bits_per_weight']} bits/weight)")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    m = _library().remove(args.name)
+    print(f"removed {m['name']}")
+    return 0
+
+
+def _sampling(args: argparse.Namespace) -> Any:
+    from engine.runtime.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
+                          min_p=args.min_p, repetition_penalty=args.repeat_penalty,
+                          seed=args.seed).validate()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.runtime.generate import LoadedModel, generate
+    from engine.telemetry import PROCESS_START, Timeline
+
+    if args.prompt_file is not None:
+        try:
+            prompt_text = Path(args.prompt_file).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise StrataError(f"{args.prompt_file}: cannot read prompt ({exc})") from exc
+    else:
+        prompt_text = args.prompt
+    params = _sampling(args)
+    timeline = Timeline()
+    timeline.add("interpreter and imports", PROCESS_START)
+    lm = LoadedModel.load(args.model, timeline=timeline)
+    messages = ([{"role": "system", "content": args.system}] if args.system else [])
+    messages.append({"role": "user", "content": prompt_text})
+    ids = (lm.tokenizer.encode(prompt_text) if args.raw else lm.tokenizer.encode_chat(messages))
+    parts: list[str] = []
+    last = None
+    for ev in generate(lm, ids, params, args.max_tokens, stop=args.stop or (),
+                       timeline=timeline):
+        parts.append(ev.text)
+        if not args.json:
+            print(ev.text, end="", flush=True)
+        last = ev
+    assert last is not None
+    if not args.json:
+        print()
+    if args.timeline:
+        print("timeline (s since process start):", file=sys.stderr)
+        from engine.telemetry import PROCESS_START as t0
+
+        for phase, start, end in timeline.marks:
+            print(f"  {phase:26} {start - t0:8.3f} -> {end - t0:8.3f}  ({end - start:.3f})",
+                  file=sys.stderr)
+    if args.json:
+        out = {
+            "model": lm.manifest["name"],
+            "text": "".join(parts),
+            "prompt_tokens": last.prompt_tokens,
+            "cached_tokens": last.cached_tokens,
+            "generated_tokens": last.generated_tokens,
+            "ttft_s": round(last.ttft_s, 4),
+            "prefill_tps": round(last.prefill_tps, 2),
+            "decode_tps": round(last.decode_tps, 2),
+            "peak_memory_bytes": last.peak_memory_bytes,
+            "finish_reason": last.finish_reason,
+            "profile": lm.profile.name,
+            "timeline": {k: round(v, 4) for k, v in timeline.durations().items()},
+        }
+        _print(out, True)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from engine.runtime.generate import ChatSession, LoadedModel
+
+    params = _sampling(args)
+    lm = LoadedModel.load(args.model)
+    session = ChatSession(lm, system=args.system)
+    tty = sys.stdin.isatty()
+    print(f"chatting with {lm.manifest['name']} ({lm.profile.name}); /reset, /exit",
+          file=sys.stderr)
+    while True:
+        if tty:
+            print(">>> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit", "/bye"):
+            break
+        if text == "/reset":
+            session = ChatSession(lm, system=args.system)
+            continue
+        stopped = [False]
+        last = None
+        try:
+            for ev in session.send(text, params, args.max_tokens, cancel=lambda: stopped[0]):
+                print(ev.text, end="", flush=True)
+                last = ev
+        except KeyboardInterrupt:
+            stopped[0] = True
+        print()
+        if last is not None:
+            print(f"[{last.generated_tokens} tokens, first after {last.ttft_s:.2f}s, "
+                  f"{last.decode_tps:.1f} tok/s, {last.cached_tokens} prompt tokens cached]",
+                  file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from engine.bench import run_cli
+
+    return run_cli(args)
+
+
+def cmd_window(args: argparse.Namespace) -> int:
+    print("strata: the desktop window is not available yet; "
+          "use `strata chat --model starter` for a chat in the terminal", file=sys.stderr)
+    return 0
+
+
+# -- parser -------------------------------------------------------------------------------
+def _add_sampling(p: argparse.ArgumentParser, temp: float) -> None:
+    p.add_argument("--model", default="starter", help="library name or alias (default: starter)")
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temp", type=float, default=temp, help="temperature; 0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="strata", description="Run language models locally.")
+    sub = parser.add_subparsers(dest="command")
+
+    p = sub.add_parser("pull", help="fetch the starter model or a Hugging Face repository")
+    p.add_argument("what", help="'starter' or OWNER/NAME")
+    p.add_argument("--name", help="library name (default: from the source)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("models", help="list the library")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("import", help="import a .gguf file, an MLX folder or a HF folder")
+    p.add_argument("path")
+    p.add_argument("--name")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_import)
+
+    p = sub.add_parser("rm", help="remove a model from the library")
+    p.add_argument("name")
+    p.set_defaults(func=cmd_rm)
+
+    p = sub.add_parser("generate", help="complete one prompt")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-file")
+    _add_sampling(p, temp=0.7)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--raw", action="store_true", help="no chat template")
+    p.add_argument("--timeline", action="store_true", help="print the first-token timeline")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="chat in the terminal")
+    _add_sampling(p, temp=0.7)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("bench", help="measure speed against mlx-lm on this machine")
+    from engine.bench import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        return cmd_window(args)
+    try:
+        return int(args.func(args))
+    except StrataError as exc:
+        print(f"strata: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("strata: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
