@@ -1,0 +1,35 @@
+# Strata: `make run` opens the app on the starter model; `make test` runs the whole suite.
+# Both install what they need first (system libraries, a virtual environment, the model).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export QT_QPA_PLATFORM ?= $(if $(filter Linux,$(shell uname -s)),$(if $(DISPLAY),,offscreen),)
+
+.PHONY: setup run test lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml scripts/system-deps.sh
+	./scripts/system-deps.sh
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+run: setup
+	$(BIN)/strata pull starter
+	$(BIN)/strata
+
+test: setup lint
+	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check engine app tests
+	$(BIN)/mypy
+
+bench: setup
+	$(BIN)/strata pull starter >/dev/null
+	$(BIN)/strata bench quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,17 @@
+#!/bin/sh
+# Install the system libraries Strata needs on Debian/Ubuntu: OpenBLAS (fast float32 matmul for
+# MLX on CPU) and the libraries Qt's offscreen and xcb platforms load. No-op elsewhere.
+set -e
+[ "$(uname -s)" = "Linux" ] || exit 0
+command -v apt-get >/dev/null 2>&1 || { echo "system-deps: not Debian; install OpenBLAS and Qt's libraries yourself" >&2; exit 0; }
+PKGS="libopenblas0-pthread libgl1 libegl1 libxkbcommon0 libfontconfig1 libdbus-1-3 libglib2.0-0"
+missing=""
+for p in $PKGS; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+[ -z "$missing" ] && exit 0
+SUDO=""
+[ "$(id -u)" = "0" ] || SUDO="sudo"
+echo "system-deps: installing$missing" >&2
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $missing >/dev/null
