@@ -58,7 +58,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         from engine.library.hub import pull_hub
 
         m = pull_hub(lib, args.what, name=args.name,
-                     progress=_progress_printer("importing"))
+                     progress=_progress_printer("pulling"))
     if args.json:
         _print(m, True)
     else:
@@ -90,7 +90,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     if args.json:
         _print(m, True)
     else:
-        print(f"imported {m['name']} ({m['bytes'] / 1e6:.1f} MB, {m['bits_per_weight']} bits/weight)")
+        print(f"imported {m['name']} ({m['bytes'] / 1e6:.1f} MB, "
+              f"{m['bits_per_weight']} bits/weight)")
     return 0
 
 
@@ -189,7 +190,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         stopped = [False]
         last = None
         try:
-            for ev in session.send(text, params, args.max_tokens, cancel=lambda: stopped[0]):
+            # The flag is read within this turn only.
+            for ev in session.send(text, params, args.max_tokens,
+                                   cancel=lambda: stopped[0]):  # noqa: B023
                 print(ev.text, end="", flush=True)
                 last = ev
         except KeyboardInterrupt:
@@ -209,9 +212,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_window(args: argparse.Namespace) -> int:
-    print("strata: the desktop window is not available yet; "
-          "use `strata chat --model starter` for a chat in the terminal", file=sys.stderr)
-    return 0
+    """Open the desktop window (or render it to a PNG with --screenshot)."""
+    import importlib
+
+    try:
+        app_main = importlib.import_module("app.main")  # PySide6 only when the window opens
+    except ImportError as exc:
+        raise StrataError(f"the desktop window needs PySide6 ({exc}); "
+                          "use `strata chat` in the terminal") from exc
+    screenshot = getattr(args, "screenshot", None)
+    if getattr(args, "demo", False) and screenshot is None:
+        raise StrataError("--demo works with --screenshot FILE")
+    return int(app_main.run(screenshot=screenshot, view=getattr(args, "view", "chat"),
+                            demo=getattr(args, "demo", False),
+                            theme=getattr(args, "theme", "system")))
 
 
 # -- parser -------------------------------------------------------------------------------
@@ -228,7 +242,17 @@ def _add_sampling(p: argparse.ArgumentParser, temp: float) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="strata", description="Run language models locally.")
+    parser = argparse.ArgumentParser(
+        prog="strata",
+        description="Run language models locally. With no command, opens the window.")
+    parser.add_argument("--screenshot", metavar="FILE",
+                        help="render the window offscreen to a PNG after start-up, then exit")
+    parser.add_argument("--view", choices=("chat", "library", "memory"), default="chat",
+                        help="the view to show (default: chat)")
+    parser.add_argument("--demo", action="store_true",
+                        help="with --screenshot: first run a short scripted chat (temperature 0)")
+    parser.add_argument("--theme", choices=("system", "light", "dark"), default="system",
+                        help="window palette (default: the system's)")
     sub = parser.add_subparsers(dest="command")
 
     p = sub.add_parser("pull", help="fetch the starter model or a Hugging Face repository")
@@ -277,10 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:
-        return cmd_window(args)
+    func = cmd_window if args.command is None else args.func
     try:
-        return int(args.func(args))
+        return int(func(args))
     except StrataError as exc:
         print(f"strata: error: {exc}", file=sys.stderr)
         return 1

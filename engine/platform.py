@@ -12,6 +12,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 _BLAS_CANDIDATES = (
     "libopenblas.so.0",
@@ -84,7 +85,10 @@ def compute_profile(name: str | None = None) -> ComputeProfile:
     """The profile for this backend, or the one named ('native', 'cpu-f32')."""
     name = name or os.environ.get("STRATA_PROFILE") or ""
     if name == "native":
-        return ComputeProfile("native", dequantize=False, dtype="float16")
+        # Quantized weights as stored; float16 activations on a GPU. On the CPU float16 has
+        # no fast kernels, so activations stay float32 there.
+        return ComputeProfile("native", dequantize=False,
+                              dtype="float32" if backend() == "cpu" else "float16")
     if name == "cpu-f32":
         return ComputeProfile("cpu-f32", dequantize=True, dtype="float32")
     if name:
@@ -107,6 +111,81 @@ def memory_facts() -> MemoryFacts:
 
     vm = psutil.virtual_memory()
     return MemoryFacts(vm.total, vm.available, psutil.Process().memory_info().rss)
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """Where memory is, in bytes, at `taken_at` (time.time()).
+
+    None means the counter does not exist on this platform or in this engine yet (the KV
+    tiers on the SSD and the prefix cache on disk): show it as unavailable, never as zero.
+    """
+
+    taken_at: float
+    weights_bytes: int | None
+    kv_ram_bytes: int | None
+    kv_ssd_bytes: int | None
+    prefix_disk_bytes: int | None
+    process_rss_bytes: int
+    mlx_active_bytes: int | None
+    mlx_peak_bytes: int | None
+    mlx_cache_bytes: int | None
+    system_total_bytes: int
+    system_available_bytes: int
+    system_used_percent: float
+    swap_used_bytes: int | None
+    wired_bytes: int | None
+    compressed_bytes: int | None
+
+
+def memory_snapshot(weights_bytes: int | None = None,
+                    kv_ram_bytes: int | None = None) -> MemorySnapshot:
+    """psutil's system and process figures plus MLX's counters (only if MLX is loaded).
+
+    The caller supplies what only the runtime knows (weights and KV bytes). MLX counters are
+    read without importing MLX: a process that has not loaded it reports them as None.
+    """
+    import time
+
+    import psutil
+
+    vm = psutil.virtual_memory()
+    try:
+        swap: int | None = int(psutil.swap_memory().used)
+    except (OSError, RuntimeError):
+        swap = None
+    active = peak = cache = None
+    mx = sys.modules.get("mlx.core")
+    if mx is not None:
+        active = int(mx.get_active_memory())
+        peak = int(mx.get_peak_memory())
+        cache = int(mx.get_cache_memory())
+    wired = getattr(vm, "wired", None)
+    return MemorySnapshot(
+        taken_at=time.time(),
+        weights_bytes=weights_bytes,
+        kv_ram_bytes=kv_ram_bytes,
+        kv_ssd_bytes=None,  # no SSD tier in the engine yet
+        prefix_disk_bytes=None,  # no persistent prefix cache yet
+        process_rss_bytes=int(psutil.Process().memory_info().rss),
+        mlx_active_bytes=active,
+        mlx_peak_bytes=peak,
+        mlx_cache_bytes=cache,
+        system_total_bytes=int(vm.total),
+        system_available_bytes=int(vm.available),
+        system_used_percent=float(vm.percent),
+        swap_used_bytes=swap,
+        wired_bytes=int(wired) if wired is not None else None,
+        compressed_bytes=None,  # psutil does not report macOS compressed memory
+    )
+
+
+def parameter_bytes(model: object) -> int:
+    """Bytes held by a model's parameters (MLX arrays): the weights figure of the memory panel."""
+    from mlx.utils import tree_flatten
+
+    flat: Any = tree_flatten(model.parameters())  # type: ignore[attr-defined]
+    return sum(int(leaf[1].nbytes) for leaf in flat)
 
 
 def default_home() -> Path:

@@ -11,8 +11,18 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_strata(*args: str, home: Path, timeout: float = 600, **kw: Any) -> subprocess.CompletedProcess[str]:
-    """Run the real command line in a subprocess against `home`."""
-    env = dict(os.environ, STRATA_HOME=str(home))
+def run_strata(*args: str, home: Path, timeout: float = 600,
+               env: dict[str, str | None] | None = None, **kw: Any
+               ) -> subprocess.CompletedProcess[str]:
+    """Run the real command line in a subprocess against `home`.
+
+    `env` adds variables to this process's environment (a value of None removes one).
+    """
+    full = dict(os.environ, STRATA_HOME=str(home))
+    for key, value in (env or {}).items():
+        if value is None:
+            full.pop(key, None)
+        else:
+            full[key] = value
     return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True,
-                          text=True, env=env, timeout=timeout, cwd=REPO, **kw)
+                          text=True, env=full, timeout=timeout, cwd=REPO, **kw)

@@ -3,14 +3,17 @@
 Contract: `import_folder(src, dest, kind, ...)`: for kind 'mlx' the folder is validated (the
 weights load strictly into mlx-lm's architecture) and copied as is; for kind 'hf' the float
 weights are converted with mlx-lm's model class and quantized with the default recipe (8-bit
-embeddings and output head, 4-bit elsewhere, group 64). Tokenizer files are copied.
+embeddings and output head, 4-bit elsewhere, group 64). Tokenizer files are copied. The weight
+files are those the loaders read (`select_weight_files`): the shards named by
+model.safetensors.index.json, else model*.safetensors, so that stray checkpoints in the same
+folder (Mistral's consolidated.safetensors) are ignored.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,82 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 DEFAULT_RECIPE = {"group_size": 64, "bits": 4, "high_bits": 8}
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def select_weight_files(names: Iterable[str], index_text: str | None = None) -> list[str]:
+    """The weight files a loader reads among top-level file `names`.
+
+    The shards named by the index when there is one, else model*.safetensors (what mlx-lm and
+    engine.runtime.model load), else any *.safetensors (Hugging Face folders named otherwise).
+    """
+    names = sorted({n for n in names if "/" not in n and n.endswith(".safetensors")})
+    if index_text is not None:
+        try:
+            weight_map = json.loads(index_text).get("weight_map")
+        except (ValueError, AttributeError):
+            weight_map = None
+        if isinstance(weight_map, dict) and weight_map:
+            return sorted({str(v) for v in weight_map.values()})
+    preferred = [n for n in names if n.startswith("model")]
+    return preferred or names
+
+
+def check_config(config: dict[str, Any], where: str) -> str:
+    """'mlx' or 'hf' for a model config; ImportFailed when no import can succeed.
+
+    Cheap (no weights read): the hub download runs it before fetching any weights.
+    """
+    kind = "mlx" if "quantization" in config else "hf"
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if kind == "hf" and method:
+        raise ImportFailed(f"{where}: pre-quantized checkpoints ({method}) are not supported; "
+                           "use the float (or an MLX) version of the model")
+    model_type = config.get("model_type")
+    if not model_type:
+        raise ImportFailed(f"{where}: config.json names no model_type")
+    from engine.runtime.model import model_module
+
+    try:
+        model_module(str(model_type))
+    except LoadFailed as exc:
+        raise ImportFailed(f"{where}: {exc}") from exc
+    return kind
+
+
+def _one_line(text: object, limit: int = 240) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _mismatch(model: Any, weights: dict[str, Any]) -> str | None:
+    """Why `weights` do not fit `model` exactly, in one line; None when they do."""
+    from mlx.utils import tree_flatten
+
+    flat: Any = tree_flatten(model.parameters())
+    expected = {k: tuple(v.shape) for k, v in flat}
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    shapes = sorted(k for k in set(expected) & set(weights)
+                    if tuple(weights[k].shape) != expected[k])
+
+    def some(keys: list[str]) -> str:
+        more = f", and {len(keys) - 3} more" if len(keys) > 3 else ""
+        return ", ".join(keys[:3]) + more
+
+    def n(keys: list[str]) -> str:
+        return f"{len(keys)} tensor{'s' if len(keys) != 1 else ''}"
+
+    parts = []
+    if missing:
+        parts.append(f"{n(missing)} missing ({some(missing)})")
+    if extra:
+        parts.append(f"{n(extra)} not in the model ({some(extra)})")
+    if shapes:
+        k = shapes[0]
+        parts.append(f"{n(shapes)} of the wrong shape ({k}: "
+                     f"{tuple(weights[k].shape)} in the file, {expected[k]} from the config)")
+    return "; ".join(parts) or None
 
 
 def _check_tokenizer(src: Path) -> dict[str, Any]:
@@ -36,11 +115,13 @@ def _check_tokenizer(src: Path) -> dict[str, Any]:
     raise ImportFailed(f"{src}: no tokenizer (tokenizer.json or tokenizer.model)")
 
 
-def _stats(weights: dict[str, Any], config: dict[str, Any]) -> tuple[dict[str, list[str]], float, int]:
+def _stats(weights: dict[str, Any], config: dict[str, Any]
+           ) -> tuple[dict[str, list[str]], float, int]:
     """Per-class formats, bits per weight and parameter count from saved arrays."""
     from engine.importers.gguf import _tensor_class
 
     quant = config.get("quantization") or {}
+    default = {"bits": quant.get("bits", 4), "group_size": quant.get("group_size", 64)}
     formats: dict[str, set[str]] = {}
     params = 0
     bits_total = 0
@@ -50,6 +131,8 @@ def _stats(weights: dict[str, Any], config: dict[str, Any]) -> tuple[dict[str, l
             continue
         module = key.rsplit(".", 1)[0]
         q = quant.get(module)
+        if not isinstance(q, dict) and f"{module}.scales" in weights:
+            q = default  # quantized with the folder-wide settings (uniform MLX models)
         if isinstance(q, dict) and key.endswith(".weight"):
             params += arr.size * 32 // q["bits"]
             fmt = f"affine {q['bits']}-bit g{q['group_size']}"
@@ -77,24 +160,41 @@ def import_folder(
         config = read_config(src)
     except LoadFailed as exc:
         raise ImportFailed(str(exc)) from exc
+    check_config(config, str(src))
     tokenizer = _check_tokenizer(src)
-    files = sorted(src.glob("*.safetensors"))
+    index = src / INDEX_FILE
+    chosen = select_weight_files([f.name for f in src.glob("*.safetensors")],
+                                 index.read_text() if index.is_file() else None)
+    files = [src / n for n in chosen]
+    missing_files = [f.name for f in files if not f.is_file()]
+    if missing_files:
+        raise ImportFailed(f"{src}: weight files named in {INDEX_FILE} are missing "
+                           f"({', '.join(missing_files[:3])})")
+    if kind == "mlx" and not all(n.startswith("model") for n in chosen):
+        raise ImportFailed(f"{src}: MLX weights must be named model*.safetensors "
+                           f"(found {', '.join(chosen[:3])})")
     weights: dict[str, Any] = {}
     for f in files:
         try:
-            weights.update(mx.load(str(f)))
+            loaded: Any = mx.load(str(f))
         except (RuntimeError, ValueError) as exc:
-            raise ImportFailed(f"{f}: unreadable safetensors ({exc})") from exc
+            raise ImportFailed(f"{f}: unreadable safetensors ({_one_line(exc)})") from exc
+        weights.update(loaded)
     try:
         model = build_model(config, weights if kind == "mlx" else None)
     except (LoadFailed, TypeError, KeyError, ValueError) as exc:
-        raise ImportFailed(f"{src}: unsupported model ({exc})") from exc
+        raise ImportFailed(f"{src}: unsupported model ({_one_line(exc)})") from exc
+    # As mlx-lm's loader does for every folder; for MLX folders it only affects the check.
+    checked = model.sanitize(weights) if hasattr(model, "sanitize") else weights
     if kind == "hf":
-        weights = model.sanitize(weights) if hasattr(model, "sanitize") else weights
+        weights = checked
+    why = _mismatch(model, checked)
+    if why is not None:
+        raise ImportFailed(f"{src}: weights do not match config.json: {why}")
     try:
-        model.load_weights(list(weights.items()), strict=True)
+        model.load_weights(list(checked.items()), strict=True)
     except ValueError as exc:
-        raise ImportFailed(f"{src}: weights do not match config.json ({exc})") from exc
+        raise ImportFailed(f"{src}: weights do not match config.json ({_one_line(exc)})") from exc
     if cancel is not None and cancel():
         raise Cancelled("import")
     total = len(files) + 2

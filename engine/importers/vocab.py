@@ -77,8 +77,9 @@ def _bpe_tokenizer(meta: dict[str, Any]) -> Any:
 
 
 def _spm_model_proto(meta: dict[str, Any]) -> bytes:
-    from sentencepiece import sentencepiece_model_pb2 as pb
+    from sentencepiece import sentencepiece_model_pb2
 
+    pb: Any = sentencepiece_model_pb2  # generated protobuf module: no static attributes
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
     types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)

@@ -27,6 +27,16 @@ FALLBACK_TEMPLATE = (
 )
 
 
+def _spm_user_defined_ids(model: bytes) -> set[int]:
+    """Ids of USER_DEFINED pieces; sentencepiece's Python API has no is_user_defined()."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    pb: Any = sentencepiece_model_pb2  # generated protobuf module: no static attributes
+    proto = pb.ModelProto.FromString(model)
+    kind = pb.ModelProto.SentencePiece.USER_DEFINED
+    return {i for i, piece in enumerate(proto.pieces) if piece.type == kind}
+
+
 class Tokenizer:
     """One model's tokenizer and chat template."""
 
@@ -51,13 +61,15 @@ class Tokenizer:
 
             self._sp = spm.SentencePieceProcessor()
             try:
-                self._sp.LoadFromSerializedProto((folder / "tokenizer.model").read_bytes())
+                model = (folder / "tokenizer.model").read_bytes()
+                self._sp.LoadFromSerializedProto(model)
             except (RuntimeError, OSError) as exc:
                 raise LoadFailed(f"{folder / 'tokenizer.model'}: unreadable ({exc})") from exc
             self.vocab_size = self._sp.get_piece_size()
+            user_defined = _spm_user_defined_ids(model)
             self.specials = {self._sp.id_to_piece(i): i for i in range(self.vocab_size)
                              if self._sp.is_control(i) or self._sp.is_unknown(i)
-                             or self._sp.IsUserDefined(i)}
+                             or i in user_defined}
             self._split = (re.compile("(" + "|".join(
                 re.escape(s) for s in sorted(self.specials, key=len, reverse=True)) + ")")
                 if self.specials else None)
