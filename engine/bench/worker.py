@@ -44,14 +44,14 @@ def run(subject: str, model_dir: Path, job: dict[str, Any]) -> dict[str, Any]:
     max_tokens = int(job["max_tokens"])
     t_load = time.perf_counter()
     if subject == "mlx-lm":
-        import engine  # noqa: F401  (same BLAS shim as Strata: same compute profile)
         import mlx.core as mx
         from mlx_lm import load, stream_generate
 
+        import engine  # noqa: F401  (same BLAS shim as Strata: same compute profile)
         from engine.platform import compute_profile
         from engine.runtime.model import apply_profile
 
-        model, tok = load(str(model_dir))
+        model, tok = load(str(model_dir))[:2]
         apply_profile(model, compute_profile(job.get("profile")))
         mx.eval(model.parameters())
         load_s = time.perf_counter() - t_load

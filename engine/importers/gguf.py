@@ -99,7 +99,7 @@ def read_metadata(path: Path) -> tuple[Any, dict[str, Any]]:
     try:
         reader = gguf.GGUFReader(str(path))
     except (ValueError, KeyError, IndexError, OverflowError, TypeError, MemoryError) as exc:
-        raise ImportFailed(f"{path}: corrupt or truncated GGUF header ({exc})") from exc
+        raise ImportFailed(f"{path}: corrupt or truncated GGUF ({exc})") from exc
     meta: dict[str, Any] = {}
     for key, fld in reader.fields.items():
         if key.startswith("GGUF."):
@@ -265,9 +265,9 @@ def import_gguf(
         elif qtype in REQUANT_TYPES:
             dense = gguf.quants.dequantize(raw, t.tensor_type).astype(np.float32)
             bits = REQUANT_TYPES[qtype]
-            w, s, b = mx.quantize(mx.array(dense), group_size=GROUP, bits=bits)
-            arrays = {hf: w, f"{module}.scales": s.astype(mx.float16),
-                      f"{module}.biases": b.astype(mx.float16)}
+            qw, qs, qb = mx.quantize(mx.array(dense), group_size=GROUP, bits=bits)
+            arrays = {hf: qw, f"{module}.scales": qs.astype(mx.float16),
+                      f"{module}.biases": qb.astype(mx.float16)}
             fmt = f"affine {bits}-bit g{GROUP} (from {qtype}, requantized)"
         else:
             if qtype == "BF16":

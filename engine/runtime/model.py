@@ -86,7 +86,8 @@ def build_model(config: dict[str, Any], weights: dict[str, Any] | None = None) -
         def predicate(path: str, mod: Any) -> bool | dict[str, Any]:
             if path in per_path:
                 return per_path[path]
-            return bool(weights) and hasattr(mod, "to_quantized") and f"{path}.scales" in weights
+            return (weights is not None and hasattr(mod, "to_quantized")
+                    and f"{path}.scales" in weights)
 
         nn.quantize(
             model,
@@ -108,7 +109,8 @@ def load_weights_into_model(folder: Path, profile: ComputeProfile) -> tuple[Any,
     weights: dict[str, Any] = {}
     for f in files:
         try:
-            weights.update(mx.load(str(f)))
+            loaded: Any = mx.load(str(f))
+            weights.update(loaded)
         except (RuntimeError, ValueError) as exc:
             raise LoadFailed(f"{f}: unreadable weights ({exc})") from exc
     model = build_model(config, weights)

@@ -10,15 +10,15 @@ from __future__ import annotations
 import json
 import sys
 
-import engine  # noqa: F401  (BLAS shim before mlx, as Strata does)
-import mlx.core as mx
-from mlx_lm import load, stream_generate
-
+import engine  # noqa: F401  (the BLAS shim must load before mlx, as in Strata)
 from engine.platform import compute_profile
 from engine.runtime.model import apply_profile
 
 
 def main() -> None:
+    import mlx.core as mx
+    from mlx_lm import load, stream_generate
+
     folder, profile, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
     messages = json.loads(sys.stdin.read())
     model, tokenizer = load(folder)

@@ -79,7 +79,8 @@ def test_greedy_tokens_equal_mlx_lm(starter_lm: Any, starter: dict[str, Any], pr
     from engine.runtime.generate import LoadedModel, generate
     from engine.runtime.sampling import SamplingParams
 
-    messages = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
+    story = "Write a short story about a robot who learns to paint."
+    messages = [{"role": "user", "content": story}]
     ref = subprocess.run(
         [sys.executable, str(REPO / "tests" / "engine" / "mlxlm_reference.py"), starter["path"],
          profile, "64"],
