@@ -205,6 +205,9 @@ def generate(
     t_first = 0.0
     reason: str | None = None
     while True:
+        if n and cancel():  # checked before each new token, so nothing runs past a Stop
+            reason = "cancelled"
+            break
         fed = False
         if pipelined and n + 1 < max_tokens:
             next_y = sampler(model(y[None], cache=cache)[:, -1, :], history)
@@ -227,10 +230,6 @@ def generate(
             return
         if n >= max_tokens:
             reason = "length"
-            yield event(text, tok, n, t_first, prefill_s)
-            break
-        if cancel():
-            reason = "cancelled"
             yield event(text, tok, n, t_first, prefill_s)
             break
         yield event(text, tok, n, t_first, prefill_s)

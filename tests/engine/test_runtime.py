@@ -1,0 +1,127 @@
+"""Runtime on the real starter model: streaming text, stops, sampling, cancel, multi-turn reuse."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine.errors import StrataError
+from engine.runtime.generate import ChatSession, _stop_split, generate
+from engine.runtime.sampling import SamplingParams
+from engine.runtime.tokenizer import StreamingDetokenizer
+
+GREEDY = SamplingParams(temperature=0)
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _run(lm: Any, ids: list[int], params: SamplingParams = GREEDY, max_tokens: int = 24,
+         **kw: Any) -> tuple[str, list[int], Any]:
+    text, tokens, last = [], [], None
+    for ev in generate(lm, ids, params, max_tokens, **kw):
+        text.append(ev.text)
+        if ev.token is not None:
+            tokens.append(ev.token)
+        last = ev
+    return "".join(text), tokens, last
+
+
+@pytest.mark.parametrize("text", ["naïve café 🙂 — 你好, мир!", "emoji run 🙂🙃🚀🎉", "x\u00e9\u0301y"])
+def test_streaming_detokenizer_never_splits_characters(starter_lm: Any, text: str) -> None:
+    tok = starter_lm.tokenizer
+    ids = tok.encode(text)
+    # The case is real: some single tokens are partial UTF-8 sequences.
+    assert any("\ufffd" in tok.decode([i]) for i in ids) or text.isascii() or "é" in text
+    detok = StreamingDetokenizer(tok)
+    deltas = [detok.add(i) for i in ids] + [detok.flush()]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text
+
+
+def test_stop_split_holds_back_possible_prefixes() -> None:
+    assert _stop_split("hello wor", ["world"]) == ("hello ", "wor", False)
+    assert _stop_split("hello world!", ["world"]) == ("hello ", "", True)
+    assert _stop_split("abc", []) == ("abc", "", False)
+
+
+def test_stop_string_ends_reply_before_it(starter_lm: Any) -> None:
+    ids = starter_lm.tokenizer.encode_chat(FRANCE)
+    full, _, _ = _run(starter_lm, ids)
+    assert "Paris" in full
+    text, _, last = _run(starter_lm, ids, stop=["Paris"])
+    assert "Paris" not in text and full.startswith(text)
+    assert last.finish_reason == "stop"
+
+
+def test_eos_and_length_finish_reasons(starter_lm: Any) -> None:
+    ids = starter_lm.tokenizer.encode_chat(FRANCE)
+    _, tokens, last = _run(starter_lm, ids, max_tokens=64)
+    assert last.finish_reason == "stop" and not set(tokens) & starter_lm.eos_ids
+    _, tokens, last = _run(starter_lm, ids, max_tokens=3)
+    assert last.finish_reason == "length" and len(tokens) == 3
+
+
+def test_seeded_sampling_is_reproducible(starter_lm: Any) -> None:
+    ids = starter_lm.tokenizer.encode_chat([{"role": "user", "content": "Tell me a story."}])
+    hot = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, min_p=0.02, seed=7)
+    _, a, _ = _run(starter_lm, ids, hot, max_tokens=16)
+    _, b, _ = _run(starter_lm, ids, hot, max_tokens=16)
+    assert a == b and len(a) == 16
+    _, greedy, _ = _run(starter_lm, ids, GREEDY, max_tokens=16)
+    _, top1, _ = _run(starter_lm, ids, SamplingParams(temperature=1.0, top_k=1, seed=3), 16)
+    assert top1 == greedy
+    others = [_run(starter_lm, ids, SamplingParams(temperature=1.0, seed=s), 16)[1]
+              for s in (1, 2, 3)]
+    assert any(o != a for o in others)
+
+
+def test_repetition_penalty_changes_greedy_output(starter_lm: Any) -> None:
+    ids = starter_lm.tokenizer.encode("one one one one one one one one", add_bos=False)
+    _, plain, _ = _run(starter_lm, ids, GREEDY, max_tokens=12)
+    _, penal, _ = _run(starter_lm, ids, SamplingParams(temperature=0, repetition_penalty=2.0),
+                       max_tokens=12)
+    assert len(penal) == 12 and penal != plain
+
+
+def test_invalid_sampling_is_a_user_error() -> None:
+    with pytest.raises(StrataError, match="top_p"):
+        SamplingParams(top_p=0).validate()
+    with pytest.raises(StrataError, match="temperature"):
+        SamplingParams(temperature=-1).validate()
+
+
+def test_cancel_between_decode_steps(starter_lm: Any) -> None:
+    ids = starter_lm.tokenizer.encode_chat([{"role": "user", "content": "Tell me a story."}])
+    seen: list[int] = []
+    events = generate(starter_lm, ids, GREEDY, 100, cancel=lambda: len(seen) >= 3)
+    for ev in events:
+        if ev.token is not None:
+            seen.append(ev.token)
+        last = ev
+    assert last.finish_reason == "cancelled" and len(seen) == 3
+
+
+def test_cancel_during_prefill(starter_lm: Any) -> None:
+    ids = starter_lm.tokenizer.encode("word " * 1200, add_bos=False)
+    cache = starter_lm.new_cache()
+    events = list(generate(starter_lm, ids, GREEDY, 10, cancel=lambda: True, prompt_cache=cache))
+    assert [e.finish_reason for e in events] == ["cancelled"]
+    assert events[0].generated_tokens == 0
+    assert 0 < len(cache.tokens) < len(ids)  # stopped after the first chunk
+
+
+def test_multi_turn_reuses_previous_kv(starter_lm: Any) -> None:
+    session = ChatSession(starter_lm, system="You are a helpful assistant.")
+    first = list(session.send("What is the capital of France?", GREEDY, 32))
+    assert first[-1].cached_tokens == 0
+    second = list(session.send("And of Germany?", GREEDY, 32))
+    reply = "".join(e.text for e in second)
+    # Everything up to the new user message came from the cache.
+    assert second[-1].cached_tokens >= first[-1].prompt_tokens
+    assert second[-1].prompt_tokens - second[-1].cached_tokens < 20
+    # And the reply equals a cold run on the same prompt.
+    prompt = starter_lm.tokenizer.encode_chat(session.messages[:-1])
+    cold, _, _ = _run(starter_lm, prompt, max_tokens=32)
+    assert reply == cold and "Berlin" in reply
+    assert [m["role"] for m in session.messages] == ["system", "user", "assistant", "user",
+                                                     "assistant"]
