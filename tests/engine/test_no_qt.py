@@ -29,7 +29,8 @@ from engine.runtime.sampling import SamplingParams
 lm = LoadedModel.load(sys.argv[1])
 ids = lm.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
 next(iter(generate(lm, ids, SamplingParams(temperature=0), 2)))
-print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("transformers", "torch", "PySide6"))))
+heavy = ("transformers", "torch", "PySide6")
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in heavy)))
 """
 
 

@@ -26,7 +26,10 @@ def _run(lm: Any, ids: list[int], params: SamplingParams = GREEDY, max_tokens: i
     return "".join(text), tokens, last
 
 
-@pytest.mark.parametrize("text", ["naïve café 🙂 — 你好, мир!", "emoji run 🙂🙃🚀🎉", "x\u00e9\u0301y"])
+UNICODE = ["naïve café 🙂 — 你好, мир!", "emoji run 🙂🙃🚀🎉", "x\u00e9\u0301y"]
+
+
+@pytest.mark.parametrize("text", UNICODE)
 def test_streaming_detokenizer_never_splits_characters(starter_lm: Any, text: str) -> None:
     tok = starter_lm.tokenizer
     ids = tok.encode(text)
