@@ -96,3 +96,13 @@ def test_greedy_tokens_equal_mlx_lm(starter_lm: Any, starter: dict[str, Any], pr
               if ev.token is not None]
     assert len(expected["tokens"]) == 64
     assert tokens == expected["tokens"]
+
+
+def test_chat_in_the_terminal(starter: dict[str, Any], strata_home: Path) -> None:
+    """Two turns over stdin: the second answer uses the first turn's context."""
+    proc = run_strata("chat", "--model", "starter", "--temp", "0", "--max-tokens", "40",
+                      home=strata_home,
+                      input="What is the capital of France?\nAnd of Germany?\n/exit\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout and "Berlin" in proc.stdout
+    assert "prompt tokens cached" in proc.stderr
