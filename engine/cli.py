@@ -109,6 +109,24 @@ def _sampling(args: argparse.Namespace) -> Any:
                           seed=args.seed).validate()
 
 
+def _kv_settings(args: argparse.Namespace) -> Any:
+    """KVSettings from --kv-* options (None: mlx-lm's in-memory KVCache)."""
+    from engine.kv import settings_from_env
+
+    settings = settings_from_env(mode=args.kv_mode, ram_mb=args.kv_ram_mb, bits=args.kv_bits,
+                                 budget_tokens=args.kv_budget)
+    return None if settings.mode == "mlx" else settings
+
+
+def _add_kv(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-mode", choices=("mlx", "exact", "sparse"),
+                   help="KV cache: mlx-lm's in memory (default), paged exact or paged sparse")
+    p.add_argument("--kv-ram-mb", type=int, help="RAM tier budget of the paged KV cache")
+    p.add_argument("--kv-bits", type=int, choices=(16, 8, 4), help="KV precision (16: full)")
+    p.add_argument("--kv-budget", type=int, metavar="TOKENS",
+                   help="sparse mode: tokens attended per step (sinks and window included)")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine.runtime.generate import LoadedModel, generate
     from engine.telemetry import PROCESS_START, Timeline
@@ -123,7 +141,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling(args)
     timeline = Timeline()
     timeline.add("interpreter and imports", PROCESS_START)
+    kv = _kv_settings(args)  # bad KV options fail before the model loads
     lm = LoadedModel.load(args.model, timeline=timeline)
+    lm.kv_settings = kv
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": prompt_text})
     ids = (lm.tokenizer.encode(prompt_text) if args.raw else lm.tokenizer.encode_chat(messages))
@@ -208,7 +228,25 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from engine.bench import run_cli
 
+    if args.suite == "kv":
+        from engine.kv.bench import run_kv
+
+        return run_kv(args)
+
     return run_cli(args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from engine.server.api import serve  # Starlette and uvicorn load only here
+
+    def announce(line: str) -> None:
+        print(line, flush=True)  # the first stdout line: scripts and tests read the address
+
+    return serve(host=args.host, port=args.port, model=args.model,
+                 api_key=args.api_key or os.environ.get("STRATA_API_KEY") or None,
+                 announce=announce)
 
 
 def cmd_window(args: argparse.Namespace) -> int:
@@ -283,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="no chat template")
     p.add_argument("--timeline", action="store_true", help="print the first-token timeline")
+    _add_kv(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_generate)
 
@@ -290,11 +329,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p, temp=0.7)
     p.set_defaults(func=cmd_chat)
 
+    p = sub.add_parser("serve", help="serve the OpenAI API on this machine (loopback)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: 127.0.0.1); others need an API key")
+    p.add_argument("--port", type=int, default=8765, help="port (default: 8765; 0: any free)")
+    p.add_argument("--model", default="starter", help="model to load first (default: starter)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' "
+                   "(default: $STRATA_API_KEY)")
+    p.set_defaults(func=cmd_serve)
+
     p = sub.add_parser("bench", help="measure speed against mlx-lm on this machine")
     from engine.bench import add_arguments
+    from engine.kv.bench import add_kv_arguments
 
     add_arguments(p)
+    add_kv_arguments(p)
     p.set_defaults(func=cmd_bench)
+
+    from engine.quant.cli import add_commands as add_quant_commands  # quantize, recipes, eval
+
+    add_quant_commands(sub)
     return parser
 
 

@@ -29,7 +29,7 @@ FIGURES = ("ttft_s", "prompt_tps", "decode_tps", "peak_memory_bytes")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("suite", nargs="?", default="quick", choices=["quick"])
+    p.add_argument("suite", nargs="?", default="quick", choices=["quick", "kv"])
     p.add_argument("--model", default="starter")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=128)

@@ -40,6 +40,8 @@ class LoadedModel:
         extra_ids = extra if isinstance(extra, list) else ([extra] if extra is not None else [])
         self.eos_ids = tokenizer.eos_ids(extra_ids)
         self.context_length = int(config.get("max_position_embeddings") or 4096)
+        # None or mode 'mlx': mlx-lm's KVCache; otherwise engine.kv's paged cache.
+        self.kv_settings: Any = None
 
     @classmethod
     def load(cls, name: str | Path, library: Any = None, profile: ComputeProfile | None = None,
@@ -91,9 +93,7 @@ class PromptCache:
 
     def __post_init__(self) -> None:
         if not self.cache:
-            from engine.runtime.model import cache_module
-
-            self.cache = cache_module().make_prompt_cache(self.lm.model)
+            self.cache = _make_cache(self.lm)
 
     def reuse(self, prompt: Sequence[int]) -> int:
         """Trim to the longest prefix shared with `prompt` (at least one token left to run)."""
@@ -112,14 +112,30 @@ class PromptCache:
         return common
 
     def clear(self) -> None:
-        from engine.runtime.model import cache_module
-
-        self.cache = cache_module().make_prompt_cache(self.lm.model)
+        self.close()
+        self.cache = _make_cache(self.lm)
         self.tokens = []
+
+    def close(self) -> None:
+        """Release a paged cache's threads and session files (mlx-lm caches: nothing)."""
+        from engine.kv.cache import close_caches
+
+        close_caches(self.cache)
 
     @property
     def nbytes(self) -> int:
         return sum(int(getattr(c, "nbytes", 0)) for c in self.cache)
+
+
+def _make_cache(lm: LoadedModel) -> list[Any]:
+    settings = getattr(lm, "kv_settings", None)
+    if settings is not None and settings.mode != "mlx":
+        from engine.kv import make_paged_cache
+
+        return make_paged_cache(lm.model, settings)
+    from engine.runtime.model import cache_module
+
+    return list(cache_module().make_prompt_cache(lm.model))
 
 
 def _stop_split(text: str, stops: Sequence[str]) -> tuple[str, str, bool]:
@@ -147,12 +163,33 @@ def generate(
     timeline: Timeline | None = None,
 ) -> Iterator[GenerationEvent]:
     """Stream a completion of `prompt` (token ids). See the module docstring."""
+    own = prompt_cache is None
+    pc = prompt_cache or lm.new_cache()
+    try:
+        yield from _generate(lm, prompt, params, max_tokens, stop, cancel, pc, timeline)
+    finally:
+        if own:
+            pc.close()  # a paged cache's threads and files go with the reply
+
+
+def _generate(
+    lm: LoadedModel,
+    prompt: Sequence[int],
+    params: SamplingParams | None = None,
+    max_tokens: int = 256,
+    stop: Sequence[str] = (),
+    cancel: Callable[[], bool] | None = None,
+    prompt_cache: PromptCache | None = None,
+    timeline: Timeline | None = None,
+) -> Iterator[GenerationEvent]:
     import mlx.core as mx
 
     params = params or SamplingParams()
     if not prompt:
         raise StrataError("empty prompt: nothing to generate from")
-    if len(prompt) + max_tokens > lm.context_length * 4:
+    kv = getattr(lm, "kv_settings", None)
+    paged = kv is not None and kv.mode != "mlx"  # pages lift the in-memory length guard
+    if not paged and len(prompt) + max_tokens > lm.context_length * 4:
         raise StrataError(f"prompt of {len(prompt)} tokens is too long for {lm.manifest['name']} "
                           f"(context {lm.context_length})")
     cancel = cancel or (lambda: False)

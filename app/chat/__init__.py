@@ -1,0 +1,1 @@
+"""The chat screen: SQLite store, item model, controller and widgets."""

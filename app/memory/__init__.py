@@ -1,0 +1,1 @@
+"""The memory panel: where memory goes, and the first-token latency chart."""

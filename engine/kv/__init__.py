@@ -1,0 +1,115 @@
+"""Paged KV cache: pages in a RAM tier and an SSD tier, exact and sparse attention over them.
+
+Contract: `KVSettings` says how (mode, budgets, page size); `make_paged_cache(model, settings)`
+returns one duck-typed mlx-lm cache per layer, and installs the attention hook in the model's
+module so that its `scaled_dot_product_attention` reads the pages. Nothing here imports Qt.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from engine.errors import StrataError
+
+MODES = ("mlx", "exact", "sparse")
+
+
+@dataclass(frozen=True)
+class KVSettings:
+    """How the KV cache is kept. mode 'mlx' is mlx-lm's own in-memory KVCache.
+
+    ram_mb: RAM tier budget (None: a quarter of system memory). ssd_mb: SSD tier budget.
+    budget_tokens: sparse mode's attention budget per query (sinks and window included).
+    bits: 16 keeps the compute dtype (no KV quantization).
+    """
+
+    mode: str = "mlx"
+    page_tokens: int = 128
+    ram_mb: int | None = None
+    ssd: bool = True
+    ssd_dir: Path | None = None
+    ssd_mb: int = 64 * 1024
+    bits: int = 16
+    budget_tokens: int = 2048
+    sink_tokens: int = 128
+    window_tokens: int = 512
+    prefetch_depth: int = 4
+    writer_queue: int = 64
+    keep_files: bool = False
+
+    def validate(self) -> KVSettings:
+        if self.mode not in MODES:
+            raise StrataError(f"KV mode {self.mode!r} is unknown: use one of {', '.join(MODES)}")
+        if self.page_tokens < 8 or self.page_tokens & (self.page_tokens - 1):
+            raise StrataError(f"KV page size {self.page_tokens} must be a power of two >= 8")
+        if self.bits not in (16,):
+            raise StrataError(f"KV bits {self.bits} are not supported yet: use 16")
+        if self.ram_mb is not None and self.ram_mb < 1:
+            raise StrataError(f"KV RAM budget {self.ram_mb} MB is too small")
+        if self.budget_tokens < self.sink_tokens + self.window_tokens + self.page_tokens:
+            least = self.sink_tokens + self.window_tokens + self.page_tokens
+            raise StrataError(f"KV budget of {self.budget_tokens} tokens is below sinks + "
+                              f"window + one page ({least})")
+        return self
+
+    def with_(self, **kw: Any) -> KVSettings:
+        return replace(self, **kw)
+
+    def ram_bytes(self) -> int:
+        if self.ram_mb is not None:
+            return self.ram_mb << 20
+        import psutil
+
+        return max(512 << 20, int(psutil.virtual_memory().total) // 4)
+
+    def folder(self) -> Path:
+        if self.ssd_dir is not None:
+            return Path(self.ssd_dir)
+        from engine.platform import default_home
+
+        return default_home() / "kv"
+
+
+def settings_from_env(**overrides: Any) -> KVSettings:
+    """KVSettings from STRATA_KV_MODE / STRATA_KV_RAM_MB / STRATA_KV_BUDGET plus overrides."""
+    env: dict[str, Any] = {}
+    if os.environ.get("STRATA_KV_MODE"):
+        env["mode"] = os.environ["STRATA_KV_MODE"]
+    if os.environ.get("STRATA_KV_RAM_MB"):
+        env["ram_mb"] = int(os.environ["STRATA_KV_RAM_MB"])
+    if os.environ.get("STRATA_KV_BUDGET"):
+        env["budget_tokens"] = int(os.environ["STRATA_KV_BUDGET"])
+    env.update({k: v for k, v in overrides.items() if v is not None})
+    return KVSettings(**env).validate()
+
+
+def make_paged_cache(model: Any, settings: KVSettings) -> list[Any]:
+    """One PagedLayerCache per layer over a fresh store; installs the attention hook."""
+    from engine.kv.attention import install_hook
+    from engine.kv.cache import PagedLayerCache
+    from engine.kv.store import KVStore
+
+    layers = list(model.layers)
+    attn = layers[0].self_attn
+    args = getattr(model, "args", None)
+    if args is not None and any(t != "full_attention"
+                                for t in (getattr(args, "layer_types", None) or [])):
+        raise StrataError("paged KV cache: sliding-window layers are not supported; "
+                          "use --kv-mode mlx")
+    head_dim = int(getattr(attn, "head_dim", 0) or attn.k_proj.weight.shape[0] //
+                   attn.n_kv_heads)
+    dtype = _dtype_name(model)
+    store = KVStore(settings, n_layers=len(layers), kv_heads=int(attn.n_kv_heads),
+                    head_dim=head_dim, dtype=dtype)
+    install_hook(model)
+    return [PagedLayerCache(store, i) for i in range(len(layers))]
+
+
+def _dtype_name(model: Any) -> str:
+    import mlx.core as mx
+
+    w = model.layers[0].self_attn.k_proj.weight
+    return "float16" if w.dtype == mx.float16 else "float32"

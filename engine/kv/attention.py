@@ -1,0 +1,208 @@
+"""Attention over KV pages: exact (online softmax over page groups) and sparse (Quest-style).
+
+Contract: `attend(cache, q, k, v, scale)` returns what mx.fast.scaled_dot_product_attention
+would over every token the cache holds plus the current chunk (causal within the chunk), for
+(1, q_heads, L, D) queries; in sparse mode a decode step (L <= SPARSE_MAX_L) reads only sinks,
+the recent window and the pages whose key bound is highest, within the token budget.
+`install_hook(model)` routes the model module's scaled_dot_product_attention here.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+# A score block of page group x heads x queries x page tokens stays under this many floats.
+SCORE_ELEMENTS = 1 << 23
+# Prefill chunks attend exactly; sparse selection is for decoding (Quest does the same).
+SPARSE_MAX_L = 4
+# Prefill chunks over at most this many past tokens use MLX's fused kernel on a copy.
+FUSED_PAST_MAX = 16384
+
+_Partial = tuple[Any, Any, Any]  # running max (H, R), sum (H, R), output (H, R, D)
+
+
+def _partial_pages(qg: Any, k: Any, v: Any) -> _Partial:
+    """Softmax statistics of queries qg (H, R, D) over pages k, v (n, H, P, D)."""
+    import mlx.core as mx
+
+    s = qg[None] @ k.swapaxes(-1, -2)                     # (n, H, R, P)
+    m = s.max(axis=(0, 3))
+    p = mx.exp(s - m[None, :, :, None])
+    return m, p.sum(axis=(0, 3)), (p @ v).sum(axis=0)
+
+
+def _partial_gathered(qg: Any, k: Any, v: Any) -> _Partial:
+    """Same over per-head gathered pages k, v (n, H, P, D) flattened to (H, n*P, D)."""
+    import mlx.core as mx
+
+    n, h, p_, d = k.shape
+    kk = k.transpose(1, 0, 2, 3).reshape(h, n * p_, d)
+    vv = v.transpose(1, 0, 2, 3).reshape(h, n * p_, d)
+    s = qg @ kk.swapaxes(-1, -2)                          # (H, R, n*P)
+    m = s.max(axis=-1)
+    p = mx.exp(s - m[..., None])
+    return m, p.sum(axis=-1), p @ vv
+
+
+def _partial_recent(qg: Any, k: Any, v: Any, L: int) -> _Partial:
+    """Over the recent block k, v (H, T, D) whose last L tokens are the queries' own chunk."""
+    import mlx.core as mx
+
+    h, r, _ = qg.shape
+    t = k.shape[1]
+    s = qg @ k.swapaxes(-1, -2)                           # (H, rep*L, T)
+    if L > 1:
+        rows = mx.arange(L)[:, None] + (t - L)
+        mask = rows >= mx.arange(t)[None, :]               # (L, T)
+        s = s.reshape(h, r // L, L, t)
+        s = mx.where(mask, s, mx.array(-mx.inf, s.dtype)).reshape(h, r, t)
+    m = s.max(axis=-1)
+    p = mx.exp(s - m[..., None])
+    return m, p.sum(axis=-1), p @ v
+
+
+def _merge(a: _Partial | None, b: _Partial) -> _Partial:
+    import mlx.core as mx
+
+    if a is None:
+        return b
+    m = mx.maximum(a[0], b[0])
+    ea, eb = mx.exp(a[0] - m), mx.exp(b[0] - m)
+    return m, a[1] * ea + b[1] * eb, a[2] * ea[..., None] + b[2] * eb[..., None]
+
+
+def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float) -> Any:
+    """Paged attention for one layer; see the module docstring."""
+    import mlx.core as mx
+
+    store, layer = cache.store, cache.layer
+    n_pages, tail_k, tail_v = cache.view
+    b, hq, L, d = queries.shape
+    if b != 1:
+        raise NotImplementedError("paged KV cache: batch size 1 only")
+    h = store.kv_heads
+    if L > SPARSE_MAX_L and n_pages * store.P <= FUSED_PAST_MAX:
+        view = store.resident_view(layer, n_pages) if n_pages else (None, None)
+        if view is not None:
+            return _fused(queries, keys, values, tail_k, tail_v, view, scale)
+    r = (hq // h) * L
+    qg = (queries * scale).reshape(h, r, d)
+    rk = keys[0] if tail_k is None else mx.concatenate([tail_k[0], keys[0]], axis=1)
+    rv = values[0] if tail_v is None else mx.concatenate([tail_v[0], values[0]], axis=1)
+    acc: _Partial | None = _partial_recent(qg, rk, rv, L)
+    if n_pages:
+        settings = store.settings
+        if settings.mode == "sparse" and L <= SPARSE_MAX_L:
+            acc = _sparse(store, layer, qg, n_pages, acc)
+        else:
+            acc = _exact(store, layer, qg, n_pages, acc)
+    assert acc is not None
+    out = acc[2] / acc[1][..., None]
+    return out.reshape(1, hq, L, d).astype(queries.dtype)
+
+
+def _fused(queries: Any, keys: Any, values: Any, tail_k: Any, tail_v: Any,
+           view: tuple[Any, Any], scale: float) -> Any:
+    """Prefill chunk over a short, all-resident past: one contiguous copy, then MLX's fused
+    attention (faster than page-wise online softmax for hundreds of queries)."""
+    import mlx.core as mx
+
+    _, h, L, d = keys.shape
+    ks, vs = [], []
+    if view[0] is not None:
+        n, _, p, _ = view[0].shape
+        ks.append(view[0].transpose(1, 0, 2, 3).reshape(1, h, n * p, d))
+        vs.append(view[1].transpose(1, 0, 2, 3).reshape(1, h, n * p, d))
+    if tail_k is not None:
+        ks.append(tail_k)
+        vs.append(tail_v)
+    ks.append(keys)
+    vs.append(values)
+    k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
+    v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+    t = k.shape[2]
+    mask = (mx.arange(L)[:, None] + (t - L)) >= mx.arange(t)[None, :]
+    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+
+
+def _exact(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial | None) -> _Partial:
+    h, r, _ = qg.shape
+    group = max(1, SCORE_ELEMENTS // (h * r * store.P))
+    view = store.resident_view(layer, n_pages)
+    if view is not None:
+        k, v = view
+        for i in range(0, n_pages, group):
+            acc = _merge(acc, _partial_pages(qg, k[i:i + group], v[i:i + group]))
+        return acc  # type: ignore[return-value]
+    for k, v in store.stream(layer, np.arange(n_pages), group):
+        acc = _merge(acc, _partial_pages(qg, k, v))
+    return acc  # type: ignore[return-value]
+
+
+def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial | None) -> _Partial:
+    """Quest: per KV head, the pages whose upper bound on q.k is highest, within the budget."""
+    import mlx.core as mx
+
+    table = store.tables[layer]
+    sink, win = min(table.sink_pages, n_pages), table.window_pages
+    k_sel = store.settings.budget_tokens // store.P - table.sink_pages - win
+    cand = n_pages - sink - win
+    if cand <= k_sel or k_sel <= 0:
+        return _exact(store, layer, qg, n_pages, acc)
+    h = qg.shape[0]
+    kmin = table.kmin[sink:n_pages - win][:, :, None, :]   # (c, H, 1, D)
+    kmax = table.kmax[sink:n_pages - win][:, :, None, :]
+    bound = mx.maximum(qg[None] * kmin, qg[None] * kmax).sum(axis=-1).sum(axis=-1)  # (c, H)
+    top = mx.argpartition(-bound, kth=k_sel - 1, axis=0)[:k_sel] + sink              # (k, H)
+    fixed = mx.concatenate([mx.arange(sink), mx.arange(n_pages - win, n_pages)])
+    ids = mx.concatenate([mx.broadcast_to(fixed[:, None], (fixed.shape[0], h)),
+                          top.astype(fixed.dtype)])
+    if table.all_resident(n_pages):
+        # Everything hot: stay lazy (no sync), map pages to slots inside the graph.
+        slots = ids if table.identity else mx.array(table.slot_of[:n_pages])[ids]
+    else:
+        ids_np = np.array(ids)
+        store.ensure_resident(layer, np.unique(ids_np))
+        slots = mx.array(table.slot_of[ids_np])
+    heads = mx.arange(h)[None, :]
+    k = store.pool_k[layer][slots, heads]                    # (n_sel, H, P, D)
+    v = store.pool_v[layer][slots, heads]
+    return _merge(acc, _partial_gathered(qg, k, v))
+
+
+# -- the hook -----------------------------------------------------------------------------
+def _make_hook(original: Any) -> Any:
+    from engine.kv.cache import PagedLayerCache
+
+    def scaled_dot_product_attention(queries: Any, keys: Any, values: Any, cache: Any = None,
+                                     scale: float = 1.0, mask: Any = None, sinks: Any = None,
+                                     **kw: Any) -> Any:
+        if isinstance(cache, PagedLayerCache):
+            if sinks is not None:
+                raise NotImplementedError("paged KV cache: learned attention sinks")
+            return attend(cache, queries, keys, values, scale)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
+                        sinks=sinks, **kw)
+
+    scaled_dot_product_attention._strata_original = original  # type: ignore[attr-defined]
+    return scaled_dot_product_attention
+
+
+def install_hook(model: Any) -> list[str]:
+    """Patch scaled_dot_product_attention in every module defining the model's layers.
+
+    Idempotent; other caches fall through to mlx-lm's own function. Returns modules patched.
+    """
+    names = {type(m).__module__ for m in model.modules()}
+    patched = []
+    for name in sorted(names):
+        mod = sys.modules.get(name)
+        fn = getattr(mod, "scaled_dot_product_attention", None)
+        if fn is None or hasattr(fn, "_strata_original"):
+            continue
+        setattr(mod, "scaled_dot_product_attention", _make_hook(fn))
+        patched.append(name)
+    return patched

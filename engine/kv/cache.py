@@ -1,0 +1,120 @@
+"""The per-layer cache object that mlx-lm's models take: full pages in the store, a tail here.
+
+Contract: duck-typed like mlx_lm.models.cache.KVCache (offset, update_and_fetch, state,
+meta_state, trim, is_trimmable, size, empty, nbytes, make_mask). `update_and_fetch` commits
+every page the chunk completes and returns the chunk itself; the hooked attention then reads
+what the cache held before the chunk (`view`) plus the chunk, so nothing is gathered twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.kv.store import KVStore
+
+
+class PagedLayerCache:
+    """One layer's view of a KVStore; positions [0, offset) are in pages plus the tail."""
+
+    def __init__(self, store: KVStore, layer: int) -> None:
+        self.store = store
+        self.layer = layer
+        self.offset = 0
+        self.tail_k: Any = None  # (1, kv_heads, t, head_dim), t < page_tokens
+        self.tail_v: Any = None
+        self.view: tuple[int, Any, Any] = (0, None, None)
+
+    # -- the KVCache vocabulary -----------------------------------------------------------
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        import mlx.core as mx
+
+        table = self.store.tables[self.layer]
+        self.view = (table.n_pages, self.tail_k, self.tail_v)
+        if self.tail_k is None:
+            k, v = keys, values
+        else:
+            k = mx.concatenate([self.tail_k, keys], axis=2)
+            v = mx.concatenate([self.tail_v, values], axis=2)
+        p = self.store.P
+        full = k.shape[2] // p
+        for i in range(full):
+            self.store.commit(self.layer, k[0, :, i * p:(i + 1) * p], v[0, :, i * p:(i + 1) * p])
+        rest = k.shape[2] - full * p
+        if rest:
+            self.tail_k, self.tail_v = k[:, :, full * p:], v[:, :, full * p:]
+        else:
+            self.tail_k = self.tail_v = None
+        self.offset += keys.shape[2]
+        return keys, values
+
+    @property
+    def state(self) -> list[Any]:
+        s = self.store
+        arrays = [s.pool_k[self.layer], s.pool_v[self.layer], self.tail_k, self.tail_v]
+        return [a for a in arrays if a is not None]
+
+    @state.setter
+    def state(self, v: Any) -> None:
+        raise NotImplementedError("a paged KV cache is restored from its store, not a state")
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        return (str(self.offset), str(self.store.P))
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Forget the last n positions; a page that becomes partial moves back to the tail."""
+        import mlx.core as mx
+
+        n = min(self.offset, n)
+        if n == 0:
+            return 0
+        target = self.offset - n
+        p = self.store.P
+        keep, rest = divmod(target, p)
+        table = self.store.tables[self.layer]
+        if keep < table.n_pages:
+            tail_k = tail_v = None
+            if rest:
+                k, v = self.store.page_np(self.layer, keep)
+                tail_k, tail_v = k[None, :, :rest], v[None, :, :rest]
+            self.store.truncate(self.layer, keep)
+            self.tail_k, self.tail_v = tail_k, tail_v
+        elif self.tail_k is not None:
+            self.tail_k = self.tail_k[:, :, :rest] if rest else None
+            self.tail_v = self.tail_v[:, :, :rest] if rest else None
+        if self.tail_k is not None:
+            # Detach from the old page buffer so the pool can be updated in place.
+            self.tail_k, self.tail_v = mx.contiguous(self.tail_k), mx.contiguous(self.tail_v)
+            mx.eval(self.tail_k, self.tail_v)
+        self.offset = target
+        return n
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None
+                  ) -> Any:
+        # The paged attention builds its own causal mask; mlx-lm only needs a placeholder.
+        if window_size is not None:
+            raise NotImplementedError("paged KV cache: sliding-window attention")
+        return None if n == 1 else "causal"
+
+    @property
+    def nbytes(self) -> int:
+        """RAM held for this layer: resident pages plus the tail."""
+        table = self.store.tables[self.layer]
+        tail = 0 if self.tail_k is None else 2 * int(self.tail_k.nbytes)
+        return table.n_resident * self.store.page_bytes + tail
+
+
+def close_caches(caches: list[Any]) -> None:
+    """Stop the store's threads and remove its session files (unless kept)."""
+    stores = {id(c.store): c.store for c in caches if isinstance(c, PagedLayerCache)}
+    for s in stores.values():
+        s.close()

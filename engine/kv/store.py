@@ -1,0 +1,301 @@
+"""Page storage for every layer: a RAM tier of page slots and an SSD tier of page records.
+
+Contract: `commit(layer, k, v)` stores one full page (keys after RoPE) in a RAM slot and queues
+it for the disk (write-through, so eviction never waits on a write it could have done
+earlier); when the layer's slots are all taken the least recently used unpinned page that is
+on disk leaves RAM. `pages(layer, ids)` returns keys and values of any pages, reading the
+cold ones through the read-ahead queue; every read is verified. The RAM tier is page-major:
+(slots, kv_heads, page_tokens, head_dim) per layer, so a page gathers with one index.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.kv import KVSettings
+from engine.kv.pagefile import (
+    KVStoreError,
+    PageWriter,
+    Prefetcher,
+    RecordFile,
+    check_writable,
+)
+from engine.kv.table import LayerTable
+
+
+class KVRamFull(KVStoreError):
+    """The RAM tier is full and no page can move to the SSD tier."""
+
+
+class KVStore:
+    """All layers' pages and the two tiers; counters for telemetry in `stats()`."""
+
+    def __init__(self, settings: KVSettings, n_layers: int, kv_heads: int, head_dim: int,
+                 dtype: str = "float32", session: str | None = None) -> None:
+        import mlx.core as mx
+
+        self.settings = settings
+        self.n_layers, self.kv_heads, self.head_dim = n_layers, kv_heads, head_dim
+        self.P = settings.page_tokens
+        self.dtype = getattr(mx, dtype)
+        self.np_dtype = np.dtype(dtype)
+        self.page_bytes = 2 * kv_heads * self.P * head_dim * self.np_dtype.itemsize
+        sink_pages = -(-settings.sink_tokens // self.P)
+        window_pages = -(-settings.window_tokens // self.P)
+        self.max_slots = max(sink_pages + window_pages + 2,
+                             settings.ram_bytes() // (n_layers * self.page_bytes))
+        self.tables = [LayerTable(self.P, sink_pages, window_pages) for _ in range(n_layers)]
+        self.pool_k: list[Any] = [None] * n_layers
+        self.pool_v: list[Any] = [None] * n_layers
+        self._free: list[list[int]] = [[] for _ in range(n_layers)]
+        self._serials: list[dict[int, int]] = [{} for _ in range(n_layers)]
+        self.counters = dict(evictions=0, ram_hits=0, ssd_reads=0, bytes_read=0, read_s=0.0,
+                             pages_written=0)
+        self.folder: Path | None = None
+        self.writer: PageWriter | None = None
+        self.prefetcher: Prefetcher | None = None
+        self._files: dict[int, RecordFile] = {}
+        if settings.ssd:
+            root = settings.folder()
+            check_writable(root)
+            self.folder = root / (session or f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            check_writable(self.folder)
+            self.writer = PageWriter(self._file, settings.ssd_mb << 20, settings.writer_queue,
+                                     on_written=self._on_written)
+            self.prefetcher = Prefetcher(self._read_np, settings.prefetch_depth)
+
+    # -- SSD tier -------------------------------------------------------------------------
+    def _file(self, layer: int) -> RecordFile:
+        f = self._files.get(layer)
+        if f is None:
+            assert self.folder is not None
+            f = RecordFile(self.folder / f"layer-{layer:02d}.kvp", layer, self.kv_heads,
+                           self.head_dim, self.P, self.np_dtype)
+            self._files[layer] = f
+        return f
+
+    def _on_written(self, layer: int, index: int, serial: int) -> None:
+        # Runs on the writer thread; a page trimmed and rewritten since keeps its flag off.
+        if self._serials[layer].get(index) == serial:
+            self.tables[layer].on_disk[index] = True
+            self.counters["pages_written"] += 1
+
+    def _read_np(self, layer: int, index: int) -> tuple[np.ndarray, np.ndarray]:
+        if self.writer is not None:
+            hit = self.writer.pending_page(layer, index)
+            if hit is not None:
+                return hit
+        t = time.perf_counter()
+        _, k, v = self._file(layer).read(index)
+        self.counters["read_s"] += time.perf_counter() - t
+        self.counters["ssd_reads"] += 1
+        self.counters["bytes_read"] += self._file(layer).size
+        return k, v
+
+    @property
+    def ssd_full_reason(self) -> str | None:
+        return None if self.writer is None else self.writer.full_reason
+
+    # -- RAM tier -------------------------------------------------------------------------
+    def _slot(self, layer: int) -> int:
+        """A free slot in the layer's pool: a freed one, a new one, or an evicted page's."""
+        import mlx.core as mx
+
+        free = self._free[layer]
+        if free:
+            return heapq.heappop(free)
+        table = self.tables[layer]
+        used = len(table.page_of_slot)
+        cap = 0 if self.pool_k[layer] is None else self.pool_k[layer].shape[0]
+        if used < cap:
+            return used
+        if cap < self.max_slots:
+            grow = min(self.max_slots, max(16, 2 * cap)) - cap
+            shape = (grow, self.kv_heads, self.P, self.head_dim)
+            zk, zv = mx.zeros(shape, self.dtype), mx.zeros(shape, self.dtype)
+            if self.pool_k[layer] is None:
+                self.pool_k[layer], self.pool_v[layer] = zk, zv
+            else:
+                self.pool_k[layer] = mx.concatenate([self.pool_k[layer], zk])
+                self.pool_v[layer] = mx.concatenate([self.pool_v[layer], zv])
+            return used
+        victim = table.evict_candidate()
+        if victim is None and table.lru and self.writer is not None:
+            # The oldest page is still on its way to disk: wait for it rather than fail.
+            oldest = next(iter(table.lru))
+            self.writer.wait(layer, oldest)
+            victim = table.evict_candidate()
+        if victim is None:
+            why = self.ssd_full_reason or ("SSD tier off" if self.writer is None
+                                           else "no page can leave RAM")
+            raise KVRamFull(f"KV cache: RAM budget of {self.ram_budget_mb} MB is full at "
+                            f"{self.tokens_in(layer)} tokens and pages cannot spill ({why})")
+        self.counters["evictions"] += 1
+        return table.release(victim)
+
+    @property
+    def ram_budget_mb(self) -> int:
+        return self.max_slots * self.n_layers * self.page_bytes >> 20
+
+    def tokens_in(self, layer: int) -> int:
+        return self.tables[layer].n_pages * self.P
+
+    def commit(self, layer: int, k: Any, v: Any) -> int:
+        """Store a full page (k, v: (kv_heads, P, head_dim) MLX arrays); returns its index."""
+        import mlx.core as mx
+
+        table = self.tables[layer]
+        slot = self._slot(layer)
+        self.pool_k[layer][slot] = k
+        self.pool_v[layer][slot] = v
+        page = table.add_page(slot)
+        table.add_summary(k.min(axis=1)[None], k.max(axis=1)[None])
+        if self.writer is not None and self.writer.full_reason is None:
+            mx.eval(k, v)
+            serial = self.writer.put(layer, page, page * self.P, np.array(k), np.array(v))
+            if serial:
+                self._serials[layer][page] = serial
+        return page
+
+    def truncate(self, layer: int, n_pages: int) -> None:
+        for s in self.tables[layer].truncate(n_pages):
+            heapq.heappush(self._free[layer], s)
+        ser = self._serials[layer]
+        for p in [p for p in ser if p >= n_pages]:
+            del ser[p]
+
+    def page_np(self, layer: int, page: int) -> tuple[Any, Any]:
+        """One page's (k, v) as MLX arrays (kv_heads, P, head_dim), from either tier."""
+        import mlx.core as mx
+
+        slot = int(self.tables[layer].slot_of[page])
+        if slot >= 0:
+            return self.pool_k[layer][slot], self.pool_v[layer][slot]
+        k, v = self._read_np(layer, page)
+        return mx.array(k), mx.array(v)
+
+    def resident_view(self, layer: int, n_pages: int) -> tuple[Any, Any] | None:
+        """Keys and values of pages [0, n_pages) if all are in RAM, else None (no copy if
+        slots are in page order)."""
+        import mlx.core as mx
+
+        table = self.tables[layer]
+        if n_pages == 0 or not table.all_resident(n_pages):
+            return None
+        if table.identity:
+            return self.pool_k[layer][:n_pages], self.pool_v[layer][:n_pages]
+        idx = mx.array(table.slot_of[:n_pages])
+        return mx.take(self.pool_k[layer], idx, axis=0), mx.take(self.pool_v[layer], idx, axis=0)
+
+    def stream(self, layer: int, pages: np.ndarray, group: int) -> Any:
+        """Yield (k, v) groups of at most `group` pages, in page order; cold pages are read
+        ahead through the prefetch queue and not kept in RAM (a full pass would thrash it)."""
+        import mlx.core as mx
+
+        table = self.tables[layer]
+        res = table.resident(pages)
+        for i in range(0, len(pages), group):
+            part, r = pages[i:i + group], res[i:i + group]
+            ks: list[Any] = []
+            vs: list[Any] = []
+            hot = part[r]
+            if len(hot):
+                idx = mx.array(table.slot_of[hot])
+                ks.append(mx.take(self.pool_k[layer], idx, axis=0))
+                vs.append(mx.take(self.pool_v[layer], idx, axis=0))
+                self.counters["ram_hits"] += len(hot)
+            cold = part[~r]
+            if len(cold):
+                assert self.prefetcher is not None
+                rk = [], []
+                for _, k, v in self.prefetcher.read_many(layer, [int(c) for c in cold]):
+                    rk[0].append(k)
+                    rk[1].append(v)
+                ks.append(mx.array(np.stack(rk[0])))
+                vs.append(mx.array(np.stack(rk[1])))
+            yield (ks[0], vs[0]) if len(ks) == 1 else (mx.concatenate(ks), mx.concatenate(vs))
+
+    def ensure_resident(self, layer: int, pages: np.ndarray) -> np.ndarray:
+        """Bring `pages` into RAM (evicting LRU pages as needed); returns their slots."""
+        import mlx.core as mx
+
+        table = self.tables[layer]
+        table.touch(pages)
+        cold = pages[~table.resident(pages)]
+        self.counters["ram_hits"] += len(pages) - len(cold)
+        if len(cold):
+            assert self.prefetcher is not None
+            for idx, k, v in self.prefetcher.read_many(layer, [int(c) for c in cold]):
+                slot = self._slot(layer)
+                self.pool_k[layer][slot] = mx.array(k)
+                self.pool_v[layer][slot] = mx.array(v)
+                table.place(idx, slot)
+        return table.slot_of[pages]
+
+    # -- life cycle and telemetry ---------------------------------------------------------
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        if self.folder is not None and not self.settings.keep_files:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001  (interpreter shutdown: nothing left to report to)
+            pass
+
+    def save_manifest(self, n_tokens: int, extra: dict[str, Any] | None = None) -> None:
+        """Record what the page files hold, so a later store can open them (after flush)."""
+        assert self.folder is not None
+        self.flush()
+        doc = {"format": 1, "layers": self.n_layers, "kv_heads": self.kv_heads,
+               "head_dim": self.head_dim, "page_tokens": self.P, "dtype": self.np_dtype.name,
+               "tokens": n_tokens, "pages": [t.n_pages for t in self.tables],
+               "on_disk": [t.n_on_disk for t in self.tables], **(extra or {})}
+        (self.folder / "manifest.json").write_text(json.dumps(doc))
+
+    def adopt(self, layer: int, n_pages: int) -> None:
+        """Register pages [0, n_pages) found on disk (after a restart) as cold pages; their
+        summaries are rebuilt from the verified records."""
+        import mlx.core as mx
+
+        table = self.tables[layer]
+        for p in range(n_pages):
+            k, _ = self._read_np(layer, p)
+            table._grow(p + 1)
+            table.n_pages = p + 1
+            table.slot_of[p] = -1
+            table.on_disk[p] = True
+            table.identity = False
+            kk = mx.array(k)
+            table.add_summary(kk.min(axis=1)[None], kk.max(axis=1)[None])
+
+    def stats(self) -> dict[str, Any]:
+        ram_pages = sum(t.n_resident for t in self.tables)
+        ssd_pages = sum(t.n_on_disk for t in self.tables)
+        rec = self.page_bytes + 64
+        return {"pages_ram": ram_pages, "pages_ssd": ssd_pages,
+                "bytes_ram": ram_pages * self.page_bytes, "bytes_ssd": ssd_pages * rec,
+                "ram_budget_bytes": self.max_slots * self.n_layers * self.page_bytes,
+                "ssd_full": self.ssd_full_reason, **self.counters}

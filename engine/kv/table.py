@@ -1,0 +1,137 @@
+"""The page table of one layer: metadata only (tier, slot, LRU order, key summaries).
+
+Contract: pages are numbered from 0 in token order; page i holds positions [i*P, (i+1)*P).
+A page is resident when it has a RAM slot, on disk once the writer has stored it. Pinned pages
+(the sinks and the recent window) are never chosen for eviction. Tensors live in the store.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+
+class LayerTable:
+    """Where each page of one layer lives, and which resident page to evict next."""
+
+    def __init__(self, page_tokens: int, sink_pages: int, window_pages: int) -> None:
+        self.page_tokens = page_tokens
+        self.sink_pages = sink_pages
+        self.window_pages = window_pages
+        self.n_pages = 0
+        self.slot_of = np.full(64, -1, np.int32)    # page -> RAM slot or -1
+        self.on_disk = np.zeros(64, np.bool_)
+        self.page_of_slot: list[int] = []           # slot -> page or -1
+        self.free_slots: list[int] = []
+        self.lru: OrderedDict[int, None] = OrderedDict()  # unpinned resident pages, oldest first
+        self.identity = True  # slot i holds page i for every page: attention may slice
+        # Per-page key summaries (Quest): element-wise min and max over the page's tokens,
+        # (n_pages, kv_heads, head_dim) MLX arrays, kept in RAM whatever the page's tier.
+        self.kmin: Any = None
+        self.kmax: Any = None
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    def _grow(self, n: int) -> None:
+        if n > len(self.slot_of):
+            size = max(n, 2 * len(self.slot_of))
+            self.slot_of = np.concatenate([self.slot_of,
+                                           np.full(size - len(self.slot_of), -1, np.int32)])
+            self.on_disk = np.concatenate([self.on_disk,
+                                           np.zeros(size - len(self.on_disk), np.bool_)])
+
+    def pinned(self, page: int) -> bool:
+        return page < self.sink_pages or page >= self.n_pages - self.window_pages
+
+    def add_page(self, slot: int) -> int:
+        """Register the next page, resident in `slot`; returns its index."""
+        page = self.n_pages
+        self._grow(page + 1)
+        self.n_pages += 1
+        self.slot_of[page] = slot
+        self.on_disk[page] = False
+        if slot != page:
+            self.identity = False
+        while len(self.page_of_slot) <= slot:
+            self.page_of_slot.append(-1)
+        self.page_of_slot[slot] = page
+        # The page leaving the window becomes evictable; the new one is pinned.
+        left = page - self.window_pages
+        if left >= self.sink_pages and self.slot_of[left] >= 0:
+            self.lru[left] = None
+        return page
+
+    def touch(self, pages: Any) -> None:
+        for p in pages:
+            p = int(p)
+            if p in self.lru:
+                self.lru.move_to_end(p)
+
+    def evict_candidate(self) -> int | None:
+        """The least recently used unpinned resident page that is on disk, or None."""
+        for p in self.lru:
+            if self.on_disk[p]:
+                return p
+        return None
+
+    def release(self, page: int) -> int:
+        """Drop `page` from RAM (its copy on disk remains); returns the freed slot."""
+        slot = int(self.slot_of[page])
+        self.slot_of[page] = -1
+        self.page_of_slot[slot] = -1
+        self.lru.pop(page, None)
+        self.free_slots.append(slot)
+        self.identity = False
+        return slot
+
+    def place(self, page: int, slot: int) -> None:
+        """`page`, read back from disk, now lives in `slot`."""
+        self.slot_of[page] = slot
+        while len(self.page_of_slot) <= slot:
+            self.page_of_slot.append(-1)
+        self.page_of_slot[slot] = page
+        if not self.pinned(page):
+            self.lru[page] = None
+
+    def truncate(self, n_pages: int) -> list[int]:
+        """Forget pages >= n_pages; returns the slots they held."""
+        freed = []
+        for p in range(n_pages, self.n_pages):
+            s = int(self.slot_of[p])
+            if s >= 0:
+                self.page_of_slot[s] = -1
+                freed.append(s)
+            self.slot_of[p] = -1
+            self.on_disk[p] = False
+            self.lru.pop(p, None)
+        self.n_pages = n_pages
+        if self.kmin is not None:
+            self.kmin = self.kmin[:n_pages] if n_pages else None
+            self.kmax = self.kmax[:n_pages] if n_pages else None
+        return freed
+
+    def resident(self, pages: np.ndarray) -> np.ndarray:
+        return self.slot_of[pages] >= 0
+
+    def all_resident(self, n_pages: int) -> bool:
+        return bool(n_pages == 0 or (self.slot_of[:n_pages] >= 0).all())
+
+    @property
+    def n_resident(self) -> int:
+        return int((self.slot_of[: self.n_pages] >= 0).sum())
+
+    @property
+    def n_on_disk(self) -> int:
+        return int(self.on_disk[: self.n_pages].sum())
+
+    # -- summaries ------------------------------------------------------------------------
+    def add_summary(self, kmin: Any, kmax: Any) -> None:
+        """Append one page's (1, kv_heads, head_dim) key min and max."""
+        import mlx.core as mx
+
+        if self.kmin is None:
+            self.kmin, self.kmax = kmin, kmax
+        else:
+            self.kmin = mx.concatenate([self.kmin, kmin])
+            self.kmax = mx.concatenate([self.kmax, kmax])

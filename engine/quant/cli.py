@@ -1,0 +1,108 @@
+"""The `strata quantize` and `strata eval` subcommands (registered by engine.cli).
+
+Contract: `add_commands(sub)` adds both parsers. Each command prints its result on stdout
+(JSON with --json) and progress on stderr; errors are StrataError lines, printed by engine.cli.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+
+
+def _progress(label: str) -> Any:
+    from engine.cli import _progress_printer
+
+    return _progress_printer(label)
+
+
+def _library() -> Any:
+    from engine.library import Library
+
+    return Library()
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from engine.quant.quantize import quantize
+
+    calibration = Path(args.calibration) if args.calibration else None
+    if args.recipe == "auto" and calibration is None:
+        default = SHARED_DATA / "tinyshakespeare.txt"
+        calibration = default if default.is_file() else None
+    m = quantize(_library(), args.source, args.recipe, args.name, target_bpw=args.bpw,
+                 calibration=calibration, progress=_progress("quantizing"),
+                 replace=args.replace)
+    if args.json:
+        print(json.dumps(m, indent=2, sort_keys=True))
+    else:
+        tensors = m["recipe"]["tensors"]
+        print(f"quantized {m['name']} with {m['recipe']['name']} "
+              f"({m['bytes'] / 1e6:.1f} MB, {m['bits_per_weight']} bits/weight)")
+        for cls, formats in tensors.items():
+            print(f"  {cls:9} " + ", ".join(f"{k} x{v}" for k, v in formats.items()))
+    return 0
+
+
+def cmd_recipes(args: argparse.Namespace) -> int:
+    from engine.quant.recipes import builtin_names, resolve_recipe
+
+    for name in builtin_names():
+        r = resolve_recipe(name)
+        print(f"{name:20} {r.description}")
+    print(f"{'auto':20} sensitivity-guided allocation for --bpw BITS (calibrated on text)")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from engine.quant.evaluate import evaluate
+
+    lib = _library()
+    cache: dict[Any, Any] = {}
+    results = []
+    for model in args.model:
+        r = evaluate(lib, model, args.reference, Path(args.text), tokens=args.tokens,
+                     window=args.window, progress=_progress(f"evaluating {model}"),
+                     cache=cache)
+        results.append(r.to_dict())
+        if not args.json:
+            print(f"{r.model}: ppl {r.perplexity:.3f} (reference {r.reference_perplexity:.3f}), "
+                  f"KL {r.kl_mean:.4f}, top-1 {100 * r.top1_agreement:.1f}%, "
+                  f"{r.bits_per_weight} bits/weight, {(r.bytes_on_disk or 0) / 1e6:.1f} MB, "
+                  f"peak {r.peak_memory_bytes / 1e6:.0f} MB, {r.generation_tps:.1f} tok/s "
+                  f"[{r.tokens} tokens, {r.profile}]", flush=True)
+    if args.json:
+        print(json.dumps(results[0] if len(results) == 1 else results, indent=2,
+                         sort_keys=True))
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser("quantize", help="quantize a model by recipe into a new library model")
+    p.add_argument("source", help="library model, MLX or Hugging Face folder, or .gguf file")
+    p.add_argument("--recipe", required=True,
+                   help="built-in name (see `strata recipes`), 'auto', or a .toml/.json file")
+    p.add_argument("--name", required=True, help="library name of the new model")
+    p.add_argument("--bpw", type=float, help="with --recipe auto: target bits per weight")
+    p.add_argument("--calibration", metavar="FILE",
+                   help="calibration text for --recipe auto (default: tinyshakespeare.txt)")
+    p.add_argument("--replace", action="store_true", help="replace a model of the same name")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("recipes", help="list the built-in quantization recipes")
+    p.set_defaults(func=cmd_recipes)
+
+    p = sub.add_parser("eval", help="perplexity and KL divergence against a reference model")
+    p.add_argument("--model", action="append", required=True,
+                   help="library model to measure (repeatable: one reference pass for all)")
+    p.add_argument("--reference", required=True, help="library model to compare against")
+    p.add_argument("--text", required=True, help="evaluation text file (UTF-8)")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens to evaluate (default 4096)")
+    p.add_argument("--window", type=int, default=1024,
+                   help="tokens per window; each window starts fresh (default 1024)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_eval)

@@ -1,0 +1,98 @@
+"""The library screen: drop a GGUF and see it listed; drop a text file and see the refusal."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import QMimeData, QPointF, Qt, QUrl
+from PySide6.QtGui import QDragEnterEvent, QDropEvent, QFileOpenEvent
+from PySide6.QtWidgets import QApplication
+
+from app.main import MainWindow
+from tests.app.conftest import REPLY_TIMEOUT_MS, WindowFactory
+
+
+def _drop(window: MainWindow, *paths: Path) -> None:
+    """What the window sees when files are dragged over it and released."""
+    mime = QMimeData()
+    mime.setUrls([QUrl.fromLocalFile(str(p)) for p in paths])
+    args = (Qt.DropAction.CopyAction, mime, Qt.MouseButton.LeftButton,
+            Qt.KeyboardModifier.NoModifier)
+    enter = QDragEnterEvent(QPointF(200, 200), *args)
+    window.dragEnterEvent(enter)
+    assert enter.isAccepted()
+    drop = QDropEvent(QPointF(200, 200), *args)
+    window.dropEvent(drop)
+    assert drop.isAccepted()
+
+
+def _library_state(home: Path) -> list[str]:
+    return sorted(p.name for p in (home / "models").iterdir())
+
+
+def test_dropping_a_gguf_imports_it(make_window: WindowFactory, tmp_path: Path,
+                                    qtbot: Any) -> None:
+    from engine.library.starter import starter_gguf
+
+    home = tmp_path / "home"
+    window = make_window(home=home, fetch_starter=False, preload=False)
+    assert window.library.model.rowCount() == 0
+    assert window.library.view.stack.currentWidget() is window.library.view.empty_label
+    dropped = tmp_path / "My Little Model.gguf"
+    shutil.copyfile(starter_gguf(), dropped)
+    with qtbot.waitSignal(window.library.import_done, timeout=REPLY_TIMEOUT_MS) as blocker:
+        _drop(window, dropped)
+        assert window.tabs.currentWidget() is window.library.view
+    job, ok, name = blocker.args
+    assert ok, name
+    assert name == "my-little-model"
+    assert window.library.model.names() == ["my-little-model"]
+    assert window.library.view.stack.currentWidget() is window.library.view.table
+    table = window.library.view.table
+    assert table.model().index(0, 0).data().startswith("my-little-model")
+    assert table.model().index(0, 3).data() == "4-bit, 8-bit embedding"
+    assert window.chat.models == ["my-little-model"]
+    dialog = window.library.dialogs[job]
+    assert "Imported" in dialog.message.text()
+    assert dialog.kind_label.text() == "GGUF file"
+
+    # set as default, then delete: the library empties again
+    window.library.set_default("my-little-model")
+    assert "(default)" in table.model().index(0, 0).data()
+    with qtbot.waitSignal(window.engine.model_removed, timeout=REPLY_TIMEOUT_MS):
+        window.library.delete("my-little-model")
+    assert window.library.model.rowCount() == 0
+    assert _library_state(home) == []
+
+
+def test_dropping_a_text_file_is_refused_with_the_reason(make_window: WindowFactory,
+                                                         tmp_path: Path, qtbot: Any) -> None:
+    home = tmp_path / "home"
+    window = make_window(home=home, fetch_starter=False, preload=False)
+    before = _library_state(home)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("just some notes, not a model\n")
+    with qtbot.waitSignal(window.library.import_done, timeout=REPLY_TIMEOUT_MS) as blocker:
+        _drop(window, notes)
+    job, ok, reason = blocker.args
+    assert not ok
+    assert "not a model file" in reason and "notes.txt" in reason
+    message = window.library.dialogs[job].message.text()
+    assert "cannot be imported" in message and "not a model file" in message
+    assert "library is unchanged" in message
+    assert _library_state(home) == before
+    assert window.library.model.rowCount() == 0
+
+
+def test_a_file_open_event_imports_like_a_drop(make_window: WindowFactory, tmp_path: Path,
+                                               qapp: Any, qtbot: Any) -> None:
+    window = make_window(home=tmp_path / "home", fetch_starter=False, preload=False)
+    qapp.file_open_requested.connect(window.import_path)
+    notes = tmp_path / "dock.txt"
+    notes.write_text("dropped on the Dock\n")
+    with qtbot.waitSignal(window.library.import_done, timeout=REPLY_TIMEOUT_MS) as blocker:
+        QApplication.sendEvent(qapp, QFileOpenEvent(str(notes)))
+    assert not blocker.args[1]
+    assert "dock.txt" in blocker.args[2]

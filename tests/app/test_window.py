@@ -1,0 +1,66 @@
+"""The main window: first start fetches the starter with progress; names and shortcuts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtGui import QKeySequence
+from PySide6.QtWidgets import (
+    QAbstractButton,
+    QAbstractItemView,
+    QAbstractSpinBox,
+    QComboBox,
+    QPlainTextEdit,
+    QTextEdit,
+    QWidget,
+)
+
+from tests.app.conftest import LOAD_TIMEOUT_MS, WindowFactory
+
+REQUIRED_NAMES = ("Chat input", "Send", "Stop", "Messages", "Chats", "New chat",
+                  "Model picker", "System prompt", "Temperature", "Top-p", "Max tokens",
+                  "Model library", "Import model", "Set as default", "Delete model",
+                  "Memory panel", "Rename chat", "Delete chat")
+
+
+def test_first_start_fetches_the_starter_with_progress(make_window: WindowFactory,
+                                                       tmp_path: Path, qtbot: Any) -> None:
+    home = tmp_path / "fresh-home"
+    window = make_window(home=home, preload=False)
+    assert window.progress.isVisible()
+    assert "starter" in window.chat.view.empty_label.text()
+    messages: list[str] = []
+    window.engine.starter_progressed.connect(lambda text, _d, _t: messages.append(text))
+    with qtbot.waitSignal(window.engine.starter_ready, timeout=LOAD_TIMEOUT_MS):
+        pass
+    assert any("starter" in m.lower() for m in messages)
+    assert not window.progress.isVisible()
+    assert window.library.model.names() == ["smollm2-135m-instruct"]
+    assert window.chat.models == ["smollm2-135m-instruct"]
+    assert "Ctrl+Enter" in window.chat.view.empty_label.text()
+
+
+def test_every_interactive_widget_has_an_accessible_name(make_window: WindowFactory) -> None:
+    window = make_window(preload=False, fetch_starter=False)
+    names = {w.accessibleName() for w in window.findChildren(QWidget)}
+    missing = [n for n in REQUIRED_NAMES if n not in names]
+    assert not missing
+    kinds = (QAbstractButton, QAbstractItemView, QAbstractSpinBox, QComboBox, QPlainTextEdit,
+             QTextEdit)
+    for tab in range(window.tabs.count()):
+        window.tabs.setCurrentIndex(tab)
+        for widget in window.tabs.currentWidget().findChildren(QWidget):
+            inner = isinstance(widget.parent(), kinds)  # a combo box's popup list, ...
+            if isinstance(widget, kinds) and widget.isVisible() and not inner:
+                assert widget.accessibleName(), f"{type(widget).__name__} has no name"
+
+
+def test_shortcuts(make_window: WindowFactory) -> None:
+    window = make_window(preload=False, fetch_starter=False)
+    assert window.new_chat_action.shortcut() == QKeySequence(QKeySequence.StandardKey.New)
+    assert window.import_action.shortcut() == QKeySequence(QKeySequence.StandardKey.Open)
+    before = window.store.chats()
+    window.new_chat_action.trigger()
+    assert len(window.store.chats()) == len(before) + 1
+    assert window.tabs.currentWidget() is window.chat.view

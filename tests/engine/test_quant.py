@@ -1,0 +1,282 @@
+"""Quantization by recipe and evaluation: promised bit widths read back from disk, loading and
+generating, eval of the reference against itself, recipe round-trips, bad input writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.quant.recipes import (
+    Format,
+    RecipeError,
+    builtin_names,
+    parse_recipe,
+    plan_shapes,
+    resolve_recipe,
+    tensor_class,
+)
+
+HIDDEN, INTER, LAYERS = 576, 1536, 30  # SmolLM2-135M, the starter
+
+
+def _starter_shapes() -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens": (49152, HIDDEN)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}"
+        for n, s in (("q_proj", (HIDDEN, HIDDEN)), ("k_proj", (192, HIDDEN)),
+                     ("v_proj", (192, HIDDEN)), ("o_proj", (HIDDEN, HIDDEN))):
+            shapes[f"{p}.self_attn.{n}"] = s
+        for n, s in (("gate_proj", (INTER, HIDDEN)), ("up_proj", (INTER, HIDDEN)),
+                     ("down_proj", (HIDDEN, INTER))):
+            shapes[f"{p}.mlp.{n}"] = s
+    return shapes
+
+
+def _read_back(folder: Path) -> dict[str, Format]:
+    """Each module's format as stored: bits and group from the array shapes alone."""
+    import mlx.core as mx
+
+    weights: Any = mx.load(str(folder / "model.safetensors"))
+    out = {}
+    for key, w in weights.items():
+        if not key.endswith(".weight"):
+            continue
+        module = key[: -len(".weight")]
+        if f"{module}.scales" not in weights:
+            out[module] = Format(16, 64) if w.dtype == mx.float16 else Format(32, 0)
+            continue
+        cols = INTER if module.endswith("down_proj") else HIDDEN
+        out[module] = Format(w.shape[-1] * 32 // cols,
+                             cols // weights[f"{module}.scales"].shape[-1])
+    return out
+
+
+# -- recipes as data ------------------------------------------------------------------------
+@pytest.mark.parametrize("name", builtin_names())
+def test_recipe_files_round_trip(name: str) -> None:
+    recipe = resolve_recipe(name)
+    again = parse_recipe(recipe.to_toml(), "round-trip")
+    assert again.to_dict() == recipe.to_dict()
+    as_json = parse_recipe(json.dumps(recipe.to_dict()), "round-trip", ".json")
+    assert as_json.to_dict() == recipe.to_dict()
+
+
+def test_uniform_plans_promise_their_widths() -> None:
+    shapes = _starter_shapes()
+    for bits in (8, 6, 5, 4, 3, 2):
+        for group in (32, 64, 128):
+            plan = plan_shapes(resolve_recipe(f"q{bits}-g{group}"), shapes, LAYERS, tied=True)
+            for path, f in plan.items():
+                # Group 128 does not divide 576 columns: those rows fall back to group 64.
+                want = group if shapes[path][-1] % group == 0 else 64
+                assert f == Format(bits, want), path
+
+
+def test_mixed_plans_follow_class_and_layer_rules() -> None:
+    shapes = _starter_shapes()
+    plan = plan_shapes(resolve_recipe("mixed-attn8-mlp4"), shapes, LAYERS, tied=True)
+    assert plan["model.embed_tokens"] == Format(8, 64)
+    assert plan["model.layers.7.self_attn.v_proj"] == Format(8, 64)
+    assert plan["model.layers.7.mlp.up_proj"] == Format(4, 64)
+    assert plan["model.layers.1.mlp.down_proj"] == Format(6, 64)
+    assert plan["model.layers.28.mlp.gate_proj"] == Format(6, 64)
+    plan = plan_shapes(resolve_recipe("q4-k-m"), shapes, LAYERS, tied=True)
+    more = {0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29}  # llama.cpp's use_more_bits
+    for i in range(LAYERS):
+        for n in ("self_attn.v_proj", "mlp.down_proj"):
+            assert plan[f"model.layers.{i}.{n}"].bits == (6 if i in more else 4)
+        assert plan[f"model.layers.{i}.self_attn.q_proj"] == Format(4, 64)
+    assert plan["model.embed_tokens"] == Format(6, 64)  # tied: the embedding is the head
+
+
+def test_tensor_classes() -> None:
+    assert tensor_class("model.layers.3.self_attn.v_proj") == ("attn.v", 3)
+    assert tensor_class("model.layers.12.mlp.down_proj") == ("mlp.down", 12)
+    assert tensor_class("lm_head") == ("head", None)
+    assert tensor_class("model.embed_tokens") == ("embed", None)
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ('name = "x"\nbits = 7', "bits 7 is not supported"),
+    ('name = "x"\ngroup_size = 48', "group size 48 is not supported"),
+    ('name = "x"\n[[rules]]\ntensors = ["attn.qq"]\nbits = 8', "names no tensor class"),
+    ('name = "x"\nbitz = 4', "unknown key 'bitz'"),
+    ('name = "x"\n[[rules]]\ntensors = ["mlp.*"]', "neither bits nor group_size"),
+    ('name = "x"\n[[rules]]\ntensors = ["mlp.*"]\nlayers = ["a-b"]\nbits = 4', "layer 'a-b'"),
+    ('name = "x" bits = 4', "does not parse as TOML"),
+])
+def test_bad_recipe_text_is_one_clear_line(text: str, fragment: str) -> None:
+    with pytest.raises(RecipeError) as info:
+        parse_recipe(text, "my.toml")
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_rule_matching_no_tensor_is_an_error() -> None:
+    recipe = parse_recipe('name = "x"\n[[rules]]\ntensors = ["mlp.down"]\nlayers = [40]\nbits = 8',
+                          "x.toml")
+    with pytest.raises(RecipeError, match="matches no tensor"):
+        plan_shapes(recipe, _starter_shapes(), LAYERS, tied=True)
+    head = parse_recipe('name = "x"\n[[rules]]\ntensors = ["head"]\nbits = 8', "x.toml")
+    with pytest.raises(RecipeError, match="matches no tensor"):  # untied model, no lm_head
+        plan_shapes(head, {"model.layers.0.mlp.up_proj": (128, 64)}, 1, tied=False)
+
+
+def test_allocation_meets_the_budget_and_prefers_sensitive_tensors() -> None:
+    from engine.quant.sensitivity import allocate, candidates
+
+    shapes = {"a": (64, 256), "b": (64, 256)}
+    # Tensor a is 100x more sensitive: its error per format is 100x b's.
+    errors = {p: {f: (100.0 if p == "a" else 1.0) * 4.0 ** -f.bits for f in candidates(256)}
+              for p in shapes}
+    plan = allocate(errors, shapes, 4.0)
+    bpw = sum(f.bits_per_weight for f in plan.values()) / 2
+    assert bpw <= 4.0 and plan["a"].bits > plan["b"].bits
+
+
+# -- on the starter model -------------------------------------------------------------------
+def _cli(*argv: str) -> int:
+    from engine.cli import main
+
+    return main(list(argv))
+
+
+def _library_state(library: Any) -> set[str]:
+    return {p.name for p in library.models_dir.iterdir()}
+
+
+@pytest.fixture(scope="module")
+def reference(library: Any, starter: Any) -> Any:
+    from engine.quant.quantize import quantize
+
+    return library.find("starter-f16") or quantize(library, "starter", "f16", "starter-f16")
+
+
+@pytest.mark.parametrize("recipe", ["q3-g128", "mixed-attn8-mlp4", "q4-k-m", "mixed-3.6"])
+def test_saved_model_has_the_promised_widths(library: Any, starter: Any, recipe: str) -> None:
+    from engine.quant.quantize import quantize
+    from engine.quant.recipes import plan_shapes
+
+    m = quantize(library, "starter", recipe, f"t-{recipe}", replace=True)
+    got = _read_back(Path(m["path"]))
+    want = plan_shapes(resolve_recipe(recipe), _starter_shapes(), LAYERS, tied=True)
+    assert {k: got[k] for k in want} == want
+    assert all(v == Format(16, 64) for k, v in got.items() if "norm" in k)
+    assert m["recipe"]["name"] == recipe and m["source_format"] == "quantized"
+    saved = parse_recipe((Path(m["path"]) / "recipe.toml").read_text(), "saved")
+    assert saved.to_dict() == resolve_recipe(recipe).to_dict()
+    stored = sum(f.stat().st_size for f in Path(m["path"]).glob("*.safetensors")) * 8
+    assert abs(m["bits_per_weight"] - stored / m["params"]) < 0.01
+
+
+def test_quantized_model_loads_and_generates(library: Any, starter: Any) -> None:
+    from engine.quant.quantize import quantize
+    from engine.runtime.generate import LoadedModel, generate
+    from engine.runtime.sampling import SamplingParams
+
+    m = library.find("t-mixed-attn8-mlp4") or quantize(library, "starter", "mixed-attn8-mlp4",
+                                                       "t-mixed-attn8-mlp4")
+    lm = LoadedModel.load(m["name"], library)
+    ids = lm.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    text = "".join(ev.text for ev in generate(lm, ids, SamplingParams(temperature=0.0),
+                                              max_tokens=12))
+    assert "Paris" in text
+
+
+def test_eval_of_reference_against_itself(library: Any, reference: Any,
+                                          shared_data: Path) -> None:
+    from engine.quant.evaluate import evaluate
+
+    text = shared_data / "wikitext-2-test.txt"
+    r = evaluate(library, "starter-f16", "starter-f16", text, tokens=256, window=128,
+                 gen_tokens=4)
+    assert r.kl_mean == 0.0 and r.top1_agreement == 1.0
+    assert r.perplexity == r.reference_perplexity and 2 < r.perplexity < 200
+    assert r.tokens == 256 and r.bits_per_weight == 16.0
+    # The published model is the reference's source: nearly the same distribution.
+    q = evaluate(library, "starter", "starter-f16", text, tokens=256, window=128, gen_tokens=0)
+    assert q.kl_mean < 0.01 and q.reference_perplexity == r.reference_perplexity
+
+
+def test_eval_cli_json_orders_recipes(library: Any, reference: Any, shared_data: Path,
+                                      capsys: Any) -> None:
+    from engine.quant.quantize import quantize
+
+    if library.find("t-q2-g64") is None:
+        quantize(library, "starter", "q2-g64", "t-q2-g64")
+    assert _cli("eval", "--model", "t-q2-g64", "--model", "starter", "--reference", "starter-f16",
+                "--text", str(shared_data / "wikitext-2-test.txt"), "--tokens", "128",
+                "--window", "128", "--json") == 0
+    low, published = json.loads(capsys.readouterr().out)
+    assert low["kl_mean"] > 10 * published["kl_mean"]
+    assert low["perplexity"] > published["perplexity"]
+    assert low["bytes_on_disk"] < published["bytes_on_disk"]
+
+
+def test_auto_recipe_meets_its_target(library: Any, starter: Any, shared_data: Path) -> None:
+    from engine.quant.quantize import quantize
+
+    m = quantize(library, "starter", "auto", "t-auto", target_bpw=3.6,
+                 calibration=shared_data / "tinyshakespeare.txt", calibration_tokens=256)
+    assert 3.4 < m["bits_per_weight"] <= 3.61
+    saved = parse_recipe((Path(m["path"]) / "recipe.toml").read_text(), "saved")
+    plan = plan_shapes(saved, _starter_shapes(), LAYERS, tied=True)
+    got = _read_back(Path(m["path"]))
+    assert {k: got[k] for k in plan} == plan
+
+
+def test_quantize_from_hf_folder(library: Any, tmp_path: Path) -> None:
+    from engine.quant.quantize import quantize
+    from tests.engine.hf_factory import write_hf_llama
+
+    write_hf_llama(tmp_path / "hf", layers=2, tie=False)
+    recipe = tmp_path / "head8.toml"
+    recipe.write_text('name = "head8"\nbits = 4\ngroup_size = 32\n'
+                      '[[rules]]\ntensors = ["head", "embed"]\nbits = 8\n')
+    m = quantize(library, str(tmp_path / "hf"), str(recipe), "t-hf")
+    config = json.loads((Path(m["path"]) / "config.json").read_text())
+    assert config["quantization"]["lm_head"] == {"bits": 8, "group_size": 32}
+    assert config["quantization"]["model.layers.1.mlp.up_proj"] == {"bits": 4, "group_size": 32}
+    assert (Path(m["path"]) / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize(("argv", "fragment"), [
+    (["--recipe", "q4-g64x"], "unknown recipe 'q4-g64x'"),
+    (["--recipe", "q7-g64"], "bits 7 is not supported"),
+    (["--recipe", "q4-g48"], "group size 48 is not supported"),
+    (["--recipe", "auto"], "needs a target"),
+    (["--recipe", "auto", "--bpw", "1.0"], "out of reach"),
+    (["--recipe", "q4-g64", "--bpw", "4"], "only to --recipe auto"),
+    (["--recipe", "/nonexistent/r.toml"], "no such recipe file"),
+])
+def test_bad_quantize_input_writes_nothing(library: Any, starter: Any, capsys: Any,
+                                           argv: list[str], fragment: str) -> None:
+    before = _library_state(library)
+    assert _cli("quantize", "starter", "--name", "t-bad", *argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert fragment in err and len(err.splitlines()) == 1, err
+    assert _library_state(library) == before
+
+
+def test_bad_recipe_file_and_source_write_nothing(library: Any, starter: Any, tmp_path: Path,
+                                                  capsys: Any) -> None:
+    before = _library_state(library)
+    broken = tmp_path / "broken.toml"
+    broken.write_text("name = [unclosed\n")
+    nowhere = tmp_path / "nowhere.toml"
+    nowhere.write_text('name = "late"\n[[rules]]\ntensors = ["attn.*"]\nlayers = ["40:"]\n'
+                       "bits = 8\n")
+    for argv, fragment in (
+        (["starter", "--recipe", str(broken)], "does not parse as TOML"),
+        (["starter", "--recipe", str(nowhere)], "matches no tensor"),
+        (["no-such-model", "--recipe", "q4-g64"], "neither a library model"),
+    ):
+        assert _cli("quantize", *argv, "--name", "t-bad") == 1
+        err = capsys.readouterr().err.strip()
+        assert fragment in err and len(err.splitlines()) == 1, err
+    assert _cli("quantize", "starter", "--recipe", "q4-g64", "--name", "starter") == 1
+    assert "already in the library" in capsys.readouterr().err
+    assert _library_state(library) == before
