@@ -106,3 +106,17 @@ def test_chat_in_the_terminal(starter: dict[str, Any], strata_home: Path) -> Non
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout and "Berlin" in proc.stdout
     assert "prompt tokens cached" in proc.stderr
+
+
+def test_load_refuses_when_memory_would_not_fit(starter: dict[str, Any], strata_home: Path
+                                                ) -> None:
+    """Weights (as the profile holds them) plus the full-context KV over the cap: refused."""
+    proc = run_strata("generate", "--model", "starter", "--prompt", "hi", home=strata_home,
+                      env={"STRATA_MAX_MEMORY_MB": "300"})
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("strata: error: smollm2-135m-instruct: needs")
+    assert "GB is available" in lines[0] and "Traceback" not in proc.stderr
+    ok = run_strata("generate", "--model", "starter", "--prompt", "hi", "--max-tokens", "1",
+                    home=strata_home, env={"STRATA_MAX_MEMORY_MB": "4000"})
+    assert ok.returncode == 0, ok.stderr
