@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export QT_QPA_PLATFORM ?= $(if $(filter Linux,$(shell uname -s)),$(if $(DISPLAY),,offscreen),)
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test lint bench app clean
 
 setup: $(VENV)/.installed
 
@@ -24,12 +24,17 @@ test: setup lint
 	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q
 
 lint: setup
-	$(BIN)/ruff check engine app tests
+	$(BIN)/ruff check engine app tests packaging
 	$(BIN)/mypy
+	$(BIN)/mypy packaging/plist.py packaging/make_icons.py packaging/entry.py packaging/metal_check.py
 
 bench: setup
 	$(BIN)/strata pull starter >/dev/null
 	$(BIN)/strata bench quick
+
+# Strata.app (macOS arm64, ad-hoc signed) or dist/Strata/ (Linux); see packaging/README.md.
+app: setup
+	PY=$(BIN)/python ./packaging/build.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -46,15 +46,17 @@ from PySide6.QtWidgets import (
 )
 
 import app.compat  # noqa: F401  (PySide6 work-around, see there)
+from app.bench.view import BenchmarkView
 from app.chat.controller import ChatController
 from app.chat.store import ChatStore, Sampling
 from app.library.controller import LibraryController
 from app.memory.view import MemoryPanel
+from app.smoke import app_icon
 from app.worker import Engine
 from engine.platform import MemorySnapshot, default_home
 
 DEFAULT_SIZE = (1100, 720)
-VIEWS = ("chat", "library", "memory")
+VIEWS = ("chat", "library", "memory", "benchmark")
 DEMO_PROMPTS = (
     "What is the capital of France?",
     "Write a Python function that returns the sum of a list of numbers.",
@@ -100,6 +102,7 @@ class MainWindow(QMainWindow):
         self.chat = ChatController(self.store, self.engine, self)
         self.library = LibraryController(self.store, self.engine, self)
         self.memory = MemoryPanel()
+        self.bench = BenchmarkView(self.home)
 
         self.tabs = QTabWidget()
         self.tabs.setAccessibleName("Views")
@@ -107,6 +110,7 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.chat.view, "Chat")
         self.tabs.addTab(self.library.view, "Library")
         self.tabs.addTab(self.memory, "Memory")
+        self.tabs.addTab(self.bench, "Benchmark")
         self.setCentralWidget(self.tabs)
 
         self.status_label = QLabel("Starting…")
@@ -174,7 +178,7 @@ class MainWindow(QMainWindow):
         quit_action.triggered.connect(self.close)
         file_menu.addAction(quit_action)
         view_menu = self.menuBar().addMenu("&View")
-        for i, name in enumerate(("Chat", "Library", "Memory")):
+        for i, name in enumerate(("Chat", "Library", "Memory", "Benchmark")):
             action = QAction(name, self)
             action.setShortcut(QKeySequence(f"Ctrl+{i + 1}"))
             action.triggered.connect(lambda _=False, i=i: self.tabs.setCurrentIndex(i))
@@ -231,6 +235,7 @@ class MainWindow(QMainWindow):
     @Slot(list, str)
     def _on_models_changed(self, names: list[str], default: str) -> None:
         self.chat.set_models(names, default)
+        self.bench.set_models(names, default)
 
     @Slot(str, int, int)
     def _on_starter_progressed(self, message: str, done: int, total: int) -> None:
@@ -282,6 +287,7 @@ class MainWindow(QMainWindow):
             return
         self._closed = True
         self.chat.shutdown()
+        self.bench.shutdown()
         self.engine.shutdown()
         self.store.close()
 
@@ -399,6 +405,7 @@ def run(screenshot: str | Path | None = None, view: str = "chat", demo: bool = F
     app = existing if isinstance(existing, QApplication) else StrataApplication(sys.argv[:1])
     app.setApplicationName("Strata")
     app.setOrganizationName("Strata")
+    app.setWindowIcon(app_icon())  # Linux shows it; macOS takes the bundle's .icns
     apply_theme(app, theme)
     # --demo talks in a throwaway database, so screenshots never touch a person's chats.
     window = MainWindow(home, db_path=":memory:" if demo else None)

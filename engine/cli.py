@@ -266,6 +266,14 @@ def cmd_window(args: argparse.Namespace) -> int:
                             theme=getattr(args, "theme", "system")))
 
 
+def cmd_smoke(args: argparse.Namespace) -> int:
+    """`strata --smoke`: one JSON line on stdout (see engine/smoke.py)."""
+    from engine.smoke import run_smoke
+
+    print(json.dumps(run_smoke(), sort_keys=True), flush=True)
+    return 0
+
+
 # -- parser -------------------------------------------------------------------------------
 def _add_sampling(p: argparse.ArgumentParser, temp: float) -> None:
     p.add_argument("--model", default="starter", help="library name or alias (default: starter)")
@@ -285,12 +293,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run language models locally. With no command, opens the window.")
     parser.add_argument("--screenshot", metavar="FILE",
                         help="render the window offscreen to a PNG after start-up, then exit")
-    parser.add_argument("--view", choices=("chat", "library", "memory"), default="chat",
+    parser.add_argument("--view", choices=("chat", "library", "memory", "benchmark"),
+                        default="chat",
                         help="the view to show (default: chat)")
     parser.add_argument("--demo", action="store_true",
                         help="with --screenshot: first run a short scripted chat (temperature 0)")
     parser.add_argument("--theme", choices=("system", "light", "dark"), default="system",
                         help="window palette (default: the system's)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="self-test: load the starter model, generate one token, print "
+                             "one JSON line and exit (also in the packaged app)")
     sub = parser.add_subparsers(dest="command")
 
     p = sub.add_parser("pull", help="fetch the starter model or a Hugging Face repository")
@@ -338,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: $STRATA_API_KEY)")
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("bench", help="measure speed against mlx-lm on this machine")
+    p = sub.add_parser("bench", help="measure speed and memory against mlx-lm and llama.cpp")
     from engine.bench import add_arguments
     from engine.kv.bench import add_kv_arguments
 
@@ -355,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    func = cmd_window if args.command is None else args.func
+    func = (cmd_smoke if args.smoke else cmd_window) if args.command is None else args.func
     try:
         return int(func(args))
     except StrataError as exc:

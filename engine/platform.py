@@ -54,10 +54,24 @@ def blas_status() -> str:
     return f"openblas ({_blas_path})" if _blas_path else "reference"
 
 
+def select_device() -> None:
+    """Honour STRATA_DEVICE=cpu: MLX computes on the CPU even where there is a GPU.
+
+    For GPUs that cannot be trusted (hosted CI runners' paravirtual Metal device) and for
+    CPU-against-GPU comparisons. backend() calls it, so every model load honours it.
+    """
+    if os.environ.get("STRATA_DEVICE") == "cpu":
+        import mlx.core as mx
+
+        if mx.default_device() != mx.cpu:
+            mx.set_default_device(mx.cpu)
+
+
 def backend() -> str:
     """'metal', 'cuda' or 'cpu': where MLX's default device computes."""
     import mlx.core as mx
 
+    select_device()
     if mx.default_device() == mx.gpu:
         if mx.metal.is_available():
             return "metal"

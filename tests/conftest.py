@@ -15,6 +15,15 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _device() -> None:
+    """STRATA_DEVICE=cpu puts this process's MLX on the CPU too (CI on virtual GPUs)."""
+    if os.environ.get("STRATA_DEVICE") == "cpu":
+        from engine.platform import select_device
+
+        select_device()
+
+
 @pytest.fixture(scope="session")
 def strata_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     home = tmp_path_factory.mktemp("strata-home")

@@ -1,89 +1,520 @@
-"""One benchmark subject in its own process: `python -m engine.bench.worker SUBJECT MODEL_DIR`.
+"""One benchmark subject in its own process: `python -m engine.bench.worker JOB.json`.
 
-Contract: reads a JSON job on stdin ({"prompt_ids", "max_tokens", "trials", "profile"}),
-runs a warm-up and `trials` greedy generations, and prints one JSON object on stdout with the
-per-trial figures, all measured the same way for every subject from token arrival times:
-ttft_s (prompt in, first token out), prompt_tps = prompt tokens / ttft_s, decode_tps =
-(tokens - 1) / (last token time - first token time). Subjects: 'strata', 'mlx-lm'.
+Contract: reads a job (see `engine.bench.make_job`), measures one subject ('strata',
+'mlx-lm' or 'llama.cpp') on one model and setting, and rewrites the job's `out` file with
+everything measured so far after each step, so an interrupted run (SIGINT or SIGTERM) keeps
+what finished. Progress goes to stderr as `@progress DONE TOTAL LABEL` lines. Every figure
+is measured the same way for every subject, from token arrival times in this process:
+ttft_s = prompt in to first token out; prompt_tps = new prompt tokens / ttft_s; decode_tps
+= (tokens - 1) / (last token time - first token time). EOS is ignored, as llama-bench does,
+so every run generates max_tokens. Steps, in order: cold and warm loads,
+one warm-up generation, first-token trials without and with a cached prefix, then for each
+context depth a warm-up and `trials` runs of a prompt after `depth` tokens already cached.
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
+import mmap
+import os
+import resource
+import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from engine.bench.stats import stat
 
-def _measure(stream: Callable[[], Iterator[int]], prompt_len: int) -> dict[str, Any]:
-    import mlx.core as mx
+PHASES = ("cache lookup", "prefill", "first decode")
 
-    mx.reset_peak_memory()
-    t0 = time.perf_counter()
-    times: list[float] = []
-    tokens: list[int] = []
-    for tok in stream():
-        times.append(time.perf_counter())
-        tokens.append(tok)
-    ttft = times[0] - t0
-    span = times[-1] - times[0]
+
+# -- page cache ---------------------------------------------------------------------------
+def weight_files(model_dir: Path, gguf: str | None = None) -> list[Path]:
+    files = [p for p in sorted(model_dir.iterdir()) if p.is_file()] if model_dir.is_dir() else []
+    return files + ([Path(gguf)] if gguf else [])
+
+
+def resident_fraction(paths: Sequence[Path]) -> float | None:
+    """Share of the files' pages in the page cache (mincore), or None where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        page = mmap.PAGESIZE
+        resident = total = 0
+        for path in paths:
+            size = path.stat().st_size
+            if size == 0:
+                continue
+            with open(path, "rb") as fh:
+                # ACCESS_COPY gives a writable buffer (for ctypes) without faulting pages in.
+                mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY)
+                try:
+                    n = (size + page - 1) // page
+                    vec = (ctypes.c_ubyte * n)()
+                    buf = (ctypes.c_char * size).from_buffer(mm)
+                    if libc.mincore(ctypes.c_void_p(ctypes.addressof(buf)),
+                                    ctypes.c_size_t(size), vec) != 0:
+                        return None
+                    resident += sum(1 for b in vec if b & 1)
+                    total += n
+                    del buf
+                finally:
+                    mm.close()
+        return resident / total if total else None
+    except (OSError, AttributeError, ValueError, BufferError):
+        return None
+
+
+def drop_page_cache(paths: Sequence[Path]) -> tuple[bool, str]:
+    """Ask the OS to drop the files from the page cache: (done, a note when not possible)."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return False, f"posix_fadvise is not available on {sys.platform}: cold = warm files"
+    try:
+        for path in paths:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    except OSError as exc:
+        return False, f"posix_fadvise failed ({exc}): cold = warm files"
+    left = resident_fraction(paths)
+    if left is not None and left > 0.5:
+        return False, f"the OS kept {left:.0%} of the weight pages cached after DONTNEED"
+    return True, "" if left is not None else "page residency not checked (no mincore)"
+
+
+# -- memory -------------------------------------------------------------------------------
+def peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS: bytes; Linux: KiB
+
+
+def footprint_bytes() -> int | None:
+    """macOS physical footprint (what Activity Monitor shows), via proc_pid_rusage."""
+    if sys.platform != "darwin":
+        return None
+    try:
+        class RUsageInfoV2(ctypes.Structure):
+            _fields_ = [("uuid", ctypes.c_uint8 * 16)] + [
+                (f"f{i}", ctypes.c_uint64) for i in range(25)]
+
+        libproc = ctypes.CDLL("/usr/lib/libproc.dylib")
+        info = RUsageInfoV2()
+        if libproc.proc_pid_rusage(os.getpid(), 2, ctypes.byref(info)) != 0:
+            return None
+        return int(info.f9)  # ri_phys_footprint is the tenth 64-bit field after the uuid
+    except OSError:
+        return None
+
+
+def memory_figures(mx: Any | None, kv_bytes: int | None) -> dict[str, Any]:
+    import psutil
+
     return {
-        "ttft_s": ttft,
-        "prompt_tps": prompt_len / ttft,
-        "decode_tps": (len(times) - 1) / span if span > 0 else 0.0,
-        "generated_tokens": len(tokens),
-        "tokens": tokens,
-        "peak_memory_bytes": int(mx.get_peak_memory()),
+        "rss_bytes": int(psutil.Process().memory_info().rss),
+        "rss_peak_bytes": peak_rss_bytes(),
+        "footprint_bytes": footprint_bytes(),
+        "mlx_active_bytes": int(mx.get_active_memory()) if mx is not None else None,
+        "mlx_peak_bytes": int(mx.get_peak_memory()) if mx is not None else None,
+        "kv_bytes": kv_bytes,
     }
 
 
-def run(subject: str, model_dir: Path, job: dict[str, Any]) -> dict[str, Any]:
-    prompt: list[int] = job["prompt_ids"]
-    max_tokens = int(job["max_tokens"])
-    t_load = time.perf_counter()
-    if subject == "mlx-lm":
+# -- subjects -----------------------------------------------------------------------------
+class Subject:
+    """A model loaded by one implementation, with a KV cache that keeps a token prefix."""
+
+    name = ""
+    uses_mlx = True
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.job = job
+        self.model_dir = Path(job["model_dir"])
+        self.phases: dict[str, float] = {}  # of the last stream()
+
+    def files(self) -> list[Path]:
+        return weight_files(self.model_dir)
+
+    def prepare(self) -> None:
+        """Import what loading needs, so loads time reading weights, not first imports."""
+
+    def load(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def unload(self) -> None:
+        raise NotImplementedError
+
+    def new_cache(self) -> Any:
+        raise NotImplementedError
+
+    def rewind(self, cache: Any, n: int) -> None:
+        """Keep only the first n cached tokens."""
+        raise NotImplementedError
+
+    def stream(self, ids: Sequence[int], cache: Any, max_tokens: int) -> Iterator[int]:
+        """Greedy tokens for `ids`, reusing the cache's longest shared prefix."""
+        raise NotImplementedError
+
+    def kv_bytes(self, cache: Any) -> int | None:
+        return None
+
+
+def _common(held: Sequence[int], ids: Sequence[int]) -> int:
+    n, limit = 0, min(len(held), len(ids) - 1)
+    while n < limit and held[n] == ids[n]:
+        n += 1
+    return n
+
+
+class StrataSubject(Subject):
+    name = "strata"
+    lm: Any = None
+
+    def prepare(self) -> None:
+        import engine.runtime.generate  # noqa: F401
+        import engine.runtime.model  # noqa: F401
+
+    def load(self) -> dict[str, float]:
+        from engine.platform import compute_profile
+        from engine.runtime.generate import LoadedModel
+        from engine.telemetry import Timeline
+
+        tl = Timeline()
+        self.lm = LoadedModel.load(self.model_dir, profile=compute_profile(self.job["profile"]),
+                                   timeline=tl)
+        self.lm.eos_ids = set()  # like llama-bench: every run generates max_tokens
+        kv_mode = (self.job.get("setting") or {}).get("kv_mode")
+        if kv_mode and kv_mode != "mlx":
+            from engine.kv import settings_from_env
+
+            self.lm.kv_settings = settings_from_env(mode=kv_mode)
+        return tl.durations()
+
+    def unload(self) -> None:
+        self.lm = None
+
+    def new_cache(self) -> Any:
+        return self.lm.new_cache()
+
+    def rewind(self, cache: Any, n: int) -> None:
+        drop = len(cache.tokens) - n
+        if drop <= 0:
+            return
+        if not all(c.is_trimmable() for c in cache.cache):
+            raise RuntimeError("this KV cache cannot be trimmed")
+        for c in cache.cache:
+            c.trim(drop)
+        del cache.tokens[n:]
+
+    def stream(self, ids: Sequence[int], cache: Any, max_tokens: int) -> Iterator[int]:
+        from engine.runtime.generate import generate
+        from engine.runtime.sampling import SamplingParams
+        from engine.telemetry import Timeline
+
+        tl = Timeline()
+        for ev in generate(self.lm, ids, SamplingParams(temperature=0), max_tokens,
+                           prompt_cache=cache, timeline=tl):
+            if ev.token is not None:
+                yield ev.token
+        self.phases = tl.durations()
+
+    def kv_bytes(self, cache: Any) -> int | None:
+        return int(cache.nbytes)
+
+
+class MlxLmSubject(Subject):
+    """mlx-lm's own load and stream_generate, in Strata's compute profile (same BLAS)."""
+
+    name = "mlx-lm"
+    model: Any = None
+    tok: Any = None
+
+    def prepare(self) -> None:
+        import importlib
+
+        import mlx_lm.utils  # noqa: F401
+
+        import engine.runtime.model  # noqa: F401
+
+        config = json.loads((self.model_dir / "config.json").read_text())
+        importlib.import_module(f"mlx_lm.models.{config.get('model_type', 'llama')}")
+        try:
+            import transformers  # noqa: F401  (mlx-lm's tokenizer loader)
+        except ImportError:
+            pass
+
+    def load(self) -> dict[str, float]:
         import mlx.core as mx
-        from mlx_lm import load, stream_generate
+        from mlx_lm import load
 
         import engine  # noqa: F401  (same BLAS shim as Strata: same compute profile)
         from engine.platform import compute_profile
         from engine.runtime.model import apply_profile
 
-        model, tok = load(str(model_dir))[:2]
-        apply_profile(model, compute_profile(job.get("profile")))
-        mx.eval(model.parameters())
-        load_s = time.perf_counter() - t_load
+        t0 = time.perf_counter()
+        self.model, self.tok = load(str(self.model_dir))[:2]
+        apply_profile(self.model, compute_profile(self.job["profile"]))
+        mx.eval(self.model.parameters())
+        self.tok.eos_token_ids = set()  # like llama-bench: every run generates max_tokens
+        return {"weights": time.perf_counter() - t0}
 
-        def stream() -> Iterator[int]:
-            for r in stream_generate(model, tok, prompt, max_tokens=max_tokens):
-                if r.finish_reason != "stop" or r.token not in tok.eos_token_ids:
-                    yield int(r.token)
-    elif subject == "strata":
-        from engine.platform import compute_profile
-        from engine.runtime.generate import LoadedModel, generate
-        from engine.runtime.sampling import SamplingParams
+    def unload(self) -> None:
+        self.model = self.tok = None
 
-        lm = LoadedModel.load(model_dir, profile=compute_profile(job.get("profile")))
-        load_s = time.perf_counter() - t_load
-        greedy = SamplingParams(temperature=0)
+    def new_cache(self) -> Any:
+        from mlx_lm.models.cache import make_prompt_cache
 
-        def stream() -> Iterator[int]:
-            for ev in generate(lm, prompt, greedy, max_tokens):
-                if ev.token is not None:
-                    yield ev.token
-    else:
-        raise SystemExit(f"unknown subject {subject!r}")
-    _measure(stream, len(prompt))  # warm-up
-    trials = [_measure(stream, len(prompt)) for _ in range(int(job["trials"]))]
-    return {"subject": subject, "load_s": load_s, "trials": trials}
+        return {"layers": make_prompt_cache(self.model), "tokens": []}
+
+    def rewind(self, cache: Any, n: int) -> None:
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        held = cache["layers"][0].offset
+        if held > n:
+            trim_prompt_cache(cache["layers"], held - n)
+        del cache["tokens"][n:]
+
+    def stream(self, ids: Sequence[int], cache: Any, max_tokens: int) -> Iterator[int]:
+        from mlx_lm import stream_generate
+
+        t0 = time.perf_counter()
+        # The same prefix reuse as Strata's PromptCache: keep the shared prefix, trim the rest.
+        self.rewind(cache, _common(cache["tokens"], ids))
+        cached = cache["layers"][0].offset
+        self.phases = {"cache lookup": time.perf_counter() - t0}
+        out: list[int] = []
+        for r in stream_generate(self.model, self.tok, list(ids[cached:]),
+                                 max_tokens=max_tokens, prompt_cache=cache["layers"]):
+            out.append(int(r.token))
+            yield int(r.token)
+        held = cache["layers"][0].offset
+        cache["tokens"] = (list(ids) + out)[:held]
+
+    def kv_bytes(self, cache: Any) -> int | None:
+        return sum(int(getattr(c, "nbytes", 0)) for c in cache["layers"])
+
+
+class LlamaCppSubject(Subject):
+    """llama.cpp through llama-cpp-python on the model's GGUF (its prefix reuse is its own)."""
+
+    name = "llama.cpp"
+    uses_mlx = False
+    llm: Any = None
+
+    def files(self) -> list[Path]:
+        return [Path(self.job["gguf"])]
+
+    def load(self) -> dict[str, float]:
+        from llama_cpp import Llama
+
+        t0 = time.perf_counter()
+        need = max(self.job["depths"] or [0]) + len(self.job["prompt_ids"]) + \
+            int(self.job["max_tokens"]) + len(self.job["prefix_ids"]) + 64
+        self.llm = Llama(model_path=self.job["gguf"], n_ctx=need,
+                         n_threads=os.cpu_count() or 1, seed=int(self.job["seed"]),
+                         verbose=False)
+        return {"weights": time.perf_counter() - t0}
+
+    def unload(self) -> None:
+        self.llm = None
+
+    def new_cache(self) -> Any:
+        self.llm.reset()
+        return self.llm
+
+    def rewind(self, cache: Any, n: int) -> None:
+        self.llm.n_tokens = min(self.llm.n_tokens, n)
+
+    def stream(self, ids: Sequence[int], cache: Any, max_tokens: int) -> Iterator[int]:
+        self.phases = {}
+        for i, tok in enumerate(self.llm.generate(list(ids), temp=0.0, top_k=1, reset=True)):
+            yield int(tok)
+            if i + 1 >= max_tokens:
+                break
+
+
+SUBJECTS: dict[str, type[Subject]] = {s.name: s for s in
+                                      (StrataSubject, MlxLmSubject, LlamaCppSubject)}
+
+
+# -- measuring ----------------------------------------------------------------------------
+def measure(subject: Subject, ids: Sequence[int], cache: Any, max_tokens: int,
+            new_tokens: int) -> dict[str, Any]:
+    """One generation timed from token arrival times (see the module docstring)."""
+    times: list[float] = []
+    tokens: list[int] = []
+    t0 = time.perf_counter()
+    for tok in subject.stream(ids, cache, max_tokens):
+        times.append(time.perf_counter())
+        tokens.append(tok)
+    if not times:
+        raise RuntimeError(f"{subject.name} generated no token")
+    ttft = times[0] - t0
+    span = times[-1] - times[0]
+    return {"ttft_s": ttft, "prompt_tps": new_tokens / ttft if ttft > 0 else 0.0,
+            "decode_tps": (len(times) - 1) / span if span > 0 and len(times) > 1 else 0.0,
+            "generated_tokens": len(tokens), "tokens": tokens, "phases": dict(subject.phases)}
+
+
+class Runner:
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.job = job
+        self.subject = SUBJECTS[job["subject"]](job)
+        self.trials = int(job["trials"])
+        depths = job["depths"]
+        self.total = 2 * int(job["load_trials"]) + 1 + 2 * self.trials + \
+            len(depths) * (2 + self.trials)
+        self.done = 0
+        self.result: dict[str, Any] = {"subject": job["subject"], "status": "partial"}
+        self.mx: Any = None
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        print(f"@progress {self.done} {self.total} {label}", file=sys.stderr, flush=True)
+
+    def save(self) -> None:
+        out = Path(self.job["out"])
+        tmp = out.with_name(out.name + ".part")
+        tmp.write_text(json.dumps(self.result))
+        tmp.replace(out)
+
+    def run(self) -> None:
+        job, s = self.job, self.subject
+        if s.uses_mlx:
+            import mlx.core as mx
+
+            self.mx = mx
+            mx.random.seed(int(job["seed"]))
+        self.loads()
+        self.ttft()
+        self.depths()
+        self.result["status"] = "complete"
+        self.save()
+
+    def loads(self) -> None:
+        s = self.subject
+        cold: list[float] = []
+        warm: list[float] = []
+        phases: dict[str, list[float]] = {}
+        note = ""
+        dropped = True
+        t0 = time.perf_counter()
+        s.prepare()
+        imports_s = time.perf_counter() - t0
+        for i in range(int(self.job["load_trials"])):
+            for kind in ("cold", "warm"):
+                if i or kind == "warm":
+                    s.unload()  # before the drop: mapped pages would stay cached
+                    gc.collect()
+                if kind == "cold":
+                    ok, why = drop_page_cache(s.files())
+                    dropped, note = dropped and ok, note or why
+                t0 = time.perf_counter()
+                parts = s.load()
+                (cold if kind == "cold" else warm).append(time.perf_counter() - t0)
+                if kind == "warm":
+                    for k, v in parts.items():
+                        phases.setdefault(k, []).append(v)
+                self.step(f"load {kind} {i + 1}/{self.job['load_trials']}")
+        self.result["load"] = {"cold_s": stat(cold), "warm_s": stat(warm),
+                               "phases": {k: stat(v) for k, v in phases.items()},
+                               "cache_dropped": dropped, "note": note,
+                               "imports_s": imports_s}
+        self.result["memory"] = memory_figures(self.mx, None)
+        self.save()
+
+    def ttft(self) -> None:
+        s, job = self.subject, self.job
+        prefix, suffixes = job["prefix_ids"], job["suffix_ids"]
+        measure(s, prefix + suffixes[0], s.new_cache(), 2, len(prefix) + len(suffixes[0]))
+        self.step("warm-up")
+        runs: dict[str, list[dict[str, Any]]] = {"uncached": [], "cached": []}
+        for t in range(self.trials):
+            cache = s.new_cache()
+            for kind, suffix in (("uncached", suffixes[0]), ("cached", suffixes[1])):
+                ids = prefix + suffix
+                new = len(suffix) if kind == "cached" else len(ids)
+                runs[kind].append(measure(s, ids, cache, 1, new))
+                self.step(f"first token, {kind} prefix, trial {t + 1}/{self.trials}")
+        load = self.result["load"]
+        out: dict[str, Any] = {}
+        for kind, rs in runs.items():
+            names = sorted({k for r in rs for k in r["phases"]})
+            phases = {k: stat(r["phases"].get(k, 0.0) for r in rs) for k in names}
+            if kind == "uncached":
+                phases = {"load": load["cold_s"], **phases}  # the first token after opening
+            out[kind] = {"ttft_s": stat(r["ttft_s"] for r in rs), "phases": phases,
+                         "prompt_tokens": len(prefix) + len(suffixes[0]),
+                         "cached_tokens": len(prefix) if kind == "cached" else 0}
+        self.result["ttft"] = out
+        self.save()
+
+    def depths(self) -> None:
+        s, job, mx = self.subject, self.job, self.mx
+        context, prompt = job["depth_ids"], job["prompt_ids"]
+        max_tokens = int(job["max_tokens"])
+        self.result["depths"] = []
+        kv: int | None = None
+        for d in job["depths"]:
+            cache = s.new_cache()
+            if d:
+                # Fill the context once (untimed), then every run starts from exactly d tokens.
+                measure(s, context[:d], cache, 1, d)
+            self.step(f"depth {d}: context")
+            if mx is not None:
+                mx.reset_peak_memory()
+            runs = []
+            for t in range(self.trials + 1):  # the first run is this depth's warm-up
+                s.rewind(cache, d)
+                r = measure(s, context[:d] + prompt, cache, max_tokens, len(prompt))
+                if t:
+                    runs.append(r)
+                self.step(f"depth {d}: " + (f"trial {t}/{self.trials}" if t else "warm-up"))
+            kv = s.kv_bytes(cache)
+            entry = {"depth": d, "prompt_tokens": len(prompt),
+                     "ttft_s": stat(r["ttft_s"] for r in runs),
+                     "prompt_tps": stat(r["prompt_tps"] for r in runs),
+                     "decode_tps": stat(r["decode_tps"] for r in runs),
+                     "generated_tokens": runs[0]["generated_tokens"],
+                     "mlx_peak_bytes": int(mx.get_peak_memory()) if mx is not None else None,
+                     "kv_bytes": kv}
+            if d == job["depths"][0]:
+                self.result["tokens"] = runs[0]["tokens"]
+            self.result["depths"].append(entry)
+            del cache
+            gc.collect()
+            self.result["memory"] = memory_figures(mx, kv)
+            self.save()
+
+
+def _on_sigterm(_sig: int, _frame: Any) -> None:
+    raise KeyboardInterrupt  # Cancel in the app: stop like Ctrl-C, keeping what finished
 
 
 def main() -> int:
-    subject, model_dir = sys.argv[1], Path(sys.argv[2])
-    job = json.loads(sys.stdin.read())
-    print(json.dumps(run(subject, model_dir, job)))
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    job = json.loads(Path(sys.argv[1]).read_text())
+    runner = Runner(job)
+    try:
+        runner.run()
+    except KeyboardInterrupt:
+        # Ctrl-C reaches us and the parent, which then sends SIGTERM: let nothing cut the save.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        runner.result["status"] = "partial"
+        runner.save()
+        return 130
+    except Exception as exc:
+        runner.result["status"] = "failed"
+        runner.result["error"] = f"{type(exc).__name__}: {exc}"
+        runner.save()
+        print(f"error: {runner.result['error']}", file=sys.stderr)
+        return 1
     return 0
 
 

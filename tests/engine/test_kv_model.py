@@ -67,19 +67,22 @@ def test_exact_matches_mlx_lm_at_4k(runs: dict[str, Any]) -> None:
 
 
 def test_sparse_with_full_budget_equals_exact(starter_lm: Any, runs: dict[str, Any]) -> None:
+    import mlx.core as mx
+
     paged = runs["paged"]
     store = paged[0].store
     for c in paged:
         c.trim(GREEDY)  # back to the prompt, as a follow-up turn would
     store.settings = runs["settings"].with_(mode="sparse", budget_tokens=CONTEXT + GREEDY)
-    toks, steps = _greedy(starter_lm, paged, runs["logits"], GREEDY)
+    first = mx.array(runs["logits"])
+    toks, steps = _greedy(starter_lm, paged, first, GREEDY)
     assert toks == runs["toks"]
     assert max(np.abs(a - b).max() for a, b in zip(steps, runs["steps"], strict=True)) < 1e-4
     # A quarter of the context: it runs, reads only what is hot, and stays close.
     for c in paged:
         c.trim(GREEDY)
     store.settings = runs["settings"].with_(mode="sparse", budget_tokens=CONTEXT // 4)
-    toks, _ = _greedy(starter_lm, paged, runs["logits"], GREEDY)
+    toks, _ = _greedy(starter_lm, paged, first, GREEDY)
     assert len(toks) == GREEDY and toks[0] == runs["toks"][0]
     assert store.stats()["ssd_reads"] == 0
 

@@ -1,0 +1,1 @@
+"""The benchmark tab: runs `strata bench` in a child process and compares results."""
