@@ -22,7 +22,6 @@ from typing import Any
 from engine.errors import StrataError
 
 
-
 def _process_age_s() -> float:
     """Seconds since this process started (the OS's clock, so a bundle's unpacking counts)."""
     try:

@@ -1,6 +1,6 @@
 """Build the Linux one-folder app with PyInstaller and run its `--smoke` offscreen.
 
-Slow (about 1.5 minutes to build on two cores) and skipped where PyInstaller is not
+Slow (45 to 100 s to build on two cores) and skipped where PyInstaller is not
 installed (`pip install -e ".[package]"`) or not on Linux (macOS: the CI workflow builds
 Strata.app and runs the same check).
 """
