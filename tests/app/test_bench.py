@@ -81,3 +81,20 @@ def test_cancel_keeps_what_finished(qtbot: Any, starter: dict[str, Any],
     assert result["runs"][0]["status"] == "partial"
     assert "kept what finished" in view.status.text()
     assert view.run_button.isEnabled()
+
+
+def test_the_tab_opens_on_the_last_result(make_window: WindowFactory, strata_home: Path,
+                                          tmp_path: Path) -> None:
+    from engine.cli import build_parser
+
+    assert build_parser().parse_args(["--view", "benchmark"]).view == "benchmark"
+    home = tmp_path / "home"
+    (home / "bench").mkdir(parents=True)
+    doc = json.loads((Path(__file__).parent / "bench_result.json").read_text())
+    assert validate(doc) == []
+    (home / "bench" / "20260101-000000-quick.json").write_text(json.dumps(doc))
+    window = make_window(home=home, preload=False, fetch_starter=False)
+    window.show_view("benchmark")
+    view = window.bench
+    assert view.history.count() == 1 and view.selected_paths()
+    assert view.table.rowCount() > 5 and view.table.columnCount() == 3
