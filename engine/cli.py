@@ -144,6 +144,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     kv = _kv_settings(args)  # bad KV options fail before the model loads
     lm = LoadedModel.load(args.model, timeline=timeline)
     lm.kv_settings = kv
+    if args.prefix_cache:
+        lm.enable_prefix_cache()
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": prompt_text})
     ids = (lm.tokenizer.encode(prompt_text) if args.raw else lm.tokenizer.encode_chat(messages))
@@ -189,6 +191,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     params = _sampling(args)
     lm = LoadedModel.load(args.model)
+    if args.prefix_cache:
+        lm.enable_prefix_cache()
     session = ChatSession(lm, system=args.system)
     tty = sys.stdin.isatty()
     print(f"chatting with {lm.manifest['name']} ({lm.profile.name}); /reset, /exit",
@@ -232,6 +236,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from engine.kv.bench import run_kv
 
         return run_kv(args)
+    if args.suite == "prefix":
+        from engine.bench.prefix import run_prefix
+
+        return run_prefix(args)
 
     return run_cli(args)
 
@@ -285,6 +293,9 @@ def _add_sampling(p: argparse.ArgumentParser, temp: float) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repeat-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int)
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="neither read nor write the prompt-prefix cache on the SSD "
+                        "(STRATA_PREFIX_DIR, STRATA_PREFIX_MB)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -356,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(p)
     add_kv_arguments(p)
+    from engine.bench.prefix import add_prefix_arguments
+
+    add_prefix_arguments(p)
     p.set_defaults(func=cmd_bench)
 
     from engine.quant.cli import add_commands as add_quant_commands  # quantize, recipes, eval

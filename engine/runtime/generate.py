@@ -4,8 +4,11 @@ Contract: `LoadedModel.load(name)` maps the weights and applies the backend's co
 profile; `generate(lm, prompt_ids, ...)` yields `GenerationEvent`s (text deltas that never
 split a UTF-8 character) and stops at EOS, a stop string, max_tokens or the cancel flag,
 checked between steps. A `PromptCache` keeps the KV of the tokens it has seen, so a follow-up
-prompt that shares a prefix prefills only what is new. All MLX work happens on the calling
-thread: the thread that loads a model must be the one that generates with it.
+prompt that shares a prefix prefills only what is new. With `lm.enable_prefix_cache()` the
+full pages of every prompt also go to the prefix cache on the SSD (engine.kv.prefix), and a
+later prompt (in this process or after a restart) restores its longest stored prefix instead
+of prefilling it; restored tokens count as `cached_tokens`. All MLX work happens on the
+calling thread: the thread that loads a model must be the one that generates with it.
 """
 
 from __future__ import annotations
@@ -42,6 +45,18 @@ class LoadedModel:
         self.context_length = int(config.get("max_position_embeddings") or 4096)
         # None or mode 'mlx': mlx-lm's KVCache; otherwise engine.kv's paged cache.
         self.kv_settings: Any = None
+        # The SSD prefix cache (engine.kv.prefix.PrefixCache); None: off.
+        self.prefix_cache: Any = None
+
+    def enable_prefix_cache(self, settings: Any = None) -> Any:
+        """Turn on the SSD prefix cache for this model (settings: PrefixSettings or None for
+        the environment's); returns it. Call after setting `kv_settings` (its bits key it)."""
+        from engine.kv.prefix import PrefixCache
+
+        if self.prefix_cache is not None:
+            self.prefix_cache.close()
+        self.prefix_cache = PrefixCache.for_model(self, settings)
+        return self.prefix_cache
 
     @classmethod
     def load(cls, name: str | Path, library: Any = None, profile: ComputeProfile | None = None,
@@ -161,12 +176,20 @@ def generate(
     cancel: Callable[[], bool] | None = None,
     prompt_cache: PromptCache | None = None,
     timeline: Timeline | None = None,
+    prefix_cache: bool | None = None,
 ) -> Iterator[GenerationEvent]:
-    """Stream a completion of `prompt` (token ids). See the module docstring."""
+    """Stream a completion of `prompt` (token ids). See the module docstring.
+
+    prefix_cache: None uses the model's SSD prefix cache if enabled; False skips it; True
+    enables it first if needed.
+    """
     own = prompt_cache is None
     pc = prompt_cache or lm.new_cache()
+    if prefix_cache and getattr(lm, "prefix_cache", None) is None:
+        lm.enable_prefix_cache()
+    prefix = getattr(lm, "prefix_cache", None) if prefix_cache is not False else None
     try:
-        yield from _generate(lm, prompt, params, max_tokens, stop, cancel, pc, timeline)
+        yield from _generate(lm, prompt, params, max_tokens, stop, cancel, pc, timeline, prefix)
     finally:
         if own:
             pc.close()  # a paged cache's threads and files go with the reply
@@ -181,6 +204,7 @@ def _generate(
     cancel: Callable[[], bool] | None = None,
     prompt_cache: PromptCache | None = None,
     timeline: Timeline | None = None,
+    prefix: Any = None,
 ) -> Iterator[GenerationEvent]:
     import mlx.core as mx
 
@@ -201,8 +225,19 @@ def _generate(
     mx.reset_peak_memory()
     start = time.perf_counter()
 
+    if paged:
+        prefix = None  # the SSD prefix cache maps onto mlx-lm's KVCache only
+    plan = None
     with timeline.phase("cache lookup"):
         cached = pc.reuse(prompt)
+        if prefix is not None:
+            plan = prefix.lookup(prompt)
+    if plan is not None and plan.hit_tokens > cached:
+        with timeline.phase("cache restore"):
+            restored = prefix.restore(pc.cache, prompt, plan, cached)
+        if restored != cached:
+            cached = restored
+            pc.tokens[:] = list(prompt[:cached])
     cache = pc.cache
     todo = list(prompt[cached:])
     history = list(prompt)
@@ -237,6 +272,30 @@ def _generate(
     t_first_decode = time.perf_counter()
     prefill_s = t_first_decode - t_prefill
 
+    saved = [plan is None]
+
+    def save_prefix() -> None:
+        # After the first token is out: copying new pages for the SSD never delays it.
+        if not saved[0]:
+            saved[0] = True
+            prefix.store(pc.cache, prompt, plan)
+
+    try:
+        yield from _decode(lm, model, cache, pc, sampler, y, history, detok, stop, cancel,
+                           max_tokens, pipelined, event, timeline, t_first_decode, prefill_s,
+                           save_prefix)
+    finally:
+        save_prefix()
+
+
+def _decode(lm: LoadedModel, model: Any, cache: list[Any], pc: PromptCache, sampler: Sampler,
+            y: Any, history: list[int], detok: StreamingDetokenizer, stop: Sequence[str],
+            cancel: Callable[[], bool], max_tokens: int, pipelined: bool,
+            event: Callable[..., GenerationEvent], timeline: Timeline, t_first_decode: float,
+            prefill_s: float, after_first: Callable[[], None]) -> Iterator[GenerationEvent]:
+    """The decode loop: one event per token; `after_first` runs once the first is out."""
+    import mlx.core as mx
+
     pending = ""
     n = 0
     t_first = 0.0
@@ -270,6 +329,8 @@ def _generate(
             yield event(text, tok, n, t_first, prefill_s)
             break
         yield event(text, tok, n, t_first, prefill_s)
+        if n == 1:
+            after_first()
         if not fed:
             next_y = sampler(model(mx.array([[tok]]), cache=cache)[:, -1, :], history)
             pc.tokens.append(tok)

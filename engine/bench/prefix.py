@@ -1,0 +1,270 @@
+"""`strata bench prefix`: the SSD prefix cache against prefill, mlx-lm's prompt-cache file and
+the disk, and the cold first token of a chat against mlx_lm.generate, all in one run.
+
+Contract: every figure comes from a fresh process (`python -m engine.bench.prefix MODE JOB`)
+that prints one JSON line; the parent drops the cache files (and mlx-lm's file) from the page
+cache before each restart, so reads are cold. Weights stay in the page cache for every
+subject alike. Ratios are taken between figures of this run only (the machine may be shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+QUESTION = "In one sentence, what is this text about?"
+
+
+def add_prefix_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds 'prefix' to `strata bench`'s suites and its own options."""
+    for action in p._actions:  # the suite positional is engine.bench's; extend, do not copy
+        if action.dest == "suite" and action.choices is not None:
+            action.choices = [*action.choices, "prefix"]  # type: ignore[assignment]
+    g = p.add_argument_group("prefix suite")
+    g.add_argument("--system-tokens", type=int, default=1500,
+                   help="prefix: system prompt length for the cold first-token chat")
+
+
+def _job_ids(model: str, profile: str | None, prefix_tokens: int, system_tokens: int
+             ) -> dict[str, Any]:
+    """Token ids for both tests, made once by the engine's own tokenizer."""
+    from engine.bench import FILLER, prompt_ids
+    from engine.library import Library
+    from engine.runtime.tokenizer import Tokenizer
+
+    manifest = Library().get(model)
+    tok = Tokenizer.load(Path(manifest["path"]))
+    prefix = prompt_ids(tok, prefix_tokens)
+    question = tok.encode(" " + QUESTION, add_bos=False)
+    system = tok.decode(prompt_ids(tok, system_tokens, FILLER))
+    chat = tok.encode_chat([{"role": "system", "content": system},
+                            {"role": "user", "content": QUESTION}])
+    return {"model_dir": manifest["path"], "profile": profile, "prefix": prefix + question,
+            "prefix_tokens": prefix_tokens, "chat": chat}
+
+
+def _drop(paths: list[Path]) -> None:
+    from engine.bench.worker import drop_page_cache
+
+    drop_page_cache([p for p in paths if p.is_file()])
+
+
+def _spawn(mode: str, job: Path, env: dict[str, str]) -> dict[str, Any]:
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "engine.bench.prefix", mode, str(job)],
+                       capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        from engine.errors import StrataError
+
+        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise StrataError(f"bench prefix {mode} worker failed: {tail}")
+    out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+    if "first_token_wall" in out:
+        out["cold_first_token_s"] = out["first_token_wall"] - t0
+    return out
+
+
+def disk_read_speed(folder: Path, mb: int = 256) -> dict[str, float]:
+    """Sequential read of a fresh file, dropped from the page cache: buffered and O_DIRECT."""
+    import mmap
+
+    path = folder / "disk-probe.bin"
+    chunk = 8 << 20
+    buf = os.urandom(chunk)
+    with open(path, "wb") as f:
+        for _ in range(mb * (1 << 20) // chunk):
+            f.write(buf)
+        f.flush()
+        os.fsync(f.fileno())
+    out: dict[str, float] = {}
+    _drop([path])
+    t = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.read(chunk):
+            pass
+    out["buffered_gbps"] = mb * (1 << 20) / (time.perf_counter() - t) / 1e9
+    _drop([path])
+    if hasattr(os, "O_DIRECT"):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        m = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT wants
+        t = time.perf_counter()
+        while os.readv(fd, [m]) > 0:
+            pass
+        out["direct_gbps"] = mb * (1 << 20) / (time.perf_counter() - t) / 1e9
+        os.close(fd)
+        m.close()
+    path.unlink()
+    return out
+
+
+def run_prefix(args: argparse.Namespace) -> int:
+    from engine.bench import machine_facts
+
+    trials = args.trials or 3
+    prefix_tokens = args.prefix_tokens or 2048
+    with tempfile.TemporaryDirectory(prefix="strata-bench-prefix-") as tmp_s:
+        tmp = Path(tmp_s)
+        job = tmp / "job.json"
+        data = _job_ids(args.model, args.profile, prefix_tokens, args.system_tokens)
+        data.update(mlx_file=str(tmp / "mlxlm-prompt-cache.safetensors"))
+        job.write_text(json.dumps(data))
+        env = dict(os.environ, STRATA_PREFIX_DIR=str(tmp / "prefix"))
+        res: dict[str, Any] = {"machine": machine_facts(), "prefix_tokens": prefix_tokens,
+                               "system_prompt_tokens": len(data["chat"]), "trials": trials}
+        print(f"prefix: building the cache of a {prefix_tokens}-token prefix (uncached)",
+              file=sys.stderr)
+        res["uncached"] = _spawn("build", job, env)
+        res["disk"] = disk_read_speed(tmp)
+        pages = sorted((tmp / "prefix").glob("*.kvp"))
+        hits, loads = [], []
+        for i in range(trials):
+            print(f"prefix: restart {i + 1}/{trials}", file=sys.stderr)
+            _drop(pages)
+            hits.append(_spawn("hit", job, env))
+            _drop([Path(data["mlx_file"])])
+            loads.append(_spawn("mlxlm-load", job, env))
+        res["hit"], res["mlxlm_load"] = hits, loads
+        # Cold first token: a chat with a long system prompt, fresh process each time.
+        chat_env = dict(env, STRATA_PREFIX_DIR=str(tmp / "prefix-chat"))
+        print("prefix: cold first token, uncached (builds the chat's cache)", file=sys.stderr)
+        res["chat_uncached"] = _spawn("chat", job, chat_env)
+        chat_pages = sorted((tmp / "prefix-chat").glob("*.kvp"))
+        cached, peers = [], []
+        for i in range(trials):
+            print(f"prefix: cold first token {i + 1}/{trials}", file=sys.stderr)
+            _drop(chat_pages)
+            cached.append(_spawn("chat", job, chat_env))
+            peers.append(_spawn("mlxlm-chat", job, chat_env))
+        res["chat_cached"], res["chat_mlxlm"] = cached, peers
+    res["summary"] = summarize(res)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(res, indent=2, sort_keys=True))
+    print(json.dumps(res["summary"], indent=2, sort_keys=True))
+    return 0
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+
+
+def summarize(res: dict[str, Any]) -> dict[str, Any]:
+    restore = _median([h["restore_s"] for h in res["hit"]])
+    load = _median([m["load_s"] for m in res["mlxlm_load"]])
+    mb = res["hit"][0]["bytes_read"] / 1e6
+    disk = res["disk"].get("buffered_gbps", 0.0)
+    uncached_ttft = res["uncached"]["ttft_s"]
+    hit_ttft = _median([h["ttft_s"] for h in res["hit"]])
+    chat_cached = _median([c["cold_first_token_s"] for c in res["chat_cached"]])
+    chat_peer = _median([c["cold_first_token_s"] for c in res["chat_mlxlm"]])
+    return {
+        "prefix_prefill_s": res["uncached"]["prefill_s"],
+        "uncached_ttft_s": uncached_ttft,
+        "hit_ttft_s": hit_ttft,
+        "hit_speedup_ttft": uncached_ttft / hit_ttft,
+        "restore_s": restore,
+        "restore_vs_prefill_speedup": res["uncached"]["prefill_s"] / restore,
+        "restore_mb": mb,
+        "restore_gbps": mb / 1e3 / restore,
+        "mlxlm_load_s": load,
+        "restore_over_mlxlm_load": restore / load,
+        "mlxlm_file_mb": res["mlxlm_load"][0]["file_bytes"] / 1e6,
+        "disk_buffered_gbps": disk,
+        "disk_direct_gbps": res["disk"].get("direct_gbps"),
+        "restore_fraction_of_disk": (mb / 1e3 / restore) / disk if disk else None,
+        "outputs_equal": all(h["tokens"] == res["uncached"]["tokens"] for h in res["hit"]),
+        "chat_system_tokens": res["system_prompt_tokens"],
+        "chat_cold_uncached_s": res["chat_uncached"]["cold_first_token_s"],
+        "chat_cold_cached_s": chat_cached,
+        "chat_cold_mlxlm_s": chat_peer,
+        "chat_cached_over_mlxlm": chat_cached / chat_peer,
+        "chat_uncached_over_mlxlm": res["chat_uncached"]["cold_first_token_s"] / chat_peer,
+        "chat_cached_tokens": _median([c["cached_tokens"] for c in res["chat_cached"]]),
+    }
+
+
+# -- workers (each in a fresh process) ----------------------------------------------------
+def _strata(job: dict[str, Any], ids: list[int], max_tokens: int) -> dict[str, Any]:
+    from engine.platform import compute_profile
+    from engine.runtime.generate import LoadedModel, generate
+    from engine.runtime.sampling import SamplingParams
+    from engine.telemetry import Timeline
+
+    tl = Timeline()
+    lm = LoadedModel.load(job["model_dir"], profile=compute_profile(job["profile"]),
+                          timeline=tl)
+    pc = lm.enable_prefix_cache()
+    tokens: list[int] = []
+    first_wall = 0.0
+    last: Any = None
+    cache = lm.new_cache()
+    for ev in generate(lm, ids, SamplingParams(temperature=0.0), max_tokens, timeline=tl,
+                       prompt_cache=cache):
+        if ev.token is not None:
+            if not tokens:
+                first_wall = time.time()
+            tokens.append(ev.token)
+        last = ev
+    out = {"first_token_wall": first_wall, "tokens": tokens, "ttft_s": last.ttft_s,
+           "cached_tokens": last.cached_tokens, "restore_s": pc.stats.restore_s,
+           "bytes_read": pc.stats.bytes_read, "timeline": tl.durations(),
+           "prefill_s": tl.durations().get("prefill", 0.0)}
+    if job.get("save_mlx"):
+        from engine.runtime.model import cache_module
+
+        cm = cache_module()
+        n = job["prefix_tokens"]
+        exact = []
+        for c in cache.cache:  # exactly the prefix, no spare capacity: a fair file
+            k = cm.KVCache()
+            k.keys, k.values, k.offset = c.keys[..., :n, :], c.values[..., :n, :], n
+            exact.append(k)
+        cm.save_prompt_cache(job["mlx_file"], exact)
+    pc.close()
+    return out
+
+
+def _worker(mode: str, job_path: str) -> dict[str, Any]:
+    job = json.loads(Path(job_path).read_text())
+    if mode == "build":
+        job["save_mlx"] = True
+        return _strata(job, job["prefix"], 4)
+    if mode == "hit":
+        return _strata(job, job["prefix"], 4)
+    if mode == "chat":
+        return _strata(job, job["chat"], 1)
+    if mode == "mlxlm-load":
+        import mlx.core as mx
+
+        from engine.runtime.model import cache_module
+
+        t = time.perf_counter()
+        cache = cache_module().load_prompt_cache(job["mlx_file"])
+        mx.eval([c.keys for c in cache] + [c.values for c in cache])
+        return {"load_s": time.perf_counter() - t,
+                "file_bytes": os.path.getsize(job["mlx_file"])}
+    if mode == "mlxlm-chat":
+        # The real mlx_lm package first (its load needs it), then the same compute profile.
+        import mlx.core as mx
+        from mlx_lm import load, stream_generate
+
+        from engine.platform import compute_profile
+        from engine.runtime.model import apply_profile
+
+        model, tok = load(job["model_dir"])[:2]
+        apply_profile(model, compute_profile(job["profile"]))
+        mx.eval(model.parameters())
+        for r in stream_generate(model, tok, job["chat"], max_tokens=1):
+            return {"first_token_wall": time.time(), "tokens": [int(r.token)]}
+    raise SystemExit(f"unknown mode {mode}")
+
+
+if __name__ == "__main__":
+    print(json.dumps(_worker(sys.argv[1], sys.argv[2])), flush=True)
