@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from PySide6.QtCore import QMimeData, QPointF, Qt, QUrl
+from PySide6.QtCore import QMimeData, QPoint, QPointF, Qt, QUrl
 from PySide6.QtGui import QDragEnterEvent, QDropEvent, QFileOpenEvent
 from PySide6.QtWidgets import QApplication
 
@@ -20,7 +20,7 @@ def _drop(window: MainWindow, *paths: Path) -> None:
     mime.setUrls([QUrl.fromLocalFile(str(p)) for p in paths])
     args = (Qt.DropAction.CopyAction, mime, Qt.MouseButton.LeftButton,
             Qt.KeyboardModifier.NoModifier)
-    enter = QDragEnterEvent(QPointF(200, 200), *args)
+    enter = QDragEnterEvent(QPoint(200, 200), *args)
     window.dragEnterEvent(enter)
     assert enter.isAccepted()
     drop = QDropEvent(QPointF(200, 200), *args)
