@@ -202,6 +202,17 @@ def parameter_bytes(model: object) -> int:
     return sum(int(leaf[1].nbytes) for leaf in flat)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists (temporary files of dead ones can be swept)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
 def default_home() -> Path:
     """STRATA_HOME, else the platform's per-user data folder."""
     env = os.environ.get("STRATA_HOME")

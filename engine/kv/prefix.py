@@ -35,6 +35,7 @@ import numpy as np
 
 from engine.errors import StrataError
 from engine.kv.pagefile import _CRC, _HEADER, DTYPE_CODES, FORMAT_VERSION, MAGIC, PageHeader
+from engine.platform import pid_alive
 
 PREFIX_MAGIC = b"STRATAPX"
 PREFIX_VERSION = 1
@@ -504,7 +505,7 @@ class PrefixCache:
         for tmp in self.folder.glob(".tmp-*"):
             try:
                 pid = int(tmp.name.split("-")[1])
-                alive = pid == os.getpid() or _pid_alive(pid)
+                alive = pid == os.getpid() or pid_alive(pid)
                 old = time.time() - tmp.stat().st_mtime > 86400
             except (ValueError, IndexError, OSError):
                 alive, old = False, True
@@ -528,16 +529,6 @@ def _close_at_exit(ref: weakref.ref[PrefixCache]) -> None:
     cache = ref()
     if cache is not None:
         cache.close()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _is_kvcache(c: Any) -> bool:

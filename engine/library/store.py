@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ImportFailed, ModelNotFound
-from engine.platform import default_home
+from engine.platform import default_home, pid_alive
 
 Manifest = dict[str, Any]
 MANIFEST = "manifest.json"
@@ -54,16 +54,6 @@ def folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class Library:
     """The models folder. Cheap to construct; reads manifests on demand."""
 
@@ -80,7 +70,7 @@ class Library:
                 pid = int(tmp.name.split("-")[1])
             except (IndexError, ValueError):
                 pid = -1
-            if pid != os.getpid() and not _pid_alive(pid):
+            if pid != os.getpid() and not pid_alive(pid):
                 shutil.rmtree(tmp, ignore_errors=True)
 
     # -- reading ---------------------------------------------------------------------------
