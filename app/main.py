@@ -5,7 +5,11 @@ the starter model on first start (on the engine thread, with progress in the sta
 loads the default model. With `screenshot=FILE` it renders the window offscreen to a PNG once
 start-up (and with `demo`, a short scripted exchange at temperature 0) is done, and exits.
 Files dropped on the window, chosen with File > Import or opened from the Dock
-(QFileOpenEvent) are imported into the library.
+(QFileOpenEvent) are imported into the library. Server > Local server (checkable) serves the
+OpenAI API over the app's own engine thread (app/server.py), showing its address and queue
+depth in the status bar; it stops when unchecked and when the window closes. Its address
+comes from the settings table (server_host, default 127.0.0.1; server_port, default 8765, 0
+for any free port; server_api_key, required off loopback).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from PySide6.QtCore import (
     QEvent,
     QMessageLogContext,
     QObject,
+    Qt,
     QTimer,
     QtMsgType,
     Signal,
@@ -51,8 +56,10 @@ from app.chat.controller import ChatController
 from app.chat.store import ChatStore, Sampling
 from app.library.controller import LibraryController
 from app.memory.view import MemoryPanel
+from app.server import DEFAULT_PORT, LocalServer
 from app.smoke import app_icon
 from app.worker import Engine
+from engine.errors import StrataError
 from engine.platform import MemorySnapshot, default_home
 
 DEFAULT_SIZE = (1100, 720)
@@ -103,6 +110,7 @@ class MainWindow(QMainWindow):
         self.library = LibraryController(self.store, self.engine, self)
         self.memory = MemoryPanel()
         self.bench = BenchmarkView(self.home)
+        self.server = LocalServer(self.engine, self)
 
         self.tabs = QTabWidget()
         self.tabs.setAccessibleName("Views")
@@ -119,7 +127,12 @@ class MainWindow(QMainWindow):
         self.progress.setAccessibleName("Start-up progress")
         self.progress.setMaximumWidth(220)
         self.progress.setVisible(False)
+        self.server_label = QLabel()
+        self.server_label.setAccessibleName("Server address")
+        self.server_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.server_label.setVisible(False)
         self.statusBar().addWidget(self.status_label, 1)
+        self.statusBar().addPermanentWidget(self.server_label)
         self.statusBar().addPermanentWidget(self.progress)
         self._build_menus()
 
@@ -130,10 +143,15 @@ class MainWindow(QMainWindow):
         w.model_loading.connect(self._on_model_loading)
         w.model_loaded.connect(self._on_model_loaded)
         w.memory_sampled.connect(self._on_memory_sampled)
+        w.prefix_warmed.connect(self._on_prefix_warmed)
         w.error_occurred.connect(self._on_error_occurred)
         self.chat.reply_recorded.connect(self._on_reply_recorded)
+        self.server.started.connect(self._on_server_started)
+        self.server.stopped.connect(self._on_server_stopped)
+        self.server.queue_depth_changed.connect(self._on_server_queue_depth_changed)
         self.memory.set_replies(self.store.recent_stats())
         self._startup_job: int | None = None
+        self._server_depth = 0
         self._start()
 
     # -- start-up ----------------------------------------------------------------------
@@ -183,7 +201,14 @@ class MainWindow(QMainWindow):
             action.setShortcut(QKeySequence(f"Ctrl+{i + 1}"))
             action.triggered.connect(lambda _=False, i=i: self.tabs.setCurrentIndex(i))
             view_menu.addAction(action)
+        server_menu = self.menuBar().addMenu("&Server")
+        server_action = QAction("Local server", self)
+        server_action.setCheckable(True)
+        server_action.setToolTip("Serve the OpenAI API on this computer over Strata's engine")
+        server_action.toggled.connect(self._on_server_toggled)
+        server_menu.addAction(server_action)
         self.new_chat_action, self.import_action = new_chat, import_action
+        self.server_action = server_action
 
     # -- public ------------------------------------------------------------------------
     def show_view(self, name: str) -> None:
@@ -237,6 +262,54 @@ class MainWindow(QMainWindow):
         self.chat.set_models(names, default)
         self.bench.set_models(names, default)
 
+    @Slot(bool)
+    def _on_server_toggled(self, on: bool) -> None:
+        if not on:
+            self.server.stop()
+            return
+        if self.server.running:
+            return
+        try:
+            port = int(self.store.setting("server_port", str(DEFAULT_PORT)) or DEFAULT_PORT)
+            self.server.start(host=self.store.setting("server_host", "127.0.0.1") or "127.0.0.1",
+                              port=port, api_key=self.store.setting("server_api_key") or None,
+                              default_model=self.chat.loaded_model or self.chat.default_model)
+        except (StrataError, ValueError) as exc:
+            self.status_label.setText(f"The local server did not start: {exc}")
+            self.server_action.blockSignals(True)
+            self.server_action.setChecked(False)
+            self.server_action.blockSignals(False)
+
+    @Slot(str)
+    def _on_server_started(self, address: str) -> None:
+        self._server_depth = 0
+        self._show_server()
+        self.status_label.setText(f"Serving the OpenAI API at {address}")
+
+    @Slot()
+    def _on_server_stopped(self) -> None:
+        self.server_label.setVisible(False)
+        self.server_label.setText("")
+        if self.server_action.isChecked():
+            self.server_action.blockSignals(True)
+            self.server_action.setChecked(False)
+            self.server_action.blockSignals(False)
+        self.status_label.setText("Local server stopped.")
+
+    @Slot(int)
+    def _on_server_queue_depth_changed(self, depth: int) -> None:
+        self._server_depth = depth
+        self._show_server()
+
+    def _show_server(self) -> None:
+        if not self.server.running:
+            return
+        self.server_label.setText(f"Server: {self.server.address} · "
+                                  f"queue {self._server_depth}")
+        self.server_label.setToolTip("OpenAI-compatible API (base URL); queue: requests "
+                                     "running or waiting")
+        self.server_label.setVisible(True)
+
     @Slot(str, int, int)
     def _on_starter_progressed(self, message: str, done: int, total: int) -> None:
         self.status_label.setText(message + ("…" if not total else f": {done}%"))
@@ -261,7 +334,16 @@ class MainWindow(QMainWindow):
         self.status_label.setText(f"{info['name']} loaded in {secs:.1f} s "
                                   f"({info.get('profile', '')}).")
         self.memory.set_model_name(str(info["name"]))
+        self.server.set_default_model(str(info["name"]))
         self._set_ready()
+
+    @Slot(int, int, dict)
+    def _on_prefix_warmed(self, _job: int, _chat_id: int, info: dict[str, Any]) -> None:
+        tokens, cached = int(info.get("tokens", 0)), int(info.get("cached", 0))
+        how = ("all from the prefix cache" if cached >= tokens - 1 else
+               f"{cached} from the cache, {tokens - cached} prefilled" if cached else
+               f"prefilled in {float(info.get('seconds', 0.0)):.1f} s")
+        self.status_label.setText(f"System prompt ready: {tokens} tokens ({how}).")
 
     @Slot(object)
     def _on_memory_sampled(self, snapshot: MemorySnapshot) -> None:
@@ -273,6 +355,8 @@ class MainWindow(QMainWindow):
 
     @Slot(int, str, str)
     def _on_error_occurred(self, job: int, what: str, message: str) -> None:
+        if what == "settings":
+            self.status_label.setText(message)
         if what in ("starter", "load"):
             self.progress.setVisible(False)
             self.status_label.setText(message)
@@ -286,6 +370,7 @@ class MainWindow(QMainWindow):
         if self._closed:
             return
         self._closed = True
+        self.server.stop()
         self.chat.shutdown()
         self.bench.shutdown()
         self.engine.shutdown()

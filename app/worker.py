@@ -7,6 +7,14 @@ steps; the runner emits each step and checks the job's cancel flag between steps
 superqt's generator workers. The GUI thread never waits on the engine, except in
 `Engine.shutdown()` when the window closes. `Engine` re-emits the worker's events on the
 GUI thread; the rest of the app connects to those, never to the worker itself.
+
+Caches: every model the worker loads gets the app's engine settings (`apply_settings`: the KV
+mode and budgets as `lm.kv_settings`, for sessions made after them) and, unless turned off,
+the SSD prefix cache under STRATA_HOME/prefix, so prompt prefixes stay warm across restarts.
+`prewarm(chat, model, system)` prefills a chat's system prompt (with the chat template's
+preamble) into that chat's session, restoring it from the prefix cache where it is stored,
+so the chat's first message prefills only its own tokens. Server jobs (app/server.py) run on
+the same thread between chat jobs, over the same model and prefix cache.
 """
 
 from __future__ import annotations
@@ -20,12 +28,15 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from PySide6.QtCore import QObject, QThread, QTimer, Signal, SignalInstance, Slot
 
 import app.compat  # noqa: F401  (PySide6 work-around, see there)
 from engine.errors import Cancelled, StrataError
+
+if TYPE_CHECKING:
+    from engine.server.host import Host, Job, ModelPool
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +78,20 @@ class EngineWorker(QObject):
     model_removed = Signal(int, str)
     error_occurred = Signal(int, str, str)  # job, what ("reply", "import", ...), message
     memory_sampled = Signal(object)  # engine.platform.MemorySnapshot
+    prefix_warmed = Signal(int, int, dict)  # job, chat, {tokens, cached, prefilled, seconds}
+    settings_applied = Signal(dict)  # the engine settings now in force
 
     def __init__(self, home: Path) -> None:
         super().__init__()
         from engine.library import Library
 
         self.library = Library(home)
+        self.home = Path(self.library.home)
         self._lm: Any = None
+        self._kv_settings: Any = None  # engine.kv.KVSettings once settings are applied
+        self._prefix_enabled = True
+        self._prefix_reason = "no model loaded"
+        self._server_models: ModelPool | None = None
         self._weights_bytes: int | None = None
         self._sessions: OrderedDict[int, Any] = OrderedDict()
         self._cancelled: set[int] = set()
@@ -90,6 +108,65 @@ class EngineWorker(QObject):
             close = getattr(getattr(session, "cache", None), "close", None)
             if close is not None:
                 close()  # a paged cache's threads and files; nothing for mlx-lm's
+        if chat_id is None and self._server_models is not None:
+            for pc in list(self._server_models.caches):
+                self._server_models.discard(pc)
+
+    def _unload(self) -> None:
+        """Forget the loaded model: sessions closed, queued prefix pages written."""
+        self._close_sessions()
+        lm, self._lm, self._weights_bytes = self._lm, None, None
+        if lm is not None and lm.prefix_cache is not None:
+            lm.prefix_cache.close()  # flushes pages still queued for the disk
+            lm.prefix_cache = None
+
+    def _prompt_caches(self) -> list[Any]:
+        """Every PromptCache the worker holds: the chats' and the server's."""
+        caches = [s.cache for s in self._sessions.values()]
+        if self._server_models is not None:
+            caches += list(self._server_models.caches)
+        return caches
+
+    # -- engine settings (engine thread) -------------------------------------------------
+    def _kv_from(self, settings: dict[str, Any]) -> Any:
+        from engine.kv import settings_from_env
+
+        ram = int(settings.get("kv_ram_mb") or 0)
+        return settings_from_env(mode=str(settings.get("kv_mode") or "mlx"),
+                                 ram_mb=ram if ram > 0 else None,
+                                 budget_tokens=int(settings.get("kv_budget_tokens") or 2048),
+                                 ssd_dir=self.home / "kv")
+
+    def _prefix_settings(self) -> Any:
+        import os
+
+        from engine.kv.prefix import settings_from_env
+
+        folder = None if os.environ.get("STRATA_PREFIX_DIR") else self.home / "prefix"
+        return settings_from_env(folder=folder)
+
+    def _apply_to(self, lm: Any) -> None:
+        """Give `lm` the KV settings and the prefix cache (or take it away)."""
+        lm.kv_settings = self._kv_settings
+        if not self._prefix_enabled:
+            if lm.prefix_cache is not None:
+                lm.prefix_cache.close()
+                lm.prefix_cache = None
+            self._prefix_reason = "prefix cache off in the settings"
+            return
+        if lm.prefix_cache is None:
+            try:
+                lm.enable_prefix_cache(self._prefix_settings())
+            except StrataError as exc:  # an unwritable folder: the cache is optional
+                log.warning("prefix cache off: %s", exc)
+                self._prefix_reason = f"prefix cache unavailable: {exc}"
+
+    def ensure_model(self, name: str) -> Any:
+        """Load `name` unless it is loaded (emitting model_loading/model_loaded); the model.
+        Engine thread only: server jobs call it through their `Models`."""
+        for signal, args in self._load_steps(name):
+            signal.emit(*args)
+        return self._lm
 
     # -- called from any thread --------------------------------------------------------
     def cancel(self, job: int) -> None:
@@ -122,8 +199,7 @@ class EngineWorker(QObject):
     def _on_shutdown_requested(self) -> None:
         if self._timer is not None:
             self._timer.stop()
-        self._close_sessions()
-        self._lm = None
+        self._unload()
         thread = self.thread()
         if thread is not None:
             thread.quit()
@@ -152,6 +228,65 @@ class EngineWorker(QObject):
     def _on_chat_forgotten(self, chat_id: int) -> None:
         self._close_sessions(chat_id)
         self._sample(force=True)
+
+    @Slot(int, int, str, str)
+    def _on_prewarm_requested(self, job: int, chat_id: int, model: str, system: str) -> None:
+        self._run(job, "prewarm", self._prewarm_steps(job, chat_id, model, system))
+
+    @Slot(dict)
+    def _on_settings_requested(self, settings: dict[str, Any]) -> None:
+        """New engine settings: they apply to sessions made from now on, so the open chats'
+        sessions are dropped (their next message restores or prefills again)."""
+        try:
+            kv = self._kv_from(settings)
+        except (StrataError, ValueError, TypeError) as exc:
+            self.error_occurred.emit(0, "settings", f"engine settings refused: {exc}")
+            return
+        self._kv_settings = kv
+        self._prefix_enabled = bool(settings.get("prefix_cache", True))
+        self._prefix_reason = ("no model loaded" if self._prefix_enabled
+                               else "prefix cache off in the settings")
+        if self._lm is not None:
+            self._close_sessions()
+            self._apply_to(self._lm)
+        self._sample(force=True)
+        self.settings_applied.emit(dict(settings))
+
+    @Slot(object, object)
+    def _on_server_job_requested(self, host: Host, job: Job) -> None:
+        """One request of the app's local server (app/server.py), run here like a chat job."""
+        from engine.server.host import ModelPool
+
+        worker = self
+
+        class _WorkerModels(ModelPool):
+            """The server's `Models` over this worker: its loaded model, its own caches."""
+
+            def get(self, name: str) -> Any:
+                lm = worker.ensure_model(name)
+                if self.lm is not lm:
+                    for pc in list(self.caches):
+                        self.discard(pc)
+                    self.lm = lm
+                return lm
+
+        if self._server_models is None:
+            self._server_models = _WorkerModels(self.library, caches_per_model=4)
+        started = getattr(host, "job_started", None)
+        finished = getattr(host, "job_finished", None)
+        if started is not None:
+            started(job)
+        self.busy_changed.emit(True)
+        try:
+            if not job.cancelled and not self._cancel_all:
+                job.run(self._server_models)
+        except Exception:  # jobs report their own errors; this is a last resort
+            log.error("server job failed:\n%s", traceback.format_exc())
+        finally:
+            if finished is not None:
+                finished(job)
+            self._sample(force=True)
+            self.busy_changed.emit(False)
 
     # -- the runner --------------------------------------------------------------------
     def _run(self, job: int, what: str, steps: Iterator[Step]) -> None:
@@ -183,8 +318,30 @@ class EngineWorker(QObject):
         self._last_sample = now
         from engine.platform import memory_snapshot
 
-        kv = sum(int(s.cache.nbytes) for s in self._sessions.values()) if self._lm else None
-        self.memory_sampled.emit(memory_snapshot(self._weights_bytes, kv))
+        caches = self._prompt_caches()
+        kv = sum(int(pc.nbytes) for pc in caches) if self._lm else None
+        kv_ssd, kv_reason = None, "paged KV off"
+        settings = self._kv_settings
+        if settings is not None and settings.mode != "mlx":
+            if not settings.ssd:
+                kv_reason = "SSD tier off"
+            else:
+                stores = {id(c.store): c.store for pc in caches for c in pc.cache
+                          if hasattr(c, "store")}
+                kv_ssd = sum(int(st.stats()["bytes_ssd"]) for st in stores.values())
+        prefix, prefix_reason = None, self._prefix_reason
+        lm = self._lm
+        if lm is not None and lm.prefix_cache is not None:
+            prefix = lm.prefix_cache.disk_bytes()
+        elif lm is None and self._prefix_enabled:
+            from engine.kv.prefix import prefix_folder_bytes
+
+            try:
+                prefix = prefix_folder_bytes(self._prefix_settings())  # earlier runs' pages
+            except StrataError as exc:  # a bad STRATA_PREFIX_* value
+                prefix_reason = f"prefix cache unavailable: {exc}"
+        self.memory_sampled.emit(memory_snapshot(self._weights_bytes, kv, kv_ssd, prefix,
+                                                 kv_reason, prefix_reason))
 
     # -- jobs --------------------------------------------------------------------------
     def _starter_steps(self, job: int, load: bool) -> Iterator[Step]:
@@ -216,10 +373,12 @@ class EngineWorker(QObject):
         if self._lm is not None and self._lm.manifest["name"] == manifest["name"]:
             return
         yield self.model_loading, (manifest["name"],)
-        self._close_sessions()
-        self._lm, self._weights_bytes = None, None
+        self._unload()
         timeline = Timeline()
         lm = LoadedModel.load(manifest["name"], library=self.library, timeline=timeline)
+        if self._kv_settings is None:
+            self._kv_settings = self._kv_from({})  # the environment's (STRATA_KV_*)
+        self._apply_to(lm)
         self._lm = lm
         self._weights_bytes = parameter_bytes(lm.model)
         info = {"name": manifest["name"], "path": manifest["path"],
@@ -229,7 +388,6 @@ class EngineWorker(QObject):
         yield self.model_loaded, (info,)
 
     def _reply_steps(self, job: int, req: ReplyRequest) -> Iterator[Step]:
-        from engine.runtime.generate import ChatSession
         from engine.runtime.sampling import SamplingParams
         from engine.telemetry import Timeline
 
@@ -243,12 +401,7 @@ class EngineWorker(QObject):
             yield step
         lm = self._lm
         assert lm is not None
-        session = self._sessions.pop(req.chat_id, None)
-        if session is None or session.lm is not lm:
-            session = ChatSession(lm)
-        self._sessions[req.chat_id] = session  # most recent last
-        while len(self._sessions) > MAX_SESSIONS:
-            self._close_sessions(next(iter(self._sessions)))  # least recently used
+        session = self._session_for(req.chat_id, lm)
         session.messages = ([{"role": "system", "content": req.system}] if req.system else [])
         session.messages += [dict(m) for m in req.history]
         yield self.reply_started, (job,)
@@ -271,6 +424,60 @@ class EngineWorker(QObject):
         }
         yield self.reply_finished, (job, stats)
 
+    def _session_for(self, chat_id: int, lm: Any) -> Any:
+        """The chat's session on `lm` (a new one if none), most recently used last."""
+        from engine.runtime.generate import ChatSession
+
+        session = self._sessions.pop(chat_id, None)
+        if session is None or session.lm is not lm:
+            if session is not None:
+                session.cache.close()
+            session = ChatSession(lm)
+        self._sessions[chat_id] = session
+        while len(self._sessions) > MAX_SESSIONS:
+            self._close_sessions(next(iter(self._sessions)))  # least recently used
+        return session
+
+    def _prewarm_steps(self, job: int, chat_id: int, model: str, system: str
+                       ) -> Iterator[Step]:
+        """Prefill the chat template's preamble and `system` into the chat's session (or
+        restore them from the prefix cache); only if `model` is the one loaded."""
+        from engine.runtime.generate import generate
+        from engine.runtime.sampling import SamplingParams
+        from engine.server.host import shared_prefix
+        from engine.telemetry import Timeline
+
+        lm = self._lm
+        if lm is None or lm.manifest["name"] != model or not system.strip():
+            return
+        # What every first message of this chat starts with: the tokens two different user
+        # messages share after the system prompt (preamble, system prompt, user header).
+        a, b = ({"role": "user", "content": c} for c in ("a", "b"))
+        sys_msg = {"role": "system", "content": system}
+        ids_a = lm.tokenizer.encode_chat([sys_msg, a])
+        prefix = ids_a[:shared_prefix(ids_a, lm.tokenizer.encode_chat([sys_msg, b]))]
+        if len(prefix) < 2:
+            return
+        session = self._session_for(chat_id, lm)
+        held = shared_prefix(session.cache.tokens, prefix)
+        info: dict[str, Any] = {"model": model, "tokens": len(prefix), "cached": held,
+                                "prefilled": 0, "seconds": 0.0, "phases": {}}
+        if held < len(prefix) - 1:
+            timeline = Timeline()
+            t0 = time.perf_counter()
+            last = None
+            for ev in generate(lm, prefix, SamplingParams(temperature=0.0), max_tokens=1,
+                               cancel=lambda: self._is_cancelled(job),
+                               prompt_cache=session.cache, timeline=timeline):
+                last = ev
+            if last is not None and last.finish_reason == "cancelled":
+                session.cache.clear()
+                raise Cancelled("prewarm cancelled")
+            cached = last.cached_tokens if last is not None else 0
+            info.update(cached=cached, prefilled=len(prefix) - cached,
+                        seconds=time.perf_counter() - t0, phases=timeline.durations())
+        yield self.prefix_warmed, (job, chat_id, info)
+
     def _import_steps(self, job: int, path: Path) -> Iterator[Step]:
         from engine.importers import detect, import_path
 
@@ -292,8 +499,7 @@ class EngineWorker(QObject):
     def _remove_steps(self, job: int, name: str) -> Iterator[Step]:
         manifest = self.library.get(name)
         if self._lm is not None and self._lm.manifest["name"] == manifest["name"]:
-            self._close_sessions()
-            self._lm, self._weights_bytes = None, None
+            self._unload()
         self.library.remove(manifest["name"])
         yield self.model_removed, (job, manifest["name"])
 
@@ -320,6 +526,8 @@ class Engine(QObject):
     model_removed = Signal(int, str)
     error_occurred = Signal(int, str, str)
     memory_sampled = Signal(object)
+    prefix_warmed = Signal(int, int, dict)
+    settings_applied = Signal(dict)
 
     starter_requested = Signal(int, bool)
     load_requested = Signal(int, str)
@@ -327,6 +535,9 @@ class Engine(QObject):
     import_requested = Signal(int, str)
     remove_requested = Signal(int, str)
     chat_forgotten = Signal(int)
+    prewarm_requested = Signal(int, int, str, str)
+    settings_requested = Signal(dict)
+    server_job_requested = Signal(object, object)  # host, job (emitted from HTTP threads)
     shutdown_requested = Signal()
 
     def __init__(self, home: Path, parent: QObject | None = None) -> None:
@@ -343,11 +554,14 @@ class Engine(QObject):
         self.import_requested.connect(self.worker._on_import_requested)
         self.remove_requested.connect(self.worker._on_remove_requested)
         self.chat_forgotten.connect(self.worker._on_chat_forgotten)
+        self.prewarm_requested.connect(self.worker._on_prewarm_requested)
+        self.settings_requested.connect(self.worker._on_settings_requested)
+        self.server_job_requested.connect(self.worker._on_server_job_requested)
         self.shutdown_requested.connect(self.worker._on_shutdown_requested)
         for name in ("busy_changed", "starter_progressed", "starter_ready", "model_loading",
                      "model_loaded", "reply_started", "reply_delta", "reply_finished",
                      "import_started", "import_progress", "import_finished", "model_removed",
-                     "error_occurred", "memory_sampled"):
+                     "error_occurred", "memory_sampled", "prefix_warmed", "settings_applied"):
             getattr(self.worker, name).connect(getattr(self, name))  # queued: GUI thread
         self.busy_changed.connect(self._on_busy_changed)
         self._busy = False
@@ -400,6 +614,21 @@ class Engine(QObject):
 
     def forget_chat(self, chat_id: int) -> None:
         self.chat_forgotten.emit(chat_id)
+
+    def prewarm(self, chat_id: int, model: str, system: str) -> int:
+        """Prefill `system` for chat `chat_id` if `model` is loaded (see the module doc)."""
+        job = self._next()
+        self.prewarm_requested.emit(job, chat_id, model, system)
+        return job
+
+    def apply_settings(self, settings: dict[str, Any]) -> None:
+        """Engine settings (app.chat.store.EngineSettings.as_dict()) for the loaded model and
+        every later one; `settings_applied` or an error_occurred('settings') answers."""
+        self.settings_requested.emit(dict(settings))
+
+    def run_server_job(self, host: Host, job: Job) -> None:
+        """Queue a server request on the engine thread (any thread may call this)."""
+        self.server_job_requested.emit(host, job)
 
     def cancel(self, job: int) -> None:
         self.worker.cancel(job)

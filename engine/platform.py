@@ -131,8 +131,9 @@ def memory_facts() -> MemoryFacts:
 class MemorySnapshot:
     """Where memory is, in bytes, at `taken_at` (time.time()).
 
-    None means the counter does not exist on this platform or in this engine yet (the KV
-    tiers on the SSD and the prefix cache on disk): show it as unavailable, never as zero.
+    None means the counter does not exist on this platform or is not in use (the KV tier on
+    the SSD without a paged KV mode, the prefix cache on disk when it is off): show it as
+    unavailable, never as zero; the `*_reason` fields say why, for the panel's hint column.
     """
 
     taken_at: float
@@ -150,14 +151,24 @@ class MemorySnapshot:
     swap_used_bytes: int | None
     wired_bytes: int | None
     compressed_bytes: int | None
+    kv_ssd_reason: str | None = None
+    prefix_disk_reason: str | None = None
 
 
 def memory_snapshot(weights_bytes: int | None = None,
-                    kv_ram_bytes: int | None = None) -> MemorySnapshot:
+                    kv_ram_bytes: int | None = None,
+                    kv_ssd_bytes: int | None = None,
+                    prefix_disk_bytes: int | None = None,
+                    kv_ssd_reason: str | None = None,
+                    prefix_disk_reason: str | None = None) -> MemorySnapshot:
     """psutil's system and process figures plus MLX's counters (only if MLX is loaded).
 
-    The caller supplies what only the runtime knows (weights and KV bytes). MLX counters are
-    read without importing MLX: a process that has not loaded it reports them as None.
+    The caller supplies what only the runtime knows: weights and KV bytes in RAM, the paged
+    KV cache's bytes on the SSD (engine.kv.store.KVStore.stats()["bytes_ssd"]) and the
+    prefix cache's bytes on disk (engine.kv.prefix.prefix_folder_bytes). A figure left None
+    gets a reason (the caller's, else a default) so the panel can say why it is missing.
+    MLX counters are read without importing MLX: a process that has not loaded it reports
+    them as None.
     """
     import time
 
@@ -179,8 +190,8 @@ def memory_snapshot(weights_bytes: int | None = None,
         taken_at=time.time(),
         weights_bytes=weights_bytes,
         kv_ram_bytes=kv_ram_bytes,
-        kv_ssd_bytes=None,  # no SSD tier in the engine yet
-        prefix_disk_bytes=None,  # no persistent prefix cache yet
+        kv_ssd_bytes=kv_ssd_bytes,
+        prefix_disk_bytes=prefix_disk_bytes,
         process_rss_bytes=int(psutil.Process().memory_info().rss),
         mlx_active_bytes=active,
         mlx_peak_bytes=peak,
@@ -191,6 +202,9 @@ def memory_snapshot(weights_bytes: int | None = None,
         swap_used_bytes=swap,
         wired_bytes=int(wired) if wired is not None else None,
         compressed_bytes=None,  # psutil does not report macOS compressed memory
+        kv_ssd_reason=None if kv_ssd_bytes is not None else (kv_ssd_reason or "paged KV off"),
+        prefix_disk_reason=None if prefix_disk_bytes is not None
+        else (prefix_disk_reason or "prefix cache off"),
     )
 
 

@@ -4,6 +4,12 @@ Contract: one reply streams at a time. Its assistant row is written 'streaming' 
 first token and updated at most every DB_INTERVAL_MS; the view repaints at most every
 REPAINT_MS however fast deltas arrive. The reply ends 'complete', or 'interrupted' on Stop
 or an engine error, with the text produced so far kept.
+
+Warm system prompts: when a model loads, and when a chat is opened while its model is
+loaded, the chat's system prompt is prefilled on the engine thread (`Engine.prewarm`; a cheap
+restore when the SSD prefix cache holds it), so its first message prefills only itself.
+Engine settings (KV mode and budgets, prefix cache) live in the settings table; they are
+sent to the engine at start-up and whenever they are edited.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from typing import Any
 from PySide6.QtCore import QObject, QTimer, Signal, Slot
 
 from app.chat.model import ChatListModel
-from app.chat.store import DEFAULT_TITLE, Chat, ChatStore, Sampling
+from app.chat.store import DEFAULT_TITLE, Chat, ChatStore, EngineSettings, Sampling
 from app.chat.view import ChatView
 from app.worker import Engine, ReplyRequest
 
@@ -53,6 +59,7 @@ class ChatController(QObject):
         self.view = ChatView(self.chats)
         self.models: list[str] = []
         self.default_model = ""
+        self.loaded_model = ""  # the model the engine holds, as its last model_loaded said
         self.current: Chat | None = None
         self.streaming: _Streaming | None = None
         self.repaints = 0  # how many times the streaming reply was redrawn (tests read it)
@@ -70,12 +77,17 @@ class ChatController(QObject):
         v.model_chosen.connect(self._on_model_chosen)
         v.system_prompt_edited.connect(self._on_system_prompt_edited)
         v.sampling_edited.connect(self._on_sampling_edited)
+        v.engine_settings_edited.connect(self._on_engine_settings_edited)
         w = self.engine
         w.reply_delta.connect(self._on_reply_delta)
         w.reply_finished.connect(self._on_reply_finished)
         w.error_occurred.connect(self._on_error_occurred)
         w.model_loading.connect(self._on_model_loading)
         w.model_loaded.connect(self._on_model_loaded)
+
+        self.engine_settings = EngineSettings.load(store)
+        self.view.show_engine_settings(self.engine_settings)
+        self.engine.apply_settings(self.engine_settings.as_dict())  # before the first load
 
         chats = store.chats()
         if chats:
@@ -93,6 +105,23 @@ class ChatController(QObject):
         self.current = self.store.chat(chat_id)
         self.view.select_chat(chat_id)
         self._show_current()
+        self.prewarm_current()
+
+    def prewarm_current(self) -> int | None:
+        """Prefill the current chat's system prompt if its model is the loaded one; the job."""
+        chat = self.current
+        if chat is None or not chat.system_prompt.strip() or not self.loaded_model:
+            return None
+        if self._model_for(chat) != self.loaded_model:
+            return None
+        return self.engine.prewarm(chat.id, self.loaded_model, chat.system_prompt)
+
+    def set_engine_settings(self, settings: EngineSettings) -> None:
+        """Store app-wide engine settings and send them to the engine."""
+        self.engine_settings = settings
+        settings.save(self.store)
+        self.view.show_engine_settings(settings)
+        self.engine.apply_settings(settings.as_dict())
 
     def new_chat(self) -> Chat:
         chat = self.store.create_chat(model=self.default_model)
@@ -219,6 +248,12 @@ class ChatController(QObject):
         if self.current is None or self.current.id != chat_id:
             self.current = self.store.chat(chat_id)
             self._show_current()
+            self.prewarm_current()
+
+    @Slot(object)
+    def _on_engine_settings_edited(self, settings: EngineSettings) -> None:
+        if settings != self.engine_settings:
+            self.set_engine_settings(settings)
 
     @Slot(int)
     def _on_delete_requested(self, chat_id: int) -> None:
@@ -288,10 +323,14 @@ class ChatController(QObject):
 
     @Slot(str)
     def _on_model_loading(self, name: str) -> None:
+        self.loaded_model = ""
         if self.streaming is not None:
             self.view.messages.update_stream(self.streaming.text, f"loading {name}…")
 
     @Slot(dict)
     def _on_model_loaded(self, info: dict[str, Any]) -> None:
+        self.loaded_model = str(info["name"])
         if self.streaming is not None:
             self.view.messages.update_stream(self.streaming.text, "generating…")
+        else:
+            self.prewarm_current()

@@ -66,6 +66,49 @@ class Sampling:
                            "max_tokens": self.max_tokens})
 
 
+KV_MODES = ("mlx", "exact", "sparse")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """App-wide engine settings, kept in the settings table (issue 5: the CLI's KV flags).
+
+    kv_mode: 'mlx' (mlx-lm's cache in RAM), 'exact' or 'sparse' (the paged KV cache with an
+    SSD tier). kv_ram_mb: the paged cache's RAM budget, 0 for automatic (a quarter of RAM).
+    kv_budget_tokens: sparse attention's budget per query. prefix_cache: keep prompt prefixes'
+    KV on disk (STRATA_HOME/prefix) so system prompts stay warm across restarts.
+    """
+
+    kv_mode: str = "mlx"
+    kv_ram_mb: int = 0
+    kv_budget_tokens: int = 2048
+    prefix_cache: bool = True
+
+    @classmethod
+    def load(cls, store: ChatStore) -> EngineSettings:
+        base = cls()
+        try:
+            mode = store.setting("kv_mode", base.kv_mode) or base.kv_mode
+            return cls(kv_mode=mode if mode in KV_MODES else base.kv_mode,
+                       kv_ram_mb=max(0, int(store.setting("kv_ram_mb", "0") or 0)),
+                       kv_budget_tokens=int(store.setting("kv_budget_tokens",
+                                                          str(base.kv_budget_tokens)) or 0)
+                       or base.kv_budget_tokens,
+                       prefix_cache=store.setting("prefix_cache", "1") != "0")
+        except ValueError:
+            return base
+
+    def save(self, store: ChatStore) -> None:
+        store.set_setting("kv_mode", self.kv_mode)
+        store.set_setting("kv_ram_mb", str(self.kv_ram_mb))
+        store.set_setting("kv_budget_tokens", str(self.kv_budget_tokens))
+        store.set_setting("prefix_cache", "1" if self.prefix_cache else "0")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kv_mode": self.kv_mode, "kv_ram_mb": self.kv_ram_mb,
+                "kv_budget_tokens": self.kv_budget_tokens, "prefix_cache": self.prefix_cache}
+
+
 @dataclass(frozen=True)
 class Chat:
     id: int

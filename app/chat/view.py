@@ -3,6 +3,8 @@
 Contract: widgets only. `ChatView` shows what it is given and emits requests
 (`send_requested`, `stop_requested`, `new_chat_requested`, ...); `ChatController` decides.
 `MessageView` renders finished messages once and re-renders only the streaming reply.
+The right-hand panel also holds the app-wide engine settings (KV cache mode and budgets,
+the prefix cache on disk); `engine_settings_edited` carries them as an `EngineSettings`.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from PySide6.QtGui import (
 )
 from PySide6.QtWidgets import (
     QAbstractItemView,
+    QCheckBox,
     QComboBox,
     QDoubleSpinBox,
     QFormLayout,
     QFrame,
+    QGroupBox,
     QHBoxLayout,
     QLabel,
     QListView,
@@ -41,10 +45,12 @@ from PySide6.QtWidgets import (
 )
 
 from app.chat.model import ChatIdRole, ChatListModel
-from app.chat.store import Message, Sampling
+from app.chat.store import EngineSettings, Message, Sampling
 from app.format import reply_stats_line
 
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
+KV_MODE_LABELS = (("mlx", "In RAM (mlx-lm)"), ("exact", "Paged, exact"),
+                  ("sparse", "Paged, sparse"))
 
 
 def _is_code_block(block: QTextBlock) -> bool:
@@ -192,6 +198,7 @@ class ChatView(QWidget):
     model_chosen = Signal(str)
     system_prompt_edited = Signal(str)
     sampling_edited = Signal(object)  # Sampling
+    engine_settings_edited = Signal(object)  # EngineSettings
 
     def __init__(self, chats: ChatListModel, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -288,9 +295,9 @@ class ChatView(QWidget):
         self.max_tokens.setAccessibleName("Max tokens")
         self.max_tokens.setRange(1, 32768)
         self.max_tokens.setSingleStep(64)
-        right = QWidget()
-        rl = QVBoxLayout(right)
-        rl.setContentsMargins(4, 8, 8, 8)
+        chat_settings = QWidget()
+        rl = QVBoxLayout(chat_settings)
+        rl.setContentsMargins(0, 0, 0, 0)
         rl.addWidget(QLabel("Model"))
         rl.addWidget(self.model_picker)
         rl.addSpacing(6)
@@ -303,7 +310,13 @@ class ChatView(QWidget):
         form.addRow("Top-p", self.top_p)
         form.addRow("Max tokens", self.max_tokens)
         rl.addLayout(form)
-        self.settings_panel = right
+        self.settings_panel = chat_settings  # disabled while no chat is open
+        right = QWidget()
+        right_layout = QVBoxLayout(right)
+        right_layout.setContentsMargins(4, 8, 8, 8)
+        right_layout.addWidget(chat_settings, 1)
+        right_layout.addSpacing(6)
+        right_layout.addWidget(self._build_engine_settings())
 
         splitter = QSplitter(Qt.Orientation.Horizontal)
         splitter.addWidget(left)
@@ -332,6 +345,10 @@ class ChatView(QWidget):
         for spin in (self.temperature, self.top_p):
             spin.valueChanged.connect(self._on_sampling_changed)
         self.max_tokens.valueChanged.connect(self._on_sampling_changed)
+        self.kv_mode.activated.connect(self._on_engine_setting_changed)
+        self.kv_ram_mb.editingFinished.connect(self._on_engine_setting_changed)
+        self.kv_budget.editingFinished.connect(self._on_engine_setting_changed)
+        self.prefix_cache.toggled.connect(self._on_engine_setting_changed)
         for keys in ("Ctrl+Return", "Ctrl+Enter"):
             QShortcut(QKeySequence(keys), self, self._on_send_clicked,
                       context=Qt.ShortcutContext.WindowShortcut)
@@ -354,7 +371,67 @@ class ChatView(QWidget):
                 return True
         return super().eventFilter(watched, event)
 
+    def _build_engine_settings(self) -> QGroupBox:
+        """KV cache mode and budgets, prefix cache: for every chat (and the local server)."""
+        self.kv_mode = QComboBox()
+        self.kv_mode.setAccessibleName("KV cache mode")
+        for mode, label in KV_MODE_LABELS:
+            self.kv_mode.addItem(label, mode)
+        self.kv_mode.setToolTip("In RAM: mlx-lm's cache. Paged: pages in RAM spill to the SSD;"
+                                " sparse attends to the most relevant pages only.")
+        self.kv_ram_mb = QSpinBox()
+        self.kv_ram_mb.setAccessibleName("KV RAM budget")
+        self.kv_ram_mb.setRange(0, 1 << 20)
+        self.kv_ram_mb.setSingleStep(256)
+        self.kv_ram_mb.setSuffix(" MB")
+        self.kv_ram_mb.setSpecialValueText("auto")
+        self.kv_ram_mb.setToolTip("RAM for the paged KV cache's pages; auto: a quarter of RAM")
+        self.kv_budget = QSpinBox()
+        self.kv_budget.setAccessibleName("Sparse budget")
+        self.kv_budget.setRange(768, 1 << 20)  # sinks + window + one page at the defaults
+        self.kv_budget.setSingleStep(256)
+        self.kv_budget.setSuffix(" tok")
+        self.kv_budget.setToolTip("Tokens each query attends to in sparse mode")
+        self.prefix_cache = QCheckBox("Prefix cache on disk")
+        self.prefix_cache.setAccessibleName("Prefix cache on disk")
+        self.prefix_cache.setToolTip("Keep system prompts and conversation prefixes warm "
+                                     "across restarts (STRATA_HOME/prefix)")
+        box = QGroupBox("Engine (all chats)")
+        box.setAccessibleName("Engine settings")
+        form = QFormLayout(box)
+        form.setContentsMargins(6, 6, 6, 6)
+        form.addRow("KV cache", self.kv_mode)
+        form.addRow("KV RAM", self.kv_ram_mb)
+        form.addRow("Sparse", self.kv_budget)
+        form.addRow(self.prefix_cache)
+        self.engine_box = box
+        return box
+
     # -- showing ---------------------------------------------------------------------------
+    def show_engine_settings(self, settings: EngineSettings) -> None:
+        self._loading_settings = True
+        try:
+            modes = [m for m, _ in KV_MODE_LABELS]
+            self.kv_mode.setCurrentIndex(modes.index(settings.kv_mode)
+                                         if settings.kv_mode in modes else 0)
+            self.kv_ram_mb.setValue(settings.kv_ram_mb)
+            self.kv_budget.setValue(settings.kv_budget_tokens)
+            self.prefix_cache.setChecked(settings.prefix_cache)
+            self._enable_engine_fields()
+        finally:
+            self._loading_settings = False
+
+    def engine_settings(self) -> EngineSettings:
+        return EngineSettings(kv_mode=str(self.kv_mode.currentData()),
+                              kv_ram_mb=self.kv_ram_mb.value(),
+                              kv_budget_tokens=self.kv_budget.value(),
+                              prefix_cache=self.prefix_cache.isChecked())
+
+    def _enable_engine_fields(self) -> None:
+        mode = str(self.kv_mode.currentData())
+        self.kv_ram_mb.setEnabled(mode != "mlx")
+        self.kv_budget.setEnabled(mode == "sparse")
+
     def set_empty_text(self, text: str) -> None:
         self.empty_label.setText(text)
         self.stack.setCurrentWidget(self.empty_label if text else self.messages)
@@ -443,6 +520,12 @@ class ChatView(QWidget):
     def _on_system_prompt_changed(self) -> None:
         if not self._loading_settings:
             self.system_prompt_edited.emit(self.system_prompt.toPlainText())
+
+    @Slot()
+    def _on_engine_setting_changed(self) -> None:
+        self._enable_engine_fields()
+        if not self._loading_settings:
+            self.engine_settings_edited.emit(self.engine_settings())
 
     @Slot()
     def _on_sampling_changed(self) -> None:

@@ -1,7 +1,9 @@
 """The memory panel: figures from the engine's memory snapshots, a memory bar, the chart.
 
 Contract: `show_snapshot(MemorySnapshot)` updates every figure (the worker samples about once
-a second); a counter the engine does not have yet reads "unavailable", never 0.
+a second); a counter the engine does not have reads "unavailable", never 0, with the
+snapshot's reason (e.g. "paged KV off") in the row's hint. The disk rows (KV cache on the SSD,
+prefix cache on disk) are bytes on disk, not memory: they stay out of the memory bar.
 `set_replies(stats)` feeds the latency chart. Nothing here reads the engine itself.
 """
 
@@ -33,8 +35,8 @@ OTHERS_COLOUR = QColor("#9a9a9a")
 PROCESS_ROWS = (
     ("weights", "Model weights", "parameters of the loaded model"),
     ("kv_ram", "KV cache in RAM", "keys and values of the open chats"),
-    ("kv_ssd", "KV cache on SSD", "no SSD tier in the engine yet"),
-    ("prefix_disk", "Prefix cache on disk", "no persistent prefix cache yet"),
+    ("kv_ssd", "KV cache on SSD", "pages of the paged KV cache spilled to the SSD"),
+    ("prefix_disk", "Prefix cache on disk", "prompt prefixes kept warm across restarts"),
     ("rest", "Rest of the process", "resident memory minus weights and KV cache"),
     ("rss", "Process resident (RSS)", "what the operating system counts for Strata"),
     ("mlx_active", "MLX active", "memory MLX has allocated and in use"),
@@ -83,6 +85,8 @@ class MemoryPanel(QWidget):
         super().__init__(parent)
         self.setAccessibleName("Memory panel")
         self.values: dict[str, QLabel] = {}
+        self.hints: dict[str, QLabel] = {}
+        self._notes: dict[str, str] = {}
         self.snapshot: MemorySnapshot | None = None
         self.model_name = ""
         process = self._group("Strata", PROCESS_ROWS)
@@ -126,6 +130,8 @@ class MemoryPanel(QWidget):
             grid.addWidget(value, i, 1)
             grid.addWidget(hint, i, 2)
             self.values[key] = value
+            self.hints[key] = hint
+            self._notes[key] = note
         grid.setRowStretch(len(rows), 1)  # rows keep their natural height, space goes below
         return box
 
@@ -136,6 +142,11 @@ class MemoryPanel(QWidget):
         self.snapshot = s
         for key, text in snapshot_figures(s).items():
             self.values[key].setText(text)
+        for key, figure, reason in (("kv_ssd", s.kv_ssd_bytes, s.kv_ssd_reason),
+                                    ("prefix_disk", s.prefix_disk_bytes, s.prefix_disk_reason)):
+            hint = reason if figure is None and reason else self._notes[key]
+            self.hints[key].setText(hint)
+            self.values[key].setToolTip(hint)
         if self.model_name and s.weights_bytes is not None:
             self.values["weights"].setToolTip(self.model_name)
         weights = s.weights_bytes or 0

@@ -84,6 +84,118 @@ def _tensor_class(hf_name: str) -> str:
     return "other"
 
 
+# -- header bounds --------------------------------------------------------------------------
+# GGUF value types (gguf.GGUFValueType) by fixed size; 8 is STRING, 9 is ARRAY.
+_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_MAX_ARRAY_DEPTH = 2
+
+
+def check_header(path: Path) -> None:
+    """Walk the GGUF header with every count checked against the bytes that remain.
+
+    The `gguf` reader trusts the counts a header claims: an array that claims more items
+    than the file holds makes it loop (and allocate) without end, and deep nesting
+    overflows its recursion. This walk costs at most one step per 8 bytes of header and
+    allocates nothing in proportion to a claimed count; ImportFailed names the first lie.
+    """
+    import mmap
+    import struct
+
+    import gguf
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        if size < 24:
+            raise ImportFailed(f"{path}: truncated GGUF header ({size} bytes)")
+        buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        (version,) = struct.unpack_from("<I", buf, 4)
+        order = ">" if version & 0xFFFF == 0 else "<"
+        u32, u64 = struct.Struct(order + "I"), struct.Struct(order + "Q")
+        off = 8
+
+        def need(n: int, what: str) -> None:
+            if n < 0 or off + n > size:
+                raise ImportFailed(f"{path}: corrupt or truncated GGUF header ({what} claims "
+                                   f"{n} bytes at offset {off}, file has {size})")
+
+        def string(what: str) -> None:
+            nonlocal off
+            need(8, what)
+            (n,) = u64.unpack_from(buf, off)
+            off += 8
+            need(n, what)
+            off += n
+
+        def value(vtype: int, what: str, depth: int) -> None:
+            nonlocal off
+            if vtype in _VALUE_SIZES:
+                need(_VALUE_SIZES[vtype], what)
+                off += _VALUE_SIZES[vtype]
+            elif vtype == _STRING:
+                string(what)
+            elif vtype == _ARRAY:
+                if depth >= _MAX_ARRAY_DEPTH:
+                    raise ImportFailed(f"{path}: corrupt GGUF header ({what}: arrays nested "
+                                       f"deeper than {_MAX_ARRAY_DEPTH})")
+                need(12, what)
+                (itype,), (count,) = u32.unpack_from(buf, off), u64.unpack_from(buf, off + 4)
+                off += 12
+                least = _VALUE_SIZES.get(itype, 8 if itype == _STRING else 12)
+                if itype not in _VALUE_SIZES and itype not in (_STRING, _ARRAY):
+                    raise ImportFailed(f"{path}: corrupt GGUF header ({what}: unknown "
+                                       f"array item type {itype})")
+                need(count * least, f"{what} ({count} items)")
+                if itype in _VALUE_SIZES:
+                    off += count * least
+                else:
+                    for _ in range(count):
+                        value(itype, what, depth + 1)
+            else:
+                raise ImportFailed(f"{path}: corrupt GGUF header ({what}: unknown value "
+                                   f"type {vtype})")
+
+        need(16, "counts")
+        (n_tensors,), (n_kv,) = u64.unpack_from(buf, off), u64.unpack_from(buf, off + 8)
+        off += 16
+        need(n_kv * 13, f"{n_kv} metadata fields")
+        for i in range(n_kv):
+            string(f"metadata field {i}")
+            need(4, f"metadata field {i}")
+            (vtype,) = u32.unpack_from(buf, off)
+            off += 4
+            value(vtype, f"metadata field {i}", 0)
+        need(n_tensors * 24, f"{n_tensors} tensors")
+        for i in range(n_tensors):
+            string(f"tensor {i} name")
+            need(4, f"tensor {i}")
+            (n_dims,) = u32.unpack_from(buf, off)
+            off += 4
+            if n_dims > _MAX_DIMS:
+                raise ImportFailed(f"{path}: corrupt GGUF header (tensor {i} claims "
+                                   f"{n_dims} dimensions)")
+            need(8 * n_dims + 12, f"tensor {i}")
+            dims = [u64.unpack_from(buf, off + 8 * d)[0] for d in range(n_dims)]
+            off += 8 * n_dims
+            (ttype,) = u32.unpack_from(buf, off)
+            off += 12
+            try:
+                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
+            except (ValueError, KeyError) as exc:
+                raise ImportFailed(f"{path}: corrupt GGUF header (tensor {i} has unknown "
+                                   f"type {ttype})") from exc
+            elems = 1
+            for d in dims:
+                elems *= d
+            if elems % block or elems // block * type_size > size:
+                raise ImportFailed(f"{path}: corrupt or truncated GGUF (tensor {i} claims "
+                                   f"{elems} elements of type {ttype}, file has {size} bytes)")
+    finally:
+        buf.close()
+
+
 def read_metadata(path: Path) -> tuple[Any, dict[str, Any]]:
     """Open a GGUF with the `gguf` reader and check it is whole; (reader, metadata dict)."""
     if not path.exists():
@@ -94,6 +206,7 @@ def read_metadata(path: Path) -> tuple[Any, dict[str, Any]]:
         magic = fh.read(4)
     if magic != b"GGUF":
         raise ImportFailed(f"{path}: not a GGUF file (bad magic {magic!r})")
+    check_header(path)
     import gguf
 
     try:
@@ -213,6 +326,21 @@ def import_gguf(
     cancel: CancelFlag | None = None,
 ) -> GGUFImport:
     """Convert a GGUF file into `dest`. See the module docstring."""
+    try:
+        return _convert(path, dest, progress, cancel)
+    except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, OverflowError
+            ) as exc:
+        # Metadata of the wrong type or shapes that do not add up: a malformed file.
+        text = " ".join(str(exc).split())[:200]
+        raise ImportFailed(f"{path}: malformed GGUF ({type(exc).__name__}: {text})") from exc
+
+
+def _convert(
+    path: Path,
+    dest: Path,
+    progress: Progress | None,
+    cancel: CancelFlag | None,
+) -> GGUFImport:
     import gguf
     import mlx.core as mx
 

@@ -165,6 +165,11 @@ def import_folder(
     index = src / INDEX_FILE
     chosen = select_weight_files([f.name for f in src.glob("*.safetensors")],
                                  index.read_text() if index.is_file() else None)
+    outside = [n for n in chosen if Path(n).name != n or n in (".", "..")]
+    if outside:
+        # An index may name only files of this folder: never ../x or /abs/x.
+        raise ImportFailed(f"{src}: {INDEX_FILE} names weight files outside the folder "
+                           f"({', '.join(outside[:3])})")
     files = [src / n for n in chosen]
     missing_files = [f.name for f in files if not f.is_file()]
     if missing_files:

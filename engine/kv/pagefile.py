@@ -97,7 +97,7 @@ class RecordFile:
         data = body + _CRC.pack(zlib.crc32(body))
         n = os.pwrite(self.fd, data, index * self.size)
         if n != len(data):
-            raise OSError(28, "short write")
+            raise OSError(28, "No space left on device (short write)")
         return n
 
     def read(self, index: int) -> tuple[PageHeader, np.ndarray, np.ndarray]:

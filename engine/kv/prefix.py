@@ -320,7 +320,8 @@ class PrefixCache:
                 bufs.extend(arr[0, hh, pos:pos + P].data.cast("B")
                             for hh in range(self.kv_heads))
             bufs.append(crcs[layer])
-        fd = os.open(path, os.O_RDONLY)
+        # Never through a link: only files this cache wrote into its own folder are read.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         try:
             if os.fstat(fd).st_size != self.file_bytes:
                 return False  # truncated or from another layout
@@ -468,7 +469,7 @@ class PrefixCache:
                 chunk = bufs[i:i + _IOV_MAX]
                 want = sum(len(b) for b in chunk)
                 if os.writev(fd, chunk) != want:
-                    raise OSError(28, "short write")
+                    raise OSError(28, "No space left on device (short write)")
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):

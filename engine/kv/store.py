@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -30,6 +31,9 @@ from engine.kv.pagefile import (
     check_writable,
 )
 from engine.kv.table import LayerTable
+from engine.platform import pid_alive
+
+_SESSION_RE = re.compile(r"^(\d+)-[0-9a-f]{8}$")  # the default session folder name
 
 
 class KVRamFull(KVStoreError):
@@ -67,6 +71,7 @@ class KVStore:
         if settings.ssd:
             root = settings.folder()
             check_writable(root)
+            _sweep_dead_sessions(root)
             self.folder = root / (session or f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
             check_writable(self.folder)
             self.writer = PageWriter(self._file, settings.ssd_mb << 20, settings.writer_queue,
@@ -300,3 +305,18 @@ class KVStore:
                 "bytes_ram": ram_pages * self.page_bytes, "bytes_ssd": ssd_pages * rec,
                 "ram_budget_bytes": self.max_slots * self.n_layers * self.page_bytes,
                 "ssd_full": self.ssd_full_reason, **self.counters}
+
+
+def _sweep_dead_sessions(root: Path) -> None:
+    """Remove the page files of sessions whose process died without closing (kill -9, crash):
+    nothing reads them again (named sessions, kept on purpose, are left alone)."""
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return
+    for e in entries:
+        m = _SESSION_RE.match(e.name)
+        if m and e.is_dir(follow_symlinks=False):
+            pid = int(m.group(1))
+            if pid != os.getpid() and not pid_alive(pid):
+                shutil.rmtree(e.path, ignore_errors=True)

@@ -3,19 +3,24 @@
 Contract: installs are atomic. A builder writes into a temporary folder next to the library;
 only a complete folder (manifest written last and fsynced) is renamed into place, so a failed,
 cancelled or killed import leaves the library exactly as it was. Names and aliases resolve
-case-insensitively; names are plain (letters, digits, '.', '_', '-').
+case-insensitively; names are plain (letters, digits, '.', '_', '-'). The final check and
+rename hold an advisory lock (`models/.lock`), so two running Strata processes never both
+install one name; a replaced model moves aside first and comes back if the process dies
+before its replacement is in place. A full disk is an ImportFailed that says so.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +29,7 @@ from engine.platform import default_home, pid_alive
 
 Manifest = dict[str, Any]
 MANIFEST = "manifest.json"
+_REPLACED = "+replaced"  # '+' is never in a model name, so no import's temp folder matches
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -63,14 +69,33 @@ class Library:
         self.models_dir.mkdir(parents=True, exist_ok=True)
         self._sweep_stale()
 
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Exclusive advisory lock over installs and sweeps, across processes."""
+        fd = os.open(self.models_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing drops the lock
+
     def _sweep_stale(self) -> None:
-        """Remove temporary folders left by imports whose process died."""
-        for tmp in self.models_dir.glob(".tmp-*"):
-            try:
-                pid = int(tmp.name.split("-")[1])
-            except (IndexError, ValueError):
-                pid = -1
-            if pid != os.getpid() and not pid_alive(pid):
+        """Remove temporary folders left by imports whose process died; a model that was
+        moved aside for a replacement that never arrived goes back in place."""
+        with contextlib.suppress(OSError), self._locked():
+            for tmp in self.models_dir.glob(".tmp-*"):
+                try:
+                    pid = int(tmp.name.split("-")[1])
+                except (IndexError, ValueError):
+                    pid = -1
+                if pid == os.getpid() or pid_alive(pid):
+                    continue
+                if tmp.name.startswith(f".tmp-{pid}-{_REPLACED}"):
+                    with contextlib.suppress(OSError, ValueError, KeyError, ImportFailed):
+                        final = self.models_dir / check_name(self._read_manifest(tmp)["name"])
+                        if not final.exists():
+                            os.rename(tmp, final)
+                            continue
                 shutil.rmtree(tmp, ignore_errors=True)
 
     # -- reading ---------------------------------------------------------------------------
@@ -122,34 +147,54 @@ class Library:
         if existing is not None and not replace:
             raise ImportFailed(f"a model named {name!r} is already in the library")
         tmp = self.models_dir / f".tmp-{os.getpid()}-{name}-{time.monotonic_ns()}"
-        tmp.mkdir()
         try:
-            manifest = build(tmp)
-            manifest.update(
-                name=name,
-                aliases=sorted(set(aliases or []) | set(manifest.get("aliases", []))),
-                bytes=folder_bytes(tmp),
-                fingerprint=fingerprint(tmp),
-                created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            )
-            from engine import __version__
+            tmp.mkdir()
+        except OSError as exc:
+            raise ImportFailed(_write_failure(name, self.models_dir, exc)) from exc
+        try:
+            try:
+                manifest = self._build_and_place(name, final, tmp, build, aliases, replace)
+            except OSError as exc:
+                raise ImportFailed(_write_failure(name, self.models_dir, exc)) from exc
+            except RuntimeError as exc:  # MLX's writers report a full disk this way
+                if "write" not in str(exc).lower():
+                    raise
+                raise ImportFailed(_write_failure(name, self.models_dir, exc)) from exc
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        manifest["path"] = str(final)
+        return manifest
 
-            manifest["strata_version"] = __version__
-            _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
+    def _build_and_place(self, name: str, final: Path, tmp: Path,
+                         build: Callable[[Path], Manifest], aliases: list[str] | None,
+                         replace: bool) -> Manifest:
+        manifest = build(tmp)
+        manifest.update(
+            name=name,
+            aliases=sorted(set(aliases or []) | set(manifest.get("aliases", []))),
+            bytes=folder_bytes(tmp),
+            fingerprint=fingerprint(tmp),
+            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        )
+        from engine import __version__
+
+        manifest["strata_version"] = __version__
+        _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
+        with self._locked():
+            # Checked again under the lock: another process may have installed it since.
+            if not replace and self.find(name) is not None:
+                raise ImportFailed(f"a model named {name!r} is already in the library")
             for alias in manifest["aliases"]:
                 self._drop_alias(alias, keep=name)
             if final.exists():
-                old = self.models_dir / f".tmp-{os.getpid()}-old-{time.monotonic_ns()}"
+                old = self.models_dir / f".tmp-{os.getpid()}-{_REPLACED}-{time.monotonic_ns()}"
                 os.rename(final, old)
                 os.rename(tmp, final)
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.rename(tmp, final)
             _fsync_dir(self.models_dir)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        manifest["path"] = str(final)
         return manifest
 
     def _drop_alias(self, alias: str, keep: str) -> None:
@@ -166,6 +211,13 @@ class Library:
         os.rename(folder, trash)  # atomic disappearance, then the slow delete
         shutil.rmtree(trash, ignore_errors=True)
         return m
+
+
+def _write_failure(name: str, folder: Path, exc: Exception) -> str:
+    why = " ".join(str(getattr(exc, "strerror", None) or exc).split())
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC or "write" in str(exc).lower():
+        return f"cannot import {name!r}: the disk holding {folder} is full ({why})"
+    return f"cannot import {name!r} into {folder}: {why}"
 
 
 def _write_synced(path: Path, text: str) -> None:

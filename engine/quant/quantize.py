@@ -2,11 +2,13 @@
 
 Contract: `quantize(library, source, recipe, name, ...)` reads SOURCE (a library model, an MLX
 or Hugging Face folder, or a GGUF file), expands its weights to float32 (dequantizing quantized
-ones), quantizes every tensor as the recipe plans it (round to nearest, MLX affine, float16
-scales and biases) and installs the result atomically with Library.install. The recipe, the
-name and the source are checked before any weight is read; on any error nothing is written.
-`recipe="auto"` with `target_bpw` measures sensitivities on calibration text first
-(engine.quant.sensitivity). The saved folder holds recipe.toml, the recipe that made it.
+ones), quantizes every tensor as the recipe plans it (round to nearest in MLX's affine format,
+float16 scales and biases, grid chosen per group by engine.quant.rounding) and installs the
+result atomically with Library.install. The recipe, the name and the source are checked before
+any weight is read; on any error nothing is written. `recipe="auto"` with `target_bpw`
+measures sensitivities on calibration text first (engine.quant.sensitivity). The saved folder
+holds recipe.toml, the recipe that made it. Progress is reported per chunk and per tensor; the
+cancel flag is checked between them.
 """
 
 from __future__ import annotations
@@ -155,7 +157,8 @@ def load_float(kind: str, path: Path, progress: Progress | None = None,
 
 
 # -- quantizing -----------------------------------------------------------------------------
-def apply_plan(model: Any, plan: dict[str, Format]) -> None:
+def apply_plan(model: Any, plan: dict[str, Format], progress: Progress | None = None,
+               cancel: CancelFlag | None = None) -> None:
     """Quantize `model` in place as planned; every float parameter ends float16."""
     import mlx.core as mx
     import mlx.nn as nn
@@ -167,8 +170,22 @@ def apply_plan(model: Any, plan: dict[str, Format]) -> None:
             return False
         return {"bits": f.bits, "group_size": f.group_size}
 
-    # Quantize from float32 weights, then store scales/biases and the rest in float16.
+    from engine.quant.rounding import affine_quantize
+
+    modules = dict(model.named_modules())
+    originals = {p: modules[p].weight for p, f in plan.items() if f.quantized}
     nn.quantize(model, class_predicate=predicate)
+    # MLX's layers, with codes from engine.quant.rounding (the better of two grids per group).
+    modules = dict(model.named_modules())
+    for i, (path, w) in enumerate(originals.items()):
+        if cancel is not None and cancel():
+            raise Cancelled("quantize")
+        if progress is not None:
+            progress(i, len(originals))
+        f = plan[path]
+        mod = modules[path]
+        mod.weight, mod.scales, mod.biases = affine_quantize(w, f.bits, f.group_size)
+        mx.eval(mod.weight, mod.scales, mod.biases)
     model.update(tree_map(lambda a: a.astype(mx.float16)
                           if mx.issubdtype(a.dtype, mx.floating) else a, model.parameters()))
 
@@ -278,7 +295,7 @@ def quantize(
         else:
             recipe = job.recipe
             plan = plan_model(recipe, src.model, src.config)
-        apply_plan(src.model, plan)
+        apply_plan(src.model, plan, progress, cancel)
         weights = dict(tree_flatten(src.model.parameters()))
         mx.eval(weights)
         config = quantized_config(src.config, recipe, plan)

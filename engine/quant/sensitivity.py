@@ -25,6 +25,7 @@ from engine.quant.recipes import (
     effective_group,
     quantizable,
 )
+from engine.quant.rounding import quantize_dequantize
 
 Progress = Callable[[int, int], None]
 CancelFlag = Callable[[], bool]
@@ -84,7 +85,7 @@ def fisher_diagonal(model: Any, tokens: list[int], chunk: int = 128,
                 acc[module] = acc[module] + sq if module in acc else sq
         mx.eval(acc)
         if progress is not None:
-            progress(i + 1, len(chunks) + 1)
+            progress(i + 1, len(chunks))
     return {k: v / len(chunks) for k, v in acc.items()}
 
 
@@ -112,11 +113,8 @@ def measure(model: Any, tokenizer: Any, text_path: Path, n_tokens: int = 2048,
         w = modules[path].weight.astype(mx.float32)
         errors[path] = {}
         for fmt in candidates(w.shape[-1]):
-            q = mx.quantize(w, group_size=fmt.group_size, bits=fmt.bits)
-            deq = mx.dequantize(*q, group_size=fmt.group_size, bits=fmt.bits)
+            deq = quantize_dequantize(w, fmt.bits, fmt.group_size)
             errors[path][fmt] = float((f * (w - deq) ** 2).sum().item())
-    if progress is not None:
-        progress(1, 1)
     return errors
 
 

@@ -28,8 +28,9 @@ def test_the_panel_shows_the_weights_after_loading(make_window: WindowFactory,
     assert _megabytes(panel.value_text("rss")) > 50
     assert _megabytes(panel.value_text("mlx_active")) > 50
     assert _megabytes(panel.value_text("total")) > 100
-    assert panel.value_text("kv_ssd") == "unavailable"
-    assert panel.value_text("prefix_disk") == "unavailable"
+    assert panel.value_text("kv_ssd") == "unavailable"  # the default KV mode is mlx-lm's
+    assert panel.hints["kv_ssd"].text() == "paged KV off"
+    assert panel.value_text("prefix_disk") != "unavailable"  # on, even if still empty
     assert panel.model_name == "smollm2-135m-instruct"
 
 
@@ -37,6 +38,7 @@ def test_missing_counters_read_unavailable_never_zero() -> None:
     figures = snapshot_figures(memory_snapshot(weights_bytes=None, kv_ram_bytes=None))
     assert figures["kv_ssd"] == "unavailable"
     assert figures["prefix_disk"] == "unavailable"
+    assert figures["prefix_disk"] != "0 B"
     assert figures["weights"] == "no model loaded"
     assert figures["compressed"] == "unavailable"
     assert figures["kv_ram"] == "no model loaded"

@@ -291,3 +291,30 @@ def test_bad_recipe_file_and_source_write_nothing(library: Any, starter: Any, tm
     assert _cli("quantize", "starter", "--recipe", "q4-g64", "--name", "starter") == 1
     assert "already in the library" in capsys.readouterr().err
     assert _library_state(library) == before
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_rounding_packs_as_mlx_reads_and_keeps_min_max_grids(bits: int) -> None:
+    import mlx.core as mx
+    import numpy as np
+
+    from engine.quant.rounding import affine_quantize
+
+    rng = np.random.default_rng(bits)
+    levels = 2 ** bits - 1
+    # Weights already on a min-max grid (as GGUF Q4_1 blocks are): requantizing is lossless.
+    codes = rng.integers(0, levels + 1, (8, 128))
+    codes[:, ::32] = 0
+    codes[:, 1::32] = levels
+    scale = np.repeat(rng.uniform(0.01, 0.1, (8, 4)).astype(np.float16), 32, -1)
+    low = np.repeat(rng.uniform(-1, 0, (8, 4)).astype(np.float16), 32, -1)
+    w = mx.array(codes * scale.astype(np.float32) + low.astype(np.float32))
+    packed, scales, biases = affine_quantize(w, bits, 32)
+    back = mx.dequantize(packed, scales, biases, group_size=32, bits=bits)
+    assert float(mx.abs(back.astype(mx.float32) - w).max().item()) < 1e-3 * float(
+        mx.abs(w).max().item())
+    # And never worse than MLX's own rounding on arbitrary weights.
+    x = mx.random.normal((16, 256), key=mx.random.key(bits))
+    ours = mx.dequantize(*affine_quantize(x, bits, 64), group_size=64, bits=bits)
+    theirs = mx.dequantize(*mx.quantize(x, group_size=64, bits=bits), group_size=64, bits=bits)
+    assert float(((ours - x) ** 2).sum().item()) <= float(((theirs - x) ** 2).sum().item()) * 1.01
