@@ -385,7 +385,12 @@ def _convert(
         module = hf.rsplit(".", 1)[0]
         arrays: dict[str, Any]
         if qtype in EXACT_TYPES:
-            w, s, b = exact_triple(raw, qtype)
+            with np.errstate(over="ignore", invalid="ignore"):
+                w, s, b = exact_triple(raw, qtype)
+            if not (np.isfinite(s).all() and np.isfinite(b).all()):
+                # d * -128 past float16's range: the file's scales are corrupt.
+                raise ImportFailed(f"{path}: tensor {t.name} has scales that are not finite "
+                                   "numbers (corrupt file)")
             arrays = {hf: mx.array(w), f"{module}.scales": mx.array(s),
                       f"{module}.biases": mx.array(b)}
             bits = EXACT_TYPES[qtype]

@@ -4,9 +4,9 @@ Contract: installs are atomic. A builder writes into a temporary folder next to 
 only a complete folder (manifest written last and fsynced) is renamed into place, so a failed,
 cancelled or killed import leaves the library exactly as it was. Names and aliases resolve
 case-insensitively; names are plain (letters, digits, '.', '_', '-'). The final check and
-rename hold an advisory lock (`models/.lock`), so two running Strata processes never both
-install one name; a replaced model moves aside first and comes back if the process dies
-before its replacement is in place. A full disk is an ImportFailed that says so.
+rename hold an advisory lock (flock on the models folder), so two running Strata processes
+never both install one name; a replaced model moves aside first and comes back if the
+process dies before its replacement is in place. A full disk is an ImportFailed that says so.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Library:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         """Exclusive advisory lock over installs and sweeps, across processes."""
-        fd = os.open(self.models_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.models_dir, os.O_RDONLY)  # the folder itself: no lock file
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield

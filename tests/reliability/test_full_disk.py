@@ -69,8 +69,8 @@ def test_kv_ssd_tier_stops_spilling_with_a_clear_reason(small_disk: Path) -> Non
     from engine.kv.store import KVRamFull, KVStore
 
     P, H, D = 128, 2, 64  # 128 KB records: the 2 MB disk holds about 15
-    base = dict(mode="exact", page_tokens=P, ssd_dir=small_disk / "kv", sink_tokens=P,
-                window_tokens=P, budget_tokens=4 * P)
+    base: dict[str, Any] = dict(mode="exact", page_tokens=P, ssd_dir=small_disk / "kv",
+                                sink_tokens=P, window_tokens=P, budget_tokens=4 * P)
     pages = [mx.random.normal((H, P, D)) for _ in range(24)]
     # Enough RAM: the tier stops spilling and the reply goes on from RAM.
     store = KVStore(KVSettings(**base, ram_mb=64), n_layers=1, kv_heads=H, head_dim=D)

@@ -54,6 +54,13 @@ HUGE = [2**63 - 1, 2**64 - 1, 2**40, 2**32 + 7, 2**31, 0xFFFFFFFF, 10**9, 0]
 MEMORY_BOUND = 64 << 20  # bytes any one read may allocate (tracemalloc peak)
 
 
+class Mutated(bytes):
+    """File bytes with a short repr (hypothesis prints examples; whole files are too long)."""
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} mutated bytes>"
+
+
 def one_line_rejection(exc: BaseException) -> None:
     text = str(exc)
     assert text and "\n" not in text, f"not a one-line message: {text!r}"
@@ -84,7 +91,7 @@ def gguf_base(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @st.composite
-def gguf_mutation(draw: Any, base: dict[str, Any]) -> bytes:
+def gguf_mutation(draw: Any, base: dict[str, Any]) -> Mutated:
     data = bytearray(base["data"])
     end = base["header_end"]
     for _ in range(draw(st.integers(0, 3))):  # claim huge counts and sizes
@@ -99,7 +106,7 @@ def gguf_mutation(draw: Any, base: dict[str, Any]) -> bytes:
         data[draw(st.integers(4, end - 1))] = draw(st.integers(0, 255))
     if draw(st.booleans()):  # truncate
         del data[draw(st.integers(4, len(data))):]
-    return bytes(data)
+    return Mutated(data)
 
 
 def read_guarded(path: Path) -> None:
@@ -178,7 +185,7 @@ def hf_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @st.composite
-def safetensors_mutation(draw: Any, data: bytes) -> bytes:
+def safetensors_mutation(draw: Any, data: bytes) -> Mutated:
     n = struct.unpack_from("<Q", data)[0]
     out = bytearray(data)
     kind = draw(st.sampled_from(["flip", "length", "truncate", "header"]))
@@ -193,14 +200,14 @@ def safetensors_mutation(draw: Any, data: bytes) -> bytes:
         header = draw(st.one_of(
             st.binary(max_size=200),
             st.builds(lambda shape, offs, dtype: (
-                '{"model.embed_tokens.weight": {"dtype": "%s", "shape": %s, '
-                '"data_offsets": %s}}' % (dtype, shape, offs)).encode(),
+                f'{{"model.embed_tokens.weight": {{"dtype": "{dtype}", "shape": {shape}, '
+                f'"data_offsets": {offs}}}}}').encode(),
                 st.sampled_from(["[320, 64]", "[4611686018427387904, 4]", "[-1]", "[]",
                                  "[1, 2, 3, 4, 5, 6, 7, 8, 9]", '"x"']),
                 st.sampled_from(["[0, 81920]", "[0, 1099511627776]", "[5, 1]", "[-8, 0]"]),
                 st.sampled_from(["F32", "F16", "BF16", "I64", "F8_E4M3", "BOGUS"]))))
         out = bytearray(struct.pack("<Q", len(header)) + header + bytes(out[8 + n:]))
-    return bytes(out)
+    return Mutated(out)
 
 
 def test_mutated_safetensors_header_is_refused_in_one_line(hf_base: Path,

@@ -105,12 +105,14 @@ def test_names_and_index_entries_cannot_leave_the_folder(tmp_path: Path) -> None
     write_hf_llama(folder, layers=1)
     outside = tmp_path / "outside.safetensors"
     (folder / "model.safetensors").rename(outside)
+    (folder / "decoy.safetensors").write_bytes(outside.read_bytes())
     (folder / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"model.embed_tokens.weight": "../outside.safetensors"}}))
     with pytest.raises(ImportFailed, match="outside the folder"):
         import_path(library, folder, name="indexed")
     # A weight file that is a symlink is read, and the library gets a real file.
     (folder / "model.safetensors.index.json").unlink()
+    (folder / "decoy.safetensors").unlink()
     (folder / "model.safetensors").symlink_to(outside)
     m = import_path(library, folder, name="linked")
     links = [p for p in Path(m["path"]).rglob("*") if p.is_symlink()]
