@@ -190,8 +190,12 @@ class ModelPool:
         for pc in self.caches:  # free the old weights and KV before loading
             _close(pc)
         self.lm, self.caches = None, []
-        self.lm = LoadedModel.load(name, library=self.library)
-        return self.lm
+        lm = LoadedModel.load(name, library=self.library)
+        # The same SSD prefix cache as the CLI and the app: a long system prompt stays warm
+        # across server restarts and is shared with them.
+        lm.enable_prefix_cache()
+        self.lm = lm
+        return lm
 
     def cache_for(self, lm: LoadedModel, prompt: Sequence[int]) -> PromptCache:
         best, best_len = None, -1
