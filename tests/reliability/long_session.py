@@ -23,6 +23,9 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=10)
     args = ap.parse_args()
 
+    import engine  # noqa: F401  (the OpenBLAS shim must load before mlx)
+
+    # isort: split
     import mlx.core as mx
     import psutil
 
