@@ -228,6 +228,11 @@ def _stage(snapshot: Path, names: list[str], dest: Path) -> None:
     """Link the chosen files of a snapshot into a folder of their own for the importer."""
     dest.mkdir()
     for rel in names:
+        # Only plain top-level file names: a shard index naming "../x" or "a/b" must not
+        # place a link outside the staging folder (the importer refuses it later anyway).
+        if Path(rel).name != rel or rel in (".", ".."):
+            raise FetchFailed(f"refusing file name {rel!r} from the repository (not a plain "
+                              "file name)")
         src = snapshot / rel
         try:
             (dest / rel).symlink_to(src.resolve())

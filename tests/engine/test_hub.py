@@ -507,3 +507,22 @@ def test_progress_and_cancel(repos: dict[str, dict[str, bytes]], tmp_path: Path)
     assert [d for d, _ in steps] == sorted({d for d, _ in steps})  # strictly rising
     assert any(0 < d < 500 for d, _ in steps) or [500, 1000] in steps
     assert out["name"] == "tiny-llama-4bit-mlx"
+
+
+def test_staging_refuses_names_that_leave_the_folder(tmp_path: Path) -> None:
+    """A shard index naming '../x' or 'a/b' never places a link outside the staging folder."""
+    from engine.errors import FetchFailed
+    from engine.library.hub import _stage
+
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    (snapshot / "model.safetensors").write_bytes(b"x")
+    for i, bad in enumerate(["../evil.safetensors", "sub/model.safetensors", ".."]):
+        dest = tmp_path / f"stage{i}"
+        with pytest.raises(FetchFailed, match="not a plain file name"):
+            _stage(snapshot, [bad], dest)
+        assert list(dest.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot", "stage0", "stage1",
+                                                          "stage2"]
+    _stage(snapshot, ["model.safetensors"], tmp_path / "ok")
+    assert (tmp_path / "ok" / "model.safetensors").read_bytes() == b"x"
