@@ -72,7 +72,7 @@ def import_path(
         def build(tmp: Path) -> Manifest:
             result = import_gguf(path, tmp, progress, cancel)
             (tmp / "config.json").write_text(json.dumps(result.config, indent=2))
-            return _manifest(result.config, "gguf", source or str(path.resolve()),
+            return manifest_fields(result.config, "gguf", source or str(path.resolve()),
                              summarize_formats(result.tensor_formats),
                              result.stored_bits / max(result.params, 1), result.params,
                              result.tokenizer)
@@ -83,14 +83,14 @@ def import_path(
 
         def build(tmp: Path) -> Manifest:
             info = import_folder(path, tmp, kind, progress, cancel)
-            return _manifest(info["config"], kind, source or str(path.resolve()),
+            return manifest_fields(info["config"], kind, source or str(path.resolve()),
                              info["formats"], info["bits_per_weight"], info["params"],
                              info["tokenizer"])
 
     return library.install(name or default, build, aliases=aliases, replace=replace)
 
 
-def _manifest(
+def manifest_fields(
     config: dict[str, Any],
     fmt: str,
     source: str,
@@ -99,6 +99,7 @@ def _manifest(
     params: int,
     tokenizer: dict[str, Any],
 ) -> Manifest:
+    """The manifest entries every import and quantization writes (the library adds the rest)."""
     return {
         "source": source,
         "source_format": fmt,

@@ -303,6 +303,7 @@ def quantize(
             raise Cancelled("quantize")
 
         def build(tmp: Path) -> Manifest:
+            from engine.importers import manifest_fields
             from engine.importers.hf import _stats
 
             mx.save_safetensors(str(tmp / "model.safetensors"), weights,
@@ -313,17 +314,11 @@ def quantize(
                 shutil.copy2(f, tmp / f.name)
             formats, bpw, params = _stats(weights, config)
             tokenizer = _tokenizer_info(src.folder)
-            return {
-                "source": f"quantize:{src.label}",
-                "source_format": "quantized",
-                "architecture": config.get("model_type"),
-                "quantization": formats,
-                "bits_per_weight": round(bpw, 3),
-                "params": params,
-                "context_length": config.get("max_position_embeddings"),
-                "tokenizer": tokenizer,
-                "recipe": {"name": recipe.name, "tensors": class_summary(plan), **sens_info},
-            }
+            manifest = manifest_fields(config, "quantized", f"quantize:{src.label}", formats,
+                                       bpw, params, tokenizer)
+            manifest["recipe"] = {"name": recipe.name, "tensors": class_summary(plan),
+                                  **sens_info}
+            return manifest
 
         manifest = library.install(name, build, replace=replace)
     finally:
