@@ -30,6 +30,12 @@ class Series:
     memory: dict[str, float] = field(default_factory=dict)  # label -> bytes
 
 
+# Memory per tier: a paged KV cache reports what sits in RAM and what sits on the SSD.
+MEMORY_BARS = (("rss_peak_bytes", "process peak"), ("mlx_peak_bytes", "MLX peak"),
+               ("kv_bytes", "KV cache"), ("kv_ram_bytes", "KV in RAM"),
+               ("kv_ssd_bytes", "KV on SSD"))
+
+
 def series_of(run: dict[str, Any], name: str) -> Series:
     s = Series(name)
     for d in run.get("depths") or []:
@@ -41,8 +47,7 @@ def series_of(run: dict[str, Any], name: str) -> Series:
     if ttft.get("cached"):
         s.ttft_cached_s = float(ttft["cached"]["ttft_s"]["median"])
     mem = run.get("memory") or {}
-    for key, label in (("rss_peak_bytes", "process peak"), ("mlx_peak_bytes", "MLX peak"),
-                       ("kv_bytes", "KV cache")):
+    for key, label in MEMORY_BARS:
         if mem.get(key) is not None:
             s.memory[label] = float(mem[key])
     return s
@@ -97,8 +102,7 @@ class BenchChart(QWidget):
         self._bars(p, cells[2], "first token (s): no cached prefix, cached prefix",
                    ["not cached", "cached"],
                    [[s.ttft_s, s.ttft_cached_s] for s in self.series], text, muted, "s")
-        labels = [k for k in ("process peak", "MLX peak", "KV cache")
-                  if any(k in s.memory for s in self.series)]
+        labels = [label for _, label in MEMORY_BARS if any(label in s.memory for s in self.series)]
         self._bars(p, cells[3], "memory (MB)", labels,
                    [[(s.memory[k] / 1e6 if k in s.memory else None) for k in labels]
                     for s in self.series], text, muted, "")

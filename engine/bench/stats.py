@@ -34,6 +34,10 @@ FIGURES: dict[str, tuple[str, bool, str]] = {
     "mlx_peak_bytes": ("B", False, "MLX peak"),
     "mlx_active_bytes": ("B", False, "MLX active"),
     "kv_bytes": ("B", False, "KV cache"),
+    "kv_ram_bytes": ("B", False, "KV in RAM"),
+    "kv_ssd_bytes": ("B", False, "KV on SSD"),
+    "ssd_read_mbs": ("MB/s", True, "SSD read, depth sweep"),
+    "ssd_write_mbs": ("MB/s", True, "SSD write, depth sweep"),
 }
 
 
@@ -80,11 +84,18 @@ def flat_figures(run: dict[str, Any]) -> dict[str, Stat]:
                 out[figure_key(name, int(d["depth"]))] = d[name]
     mem = run.get("memory") or {}
     for name in ("rss_peak_bytes", "footprint_bytes", "mlx_peak_bytes", "mlx_active_bytes",
-                 "kv_bytes"):
+                 "kv_bytes", "kv_ram_bytes", "kv_ssd_bytes"):
         if mem.get(name) is not None:
-            v = float(mem[name])
-            out[name] = {"median": v, "min": v, "max": v, "n": 1}
+            out[name] = _one(float(mem[name]))
+    io = run.get("io") or {}
+    if io.get("seconds"):
+        out["ssd_read_mbs"] = _one(io["read_bytes"] / io["seconds"] / 1e6)
+        out["ssd_write_mbs"] = _one(io["write_bytes"] / io["seconds"] / 1e6)
     return out
+
+
+def _one(v: float) -> Stat:
+    return {"median": v, "min": v, "max": v, "n": 1}
 
 
 def ratios_against(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, float]:

@@ -112,10 +112,23 @@ def footprint_bytes() -> int | None:
         return None
 
 
-def memory_figures(mx: Any | None, kv_bytes: int | None) -> dict[str, Any]:
+def io_bytes() -> tuple[int, int] | None:
+    """Bytes this process made the storage device read and write (page-cache hits are not
+    counted); None where the OS does not report it (psutil has no io_counters on macOS)."""
     import psutil
 
-    return {
+    try:
+        c = psutil.Process().io_counters()  # type: ignore[attr-defined]
+    except (AttributeError, psutil.Error):
+        return None
+    return int(c.read_bytes), int(c.write_bytes)
+
+
+def memory_figures(mx: Any | None, kv_bytes: int | None,
+                   tiers: dict[str, int] | None = None) -> dict[str, Any]:
+    import psutil
+
+    return {**(tiers or {}),
         "rss_bytes": int(psutil.Process().memory_info().rss),
         "rss_peak_bytes": peak_rss_bytes(),
         "footprint_bytes": footprint_bytes(),
@@ -161,6 +174,10 @@ class Subject:
         raise NotImplementedError
 
     def kv_bytes(self, cache: Any) -> int | None:
+        return None
+
+    def kv_tiers(self, cache: Any) -> dict[str, int] | None:
+        """KV bytes in RAM and on the SSD, for caches that have tiers."""
         return None
 
 
@@ -225,6 +242,13 @@ class StrataSubject(Subject):
 
     def kv_bytes(self, cache: Any) -> int | None:
         return int(cache.nbytes)
+
+    def kv_tiers(self, cache: Any) -> dict[str, int] | None:
+        store = getattr(cache.cache[0], "store", None) if cache.cache else None
+        if store is None:  # mlx-lm's in-memory KVCache: all of it is in RAM
+            return None
+        st = store.stats()
+        return {"kv_ram_bytes": int(st["bytes_ram"]), "kv_ssd_bytes": int(st["bytes_ssd"])}
 
 
 class MlxLmSubject(Subject):
@@ -460,6 +484,8 @@ class Runner:
         max_tokens = int(job["max_tokens"])
         self.result["depths"] = []
         kv: int | None = None
+        tiers: dict[str, int] | None = None
+        io0, t_io = io_bytes(), time.perf_counter()
         for d in job["depths"]:
             cache = s.new_cache()
             if d:
@@ -475,8 +501,8 @@ class Runner:
                 if t:
                     runs.append(r)
                 self.step(f"depth {d}: " + (f"trial {t}/{self.trials}" if t else "warm-up"))
-            kv = s.kv_bytes(cache)
-            entry = {"depth": d, "prompt_tokens": len(prompt),
+            kv, tiers = s.kv_bytes(cache), s.kv_tiers(cache)
+            entry = {**(tiers or {}), "depth": d, "prompt_tokens": len(prompt),
                      "ttft_s": stat(r["ttft_s"] for r in runs),
                      "prompt_tps": stat(r["prompt_tps"] for r in runs),
                      "decode_tps": stat(r["decode_tps"] for r in runs),
@@ -488,7 +514,13 @@ class Runner:
             self.result["depths"].append(entry)
             del cache
             gc.collect()
-            self.result["memory"] = memory_figures(mx, kv)
+            self.result["memory"] = memory_figures(mx, kv, tiers)
+            io1 = io_bytes()
+            if io0 is not None and io1 is not None:
+                # Context fills and trials together: what the sweep asked of the disk.
+                secs = time.perf_counter() - t_io
+                self.result["io"] = {"read_bytes": io1[0] - io0[0],
+                                     "write_bytes": io1[1] - io0[1], "seconds": secs}
             self.save()
 
 

@@ -105,7 +105,8 @@ def test_a_tiny_quick_run_writes_a_complete_valid_result(starter: dict[str, Any]
     assert validate(result) == []
     assert result["complete"] is True
     runs = {r["subject"]: r for r in result["runs"]}
-    assert set(runs) == {"strata", "mlx-lm"}
+    llama = result["machine"]["llama_cpp_python"] is not None  # an optional extra
+    assert set(runs) == {"strata", "mlx-lm"} | ({"llama.cpp"} if llama else set())
     for r in runs.values():
         assert r["status"] == "complete"
         assert [d["depth"] for d in r["depths"]] == [0, 32]
@@ -115,11 +116,12 @@ def test_a_tiny_quick_run_writes_a_complete_valid_result(starter: dict[str, Any]
         assert r["load"]["cold_s"]["median"] > 0
     assert {"cache lookup", "prefill", "first decode", "load"} <= set(
         runs["strata"]["ttft"]["uncached"]["phases"])
-    (r,) = result["ratios"]
-    assert r["peer"] == "mlx-lm" and r["same_tokens"] is True
+    r = next(x for x in result["ratios"] if x["peer"] == "mlx-lm")
+    assert r["same_tokens"] is True
+    assert len(result["ratios"]) == (2 if llama else 1)
     assert {"ttft_s", "ttft_cached_s", "prompt_tps@0", "decode_tps@32",
             "load_warm_s"} <= set(r["figures"])
-    if "llama_cpp" not in sys.modules and result["machine"]["llama_cpp_python"] is None:
+    if not llama:
         assert result["skipped"][0]["subject"] == "llama.cpp"
     assert "decode_tps@32" in table.read_text()
 
@@ -143,3 +145,28 @@ def test_ctrl_c_keeps_what_finished(starter: dict[str, Any], tmp_path: Path) -> 
     assert result["complete"] is False and result["interrupted"] is True
     assert result["runs"][0]["status"] == "partial"
     assert result["runs"][0]["load"]["warm_s"]["n"] == 1
+
+
+def test_a_paged_setting_reports_kv_per_tier_and_disk_traffic(starter: dict[str, Any],
+                                                               tmp_path: Path) -> None:
+    from engine.cli import main
+
+    out = tmp_path / "b.json"
+    tiny = [*TINY[:4], "--depths", "0,300", *TINY[6:]]  # 300 tokens: two full 128-token pages
+    rc = main(["bench", "quick", "--peers", "none", "--kv-modes", "exact", *tiny,
+               "--json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert validate(result) == []
+    paged = next(r for r in result["runs"] if r["setting"] == "kv=exact")
+    deep = paged["depths"][-1]
+    # Prompt and generated tokens come on top of the depth: at least 2 pages per layer.
+    assert deep["kv_ram_bytes"] >= 2 * 30 * 2 * 3 * 128 * 64 * 4
+    assert paged["memory"]["kv_ram_bytes"] == deep["kv_ram_bytes"]
+    assert paged["memory"]["kv_ssd_bytes"] >= 0
+    if sys.platform == "linux":  # psutil reports storage I/O there
+        assert paged["io"]["seconds"] > 0 and paged["io"]["write_bytes"] >= 0
+        figures = flat_figures(paged)
+        assert {"kv_ram_bytes", "kv_ssd_bytes", "ssd_read_mbs", "ssd_write_mbs"} <= set(figures)
+    default = next(r for r in result["runs"] if r["setting"] == "default")
+    assert "kv_ram_bytes" not in default["memory"]  # mlx-lm's KVCache has no tiers
