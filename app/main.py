@@ -15,11 +15,13 @@ for any free port; server_api_key, required off loopback).
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from PySide6.QtCore import (
+    QByteArray,
     QEvent,
     QMessageLogContext,
     QObject,
@@ -120,6 +122,10 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.memory, "Memory")
         self.tabs.addTab(self.bench, "Benchmark")
         self.setCentralWidget(self.tabs)
+
+        saved = self.store.setting("window_geometry") or ""
+        if re.fullmatch(r"(?:[0-9a-f]{2})+", saved):  # where the user left it; Qt checks it
+            self.restoreGeometry(QByteArray(bytes.fromhex(saved)))
 
         self.status_label = QLabel("Starting…")
         self.status_label.setAccessibleName("Status")
@@ -377,6 +383,8 @@ class MainWindow(QMainWindow):
         self.store.close()
 
     def closeEvent(self, event: QCloseEvent) -> None:
+        if not self._closed:  # the database closes in shutdown()
+            self.store.set_setting("window_geometry", bytes(self.saveGeometry().data()).hex())
         self.shutdown()
         super().closeEvent(event)
 

@@ -34,6 +34,7 @@ from PySide6.QtWidgets import (
     QLabel,
     QListView,
     QMenu,
+    QMessageBox,
     QPlainTextEdit,
     QPushButton,
     QSpinBox,
@@ -51,6 +52,7 @@ from app.format import reply_stats_line
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
 KV_MODE_LABELS = (("mlx", "In RAM (mlx-lm)"), ("exact", "Paged, exact"),
                   ("sparse", "Paged, sparse"))
+KV_BITS_LABELS = ((16, "16-bit (as computed)"), (8, "8-bit"), (4, "4-bit"))
 
 
 def _is_code_block(block: QTextBlock) -> bool:
@@ -346,6 +348,7 @@ class ChatView(QWidget):
             spin.valueChanged.connect(self._on_sampling_changed)
         self.max_tokens.valueChanged.connect(self._on_sampling_changed)
         self.kv_mode.activated.connect(self._on_engine_setting_changed)
+        self.kv_bits.activated.connect(self._on_engine_setting_changed)
         self.kv_ram_mb.editingFinished.connect(self._on_engine_setting_changed)
         self.kv_budget.editingFinished.connect(self._on_engine_setting_changed)
         self.prefix_cache.toggled.connect(self._on_engine_setting_changed)
@@ -379,6 +382,12 @@ class ChatView(QWidget):
             self.kv_mode.addItem(label, mode)
         self.kv_mode.setToolTip("In RAM: mlx-lm's cache. Paged: pages in RAM spill to the SSD;"
                                 " sparse attends to the most relevant pages only.")
+        self.kv_bits = QComboBox()
+        self.kv_bits.setAccessibleName("KV precision")
+        for bits, label in KV_BITS_LABELS:
+            self.kv_bits.addItem(label, bits)
+        self.kv_bits.setToolTip("Paged cache only: 8 or 4 bits store each page quantized, "
+                                "a third or a fifth of the memory; 4 bits costs accuracy.")
         self.kv_ram_mb = QSpinBox()
         self.kv_ram_mb.setAccessibleName("KV RAM budget")
         self.kv_ram_mb.setRange(0, 1 << 20)
@@ -401,6 +410,7 @@ class ChatView(QWidget):
         form = QFormLayout(box)
         form.setContentsMargins(6, 6, 6, 6)
         form.addRow("KV cache", self.kv_mode)
+        form.addRow("KV bits", self.kv_bits)
         form.addRow("KV RAM", self.kv_ram_mb)
         form.addRow("Sparse", self.kv_budget)
         form.addRow(self.prefix_cache)
@@ -414,6 +424,8 @@ class ChatView(QWidget):
             modes = [m for m, _ in KV_MODE_LABELS]
             self.kv_mode.setCurrentIndex(modes.index(settings.kv_mode)
                                          if settings.kv_mode in modes else 0)
+            found = self.kv_bits.findData(settings.kv_bits)
+            self.kv_bits.setCurrentIndex(max(found, 0))
             self.kv_ram_mb.setValue(settings.kv_ram_mb)
             self.kv_budget.setValue(settings.kv_budget_tokens)
             self.prefix_cache.setChecked(settings.prefix_cache)
@@ -423,6 +435,7 @@ class ChatView(QWidget):
 
     def engine_settings(self) -> EngineSettings:
         return EngineSettings(kv_mode=str(self.kv_mode.currentData()),
+                              kv_bits=int(self.kv_bits.currentData()),
                               kv_ram_mb=self.kv_ram_mb.value(),
                               kv_budget_tokens=self.kv_budget.value(),
                               prefix_cache=self.prefix_cache.isChecked())
@@ -430,6 +443,7 @@ class ChatView(QWidget):
     def _enable_engine_fields(self) -> None:
         mode = str(self.kv_mode.currentData())
         self.kv_ram_mb.setEnabled(mode != "mlx")
+        self.kv_bits.setEnabled(mode != "mlx")
         self.kv_budget.setEnabled(mode == "sparse")
 
     def set_empty_text(self, text: str) -> None:
@@ -497,8 +511,23 @@ class ChatView(QWidget):
 
     @Slot()
     def _on_delete_clicked(self) -> None:
-        chat_id = self.current_chat_id()
-        if chat_id is not None:
+        index = self.chat_list.currentIndex()
+        if index.isValid():
+            self._confirm_delete(index)
+
+    def _confirm_delete(self, index: QModelIndex) -> None:
+        """Deleting a chat cannot be undone, so ask first (Cancel is the default)."""
+        # Read both now: a streaming reply may refresh the list while the box is open.
+        chat_id = int(index.data(ChatIdRole))
+        title = str(index.data(Qt.ItemDataRole.DisplayRole) or "this chat")
+        box = QMessageBox(QMessageBox.Icon.Question, "Delete chat",
+                          f"Delete “{title}” and all its messages? This cannot be undone.",
+                          QMessageBox.StandardButton.Cancel, self)
+        delete = box.addButton("Delete", QMessageBox.ButtonRole.DestructiveRole)
+        box.setDefaultButton(QMessageBox.StandardButton.Cancel)
+        box.setAccessibleName("Delete chat?")
+        box.exec()
+        if box.clickedButton() is delete:
             self.delete_requested.emit(chat_id)
 
     @Slot(QPoint)
@@ -508,7 +537,7 @@ class ChatView(QWidget):
             return
         menu = QMenu(self)
         menu.addAction("Rename", lambda: self.chat_list.edit(index))
-        menu.addAction("Delete", lambda: self.delete_requested.emit(int(index.data(ChatIdRole))))
+        menu.addAction("Delete…", lambda: self._confirm_delete(index))
         menu.exec(self.chat_list.viewport().mapToGlobal(pos))
 
     @Slot(int)

@@ -129,6 +129,28 @@ def test_chats_can_be_renamed_and_deleted(loaded_window: MainWindow) -> None:
     index = model.index(model.row_of(chat_id))
     assert model.setData(index, "Renamed")
     assert window.store.chat(chat_id).title == "Renamed"  # type: ignore[union-attr]
-    window.chat.delete_chat(chat_id)
+    view = window.chat.view
+    view.select_chat(chat_id)
+    _answer_delete_box("Cancel")
+    view.delete_button.click()  # the box is modal: the click returns once it is answered
+    assert window.store.chat(chat_id) is not None  # cancelled: nothing lost
+    _answer_delete_box("Delete")
+    view.delete_button.click()
     assert window.store.chat(chat_id) is None
     assert model.row_of(chat_id) == -1
+
+
+def _answer_delete_box(answer: str) -> None:
+    """Press `answer` in the confirmation box as soon as it is shown."""
+    from PySide6.QtWidgets import QApplication, QMessageBox
+
+    def press() -> None:
+        box = QApplication.activeModalWidget()
+        if not isinstance(box, QMessageBox):
+            QTimer.singleShot(20, press)
+            return
+        assert "cannot be undone" in box.text()
+        (button,) = [b for b in box.buttons() if b.text() == answer]
+        button.click()
+
+    QTimer.singleShot(0, press)

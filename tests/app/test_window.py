@@ -64,3 +64,31 @@ def test_shortcuts(make_window: WindowFactory) -> None:
     window.new_chat_action.trigger()
     assert len(window.store.chats()) == len(before) + 1
     assert window.tabs.currentWidget() is window.chat.view
+
+
+def test_the_window_reopens_where_it_was_left(make_window: WindowFactory,
+                                              tmp_path: Path) -> None:
+    db = tmp_path / "geometry.sqlite3"
+    first = make_window(db=db, preload=False, fetch_starter=False)
+    first.resize(first.minimumSizeHint().width() + 123, first.minimumSizeHint().height() + 45)
+    left = first.size()
+    assert left != _default_window(make_window, tmp_path).size()
+    first.close()  # saves the geometry into the chat database
+    again = make_window(db=db, preload=False, fetch_starter=False)
+    assert again.size() == left
+
+
+def _default_window(make_window: WindowFactory, tmp_path: Path) -> Any:
+    """A window over another database opens at the default size."""
+    return make_window(db=tmp_path / "other.sqlite3", preload=False, fetch_starter=False)
+
+
+def test_a_bad_saved_geometry_is_ignored(make_window: WindowFactory, tmp_path: Path) -> None:
+    from app.chat.store import ChatStore
+
+    db = tmp_path / "bad.sqlite3"
+    store = ChatStore(db)
+    store.set_setting("window_geometry", "not hex at all")
+    store.close()
+    window = make_window(db=db, preload=False, fetch_starter=False)
+    assert window.width() > 0
