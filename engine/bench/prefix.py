@@ -1,5 +1,6 @@
 """`strata bench prefix`: the SSD prefix cache against prefill, mlx-lm's prompt-cache file and
-the disk, and the cold first token of a chat against mlx_lm.generate, all in one run.
+the disk, the cold first token of a chat against mlx_lm.generate, and the first token of each
+turn of a 10-turn chat, all in one run (`--prefix-parts` picks some of the three).
 
 Contract: every figure comes from a fresh process (`python -m engine.bench.prefix MODE JOB`)
 that prints one JSON line; the parent drops the cache files (and mlx-lm's file) from the page
@@ -16,10 +17,25 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 QUESTION = "In one sentence, what is this text about?"
+PARTS = ("restore", "chat", "turns")
+# The user's side of the multi-turn chat: short questions, so each turn adds a little history.
+TURNS = (
+    "Who wrote the text above, do you think?",
+    "Name one thing it says about the weather.",
+    "What would be a good title for it?",
+    "Summarize it for a child in one sentence.",
+    "Which word in it is the longest?",
+    "Is the tone cheerful or gloomy?",
+    "What happens at the end?",
+    "Give me three keywords for it.",
+    "Translate the first sentence into French.",
+    "Thank you. What was my first question?",
+)
 
 
 def add_prefix_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,6 +46,14 @@ def add_prefix_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("prefix suite")
     g.add_argument("--system-tokens", type=int, default=1500,
                    help="prefix: system prompt length for the cold first-token chat")
+    g.add_argument("--prefix-parts", default=",".join(PARTS),
+                   help="prefix: which measurements, comma-separated: restore (the 2k-prefix "
+                        "restore against prefill, mlx-lm and the disk), chat (cold first "
+                        "token), turns (first token of each turn of a multi-turn chat)")
+    g.add_argument("--turns", type=int, default=len(TURNS),
+                   help=f"prefix: turns of the multi-turn chat (at most {len(TURNS)})")
+    g.add_argument("--turn-tokens", type=int, default=32,
+                   help="prefix: greedy tokens each reply of the multi-turn chat may have")
 
 
 def _job_ids(model: str, profile: str | None, prefix_tokens: int, system_tokens: int
@@ -47,7 +71,7 @@ def _job_ids(model: str, profile: str | None, prefix_tokens: int, system_tokens:
     chat = tok.encode_chat([{"role": "system", "content": system},
                             {"role": "user", "content": QUESTION}])
     return {"model_dir": manifest["path"], "profile": profile, "prefix": prefix + question,
-            "prefix_tokens": prefix_tokens, "chat": chat}
+            "prefix_tokens": prefix_tokens, "chat": chat, "system": system}
 
 
 def _drop(paths: list[Path]) -> None:
@@ -106,48 +130,75 @@ def disk_read_speed(folder: Path, mb: int = 256) -> dict[str, float]:
 
 def run_prefix(args: argparse.Namespace) -> int:
     from engine.bench import machine_facts
+    from engine.errors import StrataError
 
     trials = args.trials or 3
     prefix_tokens = args.prefix_tokens or 2048
+    parts = [x.strip() for x in str(args.prefix_parts).split(",") if x.strip()]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        raise StrataError(f"--prefix-parts: {','.join(unknown) or 'nothing'} is not one of "
+                          f"{','.join(PARTS)}")
+    if not 1 <= args.turns <= len(TURNS):
+        raise StrataError(f"--turns {args.turns}: must be 1 to {len(TURNS)}")
     with tempfile.TemporaryDirectory(prefix="strata-bench-prefix-") as tmp_s:
         tmp = Path(tmp_s)
         job = tmp / "job.json"
         data = _job_ids(args.model, args.profile, prefix_tokens, args.system_tokens)
-        data.update(mlx_file=str(tmp / "mlxlm-prompt-cache.safetensors"))
+        data.update(mlx_file=str(tmp / "mlxlm-prompt-cache.safetensors"), turns=args.turns,
+                    turn_tokens=args.turn_tokens)
         job.write_text(json.dumps(data))
         env = dict(os.environ, STRATA_PREFIX_DIR=str(tmp / "prefix"))
         res: dict[str, Any] = {"machine": machine_facts(), "prefix_tokens": prefix_tokens,
-                               "system_prompt_tokens": len(data["chat"]), "trials": trials}
-        print(f"prefix: building the cache of a {prefix_tokens}-token prefix (uncached)",
-              file=sys.stderr)
-        res["uncached"] = _spawn("build", job, env)
-        res["disk"] = disk_read_speed(tmp)
-        pages = sorted((tmp / "prefix").glob("*.kvp"))
-        hits, loads = [], []
-        for i in range(trials):
-            print(f"prefix: restart {i + 1}/{trials}", file=sys.stderr)
-            _drop(pages)
-            hits.append(_spawn("hit", job, env))
-            _drop([Path(data["mlx_file"])])
-            loads.append(_spawn("mlxlm-load", job, env))
-        res["hit"], res["mlxlm_load"] = hits, loads
-        # Cold first token: a chat with a long system prompt, fresh process each time.
+                               "system_prompt_tokens": len(data["chat"]), "trials": trials,
+                               "parts": parts}
+        if "restore" in parts:
+            _restore_part(res, job, data, env, tmp, prefix_tokens, trials)
+        # The chat's system prompt gets its own cache folder: the restore part's pages are
+        # of another prompt, and the turns part reuses what the chat part stored.
         chat_env = dict(env, STRATA_PREFIX_DIR=str(tmp / "prefix-chat"))
-        print("prefix: cold first token, uncached (builds the chat's cache)", file=sys.stderr)
-        res["chat_uncached"] = _spawn("chat", job, chat_env)
-        chat_pages = sorted((tmp / "prefix-chat").glob("*.kvp"))
-        cached, peers = [], []
-        for i in range(trials):
-            print(f"prefix: cold first token {i + 1}/{trials}", file=sys.stderr)
-            _drop(chat_pages)
-            cached.append(_spawn("chat", job, chat_env))
-            peers.append(_spawn("mlxlm-chat", job, chat_env))
-        res["chat_cached"], res["chat_mlxlm"] = cached, peers
+        if "chat" in parts:
+            _chat_part(res, job, chat_env, tmp, trials)
+        if "turns" in parts:
+            print(f"prefix: a {args.turns}-turn chat", file=sys.stderr)
+            res["turns"] = _spawn("turns", job, chat_env)
     res["summary"] = summarize(res)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(res, indent=2, sort_keys=True))
     print(json.dumps(res["summary"], indent=2, sort_keys=True))
     return 0
+
+
+def _restore_part(res: dict[str, Any], job: Path, data: dict[str, Any], env: dict[str, str],
+                  tmp: Path, prefix_tokens: int, trials: int) -> None:
+    print(f"prefix: building the cache of a {prefix_tokens}-token prefix (uncached)",
+          file=sys.stderr)
+    res["uncached"] = _spawn("build", job, env)
+    res["disk"] = disk_read_speed(tmp)
+    pages = sorted((tmp / "prefix").glob("*.kvp"))
+    hits, loads = [], []
+    for i in range(trials):
+        print(f"prefix: restart {i + 1}/{trials}", file=sys.stderr)
+        _drop(pages)
+        hits.append(_spawn("hit", job, env))
+        _drop([Path(data["mlx_file"])])
+        loads.append(_spawn("mlxlm-load", job, env))
+    res["hit"], res["mlxlm_load"] = hits, loads
+
+
+def _chat_part(res: dict[str, Any], job: Path, chat_env: dict[str, str], tmp: Path,
+               trials: int) -> None:
+    """Cold first token: a chat with a long system prompt, fresh process each time."""
+    print("prefix: cold first token, uncached (builds the chat's cache)", file=sys.stderr)
+    res["chat_uncached"] = _spawn("chat", job, chat_env)
+    chat_pages = sorted((tmp / "prefix-chat").glob("*.kvp"))
+    cached, peers = [], []
+    for i in range(trials):
+        print(f"prefix: cold first token {i + 1}/{trials}", file=sys.stderr)
+        _drop(chat_pages)
+        cached.append(_spawn("chat", job, chat_env))
+        peers.append(_spawn("mlxlm-chat", job, chat_env))
+    res["chat_cached"], res["chat_mlxlm"] = cached, peers
 
 
 def _median(xs: list[float]) -> float:
@@ -156,38 +207,61 @@ def _median(xs: list[float]) -> float:
 
 
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
-    restore = _median([h["restore_s"] for h in res["hit"]])
-    load = _median([m["load_s"] for m in res["mlxlm_load"]])
-    mb = res["hit"][0]["bytes_read"] / 1e6
-    disk = res["disk"].get("buffered_gbps", 0.0)
-    uncached_ttft = res["uncached"]["ttft_s"]
-    hit_ttft = _median([h["ttft_s"] for h in res["hit"]])
-    chat_cached = _median([c["cold_first_token_s"] for c in res["chat_cached"]])
-    chat_peer = _median([c["cold_first_token_s"] for c in res["chat_mlxlm"]])
-    return {
-        "prefix_prefill_s": res["uncached"]["prefill_s"],
-        "uncached_ttft_s": uncached_ttft,
-        "hit_ttft_s": hit_ttft,
-        "hit_speedup_ttft": uncached_ttft / hit_ttft,
-        "restore_s": restore,
-        "restore_vs_prefill_speedup": res["uncached"]["prefill_s"] / restore,
-        "restore_mb": mb,
-        "restore_gbps": mb / 1e3 / restore,
-        "mlxlm_load_s": load,
-        "restore_over_mlxlm_load": restore / load,
-        "mlxlm_file_mb": res["mlxlm_load"][0]["file_bytes"] / 1e6,
-        "disk_buffered_gbps": disk,
-        "disk_direct_gbps": res["disk"].get("direct_gbps"),
-        "restore_fraction_of_disk": (mb / 1e3 / restore) / disk if disk else None,
-        "outputs_equal": all(h["tokens"] == res["uncached"]["tokens"] for h in res["hit"]),
-        "chat_system_tokens": res["system_prompt_tokens"],
-        "chat_cold_uncached_s": res["chat_uncached"]["cold_first_token_s"],
-        "chat_cold_cached_s": chat_cached,
-        "chat_cold_mlxlm_s": chat_peer,
-        "chat_cached_over_mlxlm": chat_cached / chat_peer,
-        "chat_uncached_over_mlxlm": res["chat_uncached"]["cold_first_token_s"] / chat_peer,
-        "chat_cached_tokens": _median([c["cached_tokens"] for c in res["chat_cached"]]),
-    }
+    out: dict[str, Any] = {}
+    if "hit" in res:
+        restore = _median([h["restore_s"] for h in res["hit"]])
+        load = _median([m["load_s"] for m in res["mlxlm_load"]])
+        mb = res["hit"][0]["bytes_read"] / 1e6
+        disk = res["disk"].get("buffered_gbps", 0.0)
+        uncached_ttft = res["uncached"]["ttft_s"]
+        hit_ttft = _median([h["ttft_s"] for h in res["hit"]])
+        out.update({
+            "prefix_prefill_s": res["uncached"]["prefill_s"],
+            "uncached_ttft_s": uncached_ttft,
+            "hit_ttft_s": hit_ttft,
+            "hit_speedup_ttft": uncached_ttft / hit_ttft,
+            "restore_s": restore,
+            "restore_s_all": [h["restore_s"] for h in res["hit"]],
+            "restore_vs_prefill_speedup": res["uncached"]["prefill_s"] / restore,
+            "restore_mb": mb,
+            "restore_gbps": mb / 1e3 / restore,
+            "mlxlm_load_s": load,
+            "mlxlm_load_s_all": [m["load_s"] for m in res["mlxlm_load"]],
+            "restore_over_mlxlm_load": restore / load,
+            "mlxlm_file_mb": res["mlxlm_load"][0]["file_bytes"] / 1e6,
+            "disk_buffered_gbps": disk,
+            "disk_direct_gbps": res["disk"].get("direct_gbps"),
+            "restore_fraction_of_disk": (mb / 1e3 / restore) / disk if disk else None,
+            "outputs_equal": all(h["tokens"] == res["uncached"]["tokens"] for h in res["hit"]),
+        })
+    if "chat_cached" in res:
+        chat_cached = _median([c["cold_first_token_s"] for c in res["chat_cached"]])
+        chat_peer = _median([c["cold_first_token_s"] for c in res["chat_mlxlm"]])
+        out.update({
+            "chat_system_tokens": res["system_prompt_tokens"],
+            "chat_cold_uncached_s": res["chat_uncached"]["cold_first_token_s"],
+            "chat_cold_cached_s": chat_cached,
+            "chat_cold_mlxlm_s": chat_peer,
+            "chat_cached_over_mlxlm": chat_cached / chat_peer,
+            "chat_uncached_over_mlxlm": res["chat_uncached"]["cold_first_token_s"] / chat_peer,
+            "chat_cached_tokens": _median([c["cached_tokens"] for c in res["chat_cached"]]),
+        })
+    if "turns" in res:
+        rows = res["turns"]["turns"]
+        last = rows[-1]
+        later = [r["first_token_s"] for r in rows[1:]] or [rows[0]["first_token_s"]]
+        out.update({
+            "turns": len(rows),
+            "turn_first_token_s": [r["first_token_s"] for r in rows],
+            "turn_prompt_tokens": [r["prompt_tokens"] for r in rows],
+            "turn_new_tokens": [r["new_tokens"] for r in rows],
+            "turn_last_first_token_s": last["first_token_s"],
+            "turn_last_over_median_of_turns_2_on": last["first_token_s"] / _median(later),
+            "turn_last_without_reuse_s": res["turns"]["last_without_reuse_s"],
+            "turn_last_reuse_speedup": (res["turns"]["last_without_reuse_s"]
+                                        / last["first_token_s"]),
+        })
+    return out
 
 
 # -- workers (each in a fresh process) ----------------------------------------------------
@@ -231,6 +305,50 @@ def _strata(job: dict[str, Any], ids: list[int], max_tokens: int) -> dict[str, A
     return out
 
 
+def chat_turns(lm: Any, system: str, questions: Sequence[str], max_tokens: int
+               ) -> tuple[list[dict[str, Any]], Any]:
+    """Greedy multi-turn chat in one ChatSession: per turn, the first-token time from the
+    call (template and tokenizing included) and the prompt's size; returns (rows, session)."""
+    from engine.runtime.generate import ChatSession
+    from engine.runtime.sampling import SamplingParams
+
+    session = ChatSession(lm, system=system)
+    rows = []
+    for i, q in enumerate(questions):
+        t0 = time.perf_counter()
+        first, last = 0.0, None
+        for ev in session.send(q, SamplingParams(temperature=0.0), max_tokens=max_tokens):
+            if ev.token is not None and not first:
+                first = time.perf_counter()
+            last = ev
+        assert last is not None
+        rows.append({"turn": i + 1, "prompt_tokens": last.prompt_tokens,
+                     "cached_tokens": last.cached_tokens,
+                     "new_tokens": last.prompt_tokens - last.cached_tokens,
+                     "first_token_s": (first or time.perf_counter()) - t0,
+                     "ttft_s": last.ttft_s, "generated_tokens": last.generated_tokens})
+    return rows, session
+
+
+def _turns(job: dict[str, Any]) -> dict[str, Any]:
+    """The multi-turn chat, then the last turn's prompt once more without any reuse."""
+    from engine.platform import compute_profile
+    from engine.runtime.generate import LoadedModel, generate
+    from engine.runtime.sampling import SamplingParams
+
+    lm = LoadedModel.load(job["model_dir"], profile=compute_profile(job["profile"]))
+    pc = lm.enable_prefix_cache()  # as the app has it: the system prompt comes off the SSD
+    rows, session = chat_turns(lm, job["system"], TURNS[:job["turns"]], job["turn_tokens"])
+    pc.close()
+    prompt = lm.tokenizer.encode_chat(session.messages[:-1])  # the last turn's prompt
+    t0 = time.perf_counter()
+    for ev in generate(lm, prompt, SamplingParams(temperature=0.0), 1, prefix_cache=False):
+        if ev.token is not None:
+            break
+    return {"turns": rows, "last_without_reuse_s": time.perf_counter() - t0,
+            "last_prompt_tokens": len(prompt)}
+
+
 def _worker(mode: str, job_path: str) -> dict[str, Any]:
     job = json.loads(Path(job_path).read_text())
     if mode == "build":
@@ -240,6 +358,8 @@ def _worker(mode: str, job_path: str) -> dict[str, Any]:
         return _strata(job, job["prefix"], 4)
     if mode == "chat":
         return _strata(job, job["chat"], 1)
+    if mode == "turns":
+        return _turns(job)
     if mode == "mlxlm-load":
         import mlx.core as mx
 

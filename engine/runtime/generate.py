@@ -1,7 +1,8 @@
 """Load a library model and generate from it: the decode loop, prompt reuse, chat sessions.
 
-Contract: `LoadedModel.load(name)` maps the weights and applies the backend's compute
-profile; `generate(lm, prompt_ids, ...)` yields `GenerationEvent`s (text deltas that never
+Contract: `LoadedModel.load(name)` maps the weights (read ahead into the page cache in
+the background while the tokenizer loads) and applies the backend's compute profile;
+`generate(lm, prompt_ids, ...)` yields `GenerationEvent`s (text deltas that never
 split a UTF-8 character) and stops at EOS, a stop string, max_tokens or the cancel flag,
 checked between steps. A `PromptCache` keeps the KV of the tokens it has seen, so a follow-up
 prompt that shares a prefix prefills only what is new. With `lm.enable_prefix_cache()` the
@@ -63,7 +64,8 @@ class LoadedModel:
              timeline: Timeline | None = None, warm_up: bool = True) -> LoadedModel:
         """Load by library name or alias, or from an MLX folder path."""
         from engine.library import Library
-        from engine.runtime.model import load_weights_into_model
+        from engine.runtime.model import load_weights_into_model, weight_files
+        from engine.runtime.readahead import read_ahead
 
         timeline = timeline or Timeline()
         path = Path(name)
@@ -73,13 +75,15 @@ class LoadedModel:
             library = library or Library()
             manifest = library.get(str(name))
             path = Path(manifest["path"])
+        # The weight files stream into the page cache while the tokenizer loads.
+        read_ahead(weight_files(path))
         with timeline.phase("imports"):
             import mlx.core  # noqa: F401  (timed: the first import costs on a cold start)
         profile = profile or compute_profile()
-        with timeline.phase("weights"):
-            model, config = load_weights_into_model(path, profile)
         with timeline.phase("tokenizer"):
             tokenizer = Tokenizer.load(path)
+        with timeline.phase("weights"):
+            model, config = load_weights_into_model(path, profile)
         lm = cls(model, config, tokenizer, manifest, profile, timeline)
         if warm_up:
             with timeline.phase("warm-up"):

@@ -1,0 +1,150 @@
+"""The prefix cache's fast restore, the multi-turn chat's KV reuse and the weight read-ahead, on
+the real starter model and real files: restored keys and values are the prefilled ones bit for
+bit, every byte of a page file is covered by its digest, and each chat turn prefills only what
+is new."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.bench.prefix import TURNS, chat_turns, run_prefix, summarize
+from engine.bench.worker import drop_page_cache, resident_fraction
+from engine.errors import StrataError
+from engine.kv.prefix import _PX, PrefixCache, PrefixSettings, _unfilled
+from engine.runtime.generate import generate
+from engine.runtime.readahead import read_ahead
+from engine.runtime.sampling import SamplingParams
+
+TEXT = ("The harbour office kept its ledgers in a tall oak cabinet, one drawer per year, and "
+        "the tide tables were pinned beside the door where the pilots could read them. ") * 30
+
+
+@pytest.fixture
+def prefix(starter_lm: Any, tmp_path: Path) -> Iterator[PrefixCache]:
+    pc = PrefixCache.for_model(starter_lm, PrefixSettings(folder=tmp_path / "px",
+                                                          page_tokens=32))
+    starter_lm.prefix_cache = pc
+    try:
+        yield pc
+    finally:
+        starter_lm.prefix_cache = None
+        pc.close()
+
+
+def _ids(lm: Any, n: int) -> list[int]:
+    return lm.tokenizer.encode(TEXT, add_bos=False)[:n]
+
+
+def _first_token(lm: Any, ids: list[int]) -> Any:
+    """Generate one token in a fresh PromptCache; returns the cache."""
+    cache = lm.new_cache()
+    for _ in generate(lm, ids, SamplingParams(temperature=0), 1, prompt_cache=cache):
+        pass
+    return cache
+
+
+def test_unfilled_buffers_have_the_shape_and_take_writes(starter_lm: Any) -> None:
+    for dt, nd in ((mx.float32, np.dtype(np.float32)), (mx.uint16, np.dtype(np.uint16))):
+        a = _unfilled((1, 3, 64, 8), dt, nd)
+        mx.eval(a)
+        assert a.shape == (1, 3, 64, 8) and a.dtype == dt
+        view = np.asarray(memoryview(a))  # type: ignore[arg-type]
+        view[...] = 7
+        assert mx.all(a == 7).item()
+
+
+def test_restored_kv_equals_prefilled_kv_bit_for_bit(starter_lm: Any, prefix: PrefixCache
+                                                     ) -> None:
+    ids = _ids(starter_lm, 150)  # 4 full pages of 32, then a partial one
+    want = _first_token(starter_lm, ids)  # prefills and stores the pages
+    prefix.flush()
+    got = _first_token(starter_lm, ids)
+    assert prefix.stats.hits == 1 and prefix.stats.restored_tokens == 128
+    for a, b in zip(want.cache, got.cache, strict=True):
+        assert a.offset == b.offset == len(ids)
+        assert mx.array_equal(a.keys[..., :128, :], b.keys[..., :128, :]).item()
+        assert mx.array_equal(a.values[..., :128, :], b.values[..., :128, :]).item()
+        # The suffix was prefilled on top of the restored pages in their spare capacity.
+        assert mx.allclose(a.keys[..., 128:len(ids), :], b.keys[..., 128:len(ids), :],
+                           atol=1e-4).item()
+
+
+@pytest.mark.parametrize("where", ["digest", "last crc", "last value"])
+def test_any_byte_of_a_page_is_covered(starter_lm: Any, prefix: PrefixCache, where: str
+                                       ) -> None:
+    ids = _ids(starter_lm, 70)
+    _first_token(starter_lm, ids)
+    prefix.flush()
+    plan = prefix.lookup(ids)
+    assert plan.hit_pages == 2
+    page = prefix.path(plan.hashes[1])
+    data = bytearray(page.read_bytes())
+    # The digest is the last field of the prefix header; the file ends with the last
+    # layer's values and then that record's CRC-32.
+    pos = {"digest": _PX.size - 1, "last crc": len(data) - 1, "last value": len(data) - 5}
+    data[pos[where]] ^= 0x01
+    page.write_bytes(bytes(data))
+    last = list(generate(starter_lm, ids, SamplingParams(temperature=0), 1))[-1]
+    assert last.cached_tokens == 32  # page 0 only
+    assert prefix.stats.corrupt_pages == 1
+    prefix.flush()
+    assert page.read_bytes() != bytes(data)  # rewritten by the store after the prefill
+
+
+def test_each_chat_turn_prefills_only_what_is_new(starter_lm: Any) -> None:
+    rows, session = chat_turns(starter_lm, "You answer in a few words.", TURNS[:4], 6)
+    assert len(session.messages) == 9  # system + 4 questions + 4 replies
+    for prev, row in zip(rows, rows[1:], strict=False):
+        assert row["prompt_tokens"] > prev["prompt_tokens"]
+        # The previous turn's prompt and most of its reply come from the KV kept in memory.
+        assert row["cached_tokens"] >= prev["prompt_tokens"]
+        assert row["new_tokens"] < 40
+        assert row["first_token_s"] > 0
+
+
+def test_summary_of_the_turns_part_alone() -> None:
+    rows = [{"turn": i + 1, "prompt_tokens": 100 + 20 * i, "cached_tokens": 90 + 20 * i,
+             "new_tokens": 10, "first_token_s": 0.5, "ttft_s": 0.4, "generated_tokens": 3}
+            for i in range(3)]
+    out = summarize({"turns": {"turns": rows, "last_without_reuse_s": 2.0}})
+    assert out["turns"] == 3 and out["turn_last_reuse_speedup"] == 4.0
+    assert out["turn_last_over_median_of_turns_2_on"] == 1.0
+    assert "restore_s" not in out and "chat_cold_cached_s" not in out
+
+
+def test_unknown_parts_are_a_user_error(starter: Any) -> None:
+    args = argparse.Namespace(trials=1, prefix_tokens=256, prefix_parts="restore,speed",
+                              turns=10, turn_tokens=4, model=starter["name"], profile=None,
+                              system_tokens=64, json_out=None)
+    with pytest.raises(StrataError, match="speed"):
+        run_prefix(args)
+
+
+def test_read_ahead_brings_files_into_the_page_cache(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    files = []
+    for i in range(2):
+        f = tmp_path / f"model-{i}.safetensors"
+        f.write_bytes(np.random.default_rng(i).bytes(4 << 20))
+        files.append(f)
+    dropped, _ = drop_page_cache(files)
+    monkeypatch.setenv("STRATA_READAHEAD", "0")
+    assert read_ahead(files) is None
+    monkeypatch.delenv("STRATA_READAHEAD")
+    t = read_ahead(files)
+    assert t is not None
+    t.join(timeout=30)
+    assert not t.is_alive()
+    if dropped:  # where the OS let us drop them, they must come back (the reads are async)
+        deadline = time.monotonic() + 30
+        while (resident_fraction(files) or 0) < 0.9 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (resident_fraction(files) or 0) >= 0.9
