@@ -67,6 +67,7 @@ class Sampling:
 
 
 KV_MODES = ("mlx", "exact", "sparse")
+KV_BITS = (16, 8, 4)
 
 
 @dataclass(frozen=True)
@@ -74,12 +75,15 @@ class EngineSettings:
     """App-wide engine settings, kept in the settings table (issue 5: the CLI's KV flags).
 
     kv_mode: 'mlx' (mlx-lm's cache in RAM), 'exact' or 'sparse' (the paged KV cache with an
-    SSD tier). kv_ram_mb: the paged cache's RAM budget, 0 for automatic (a quarter of RAM).
+    SSD tier). kv_bits: 16 keeps the paged cache's pages as computed, 8 or 4 quantizes them
+    (paged modes only; ignored with 'mlx'). kv_ram_mb: the paged cache's RAM budget, 0 for
+    automatic (a quarter of RAM).
     kv_budget_tokens: sparse attention's budget per query. prefix_cache: keep prompt prefixes'
     KV on disk (STRATA_HOME/prefix) so system prompts stay warm across restarts.
     """
 
     kv_mode: str = "mlx"
+    kv_bits: int = 16
     kv_ram_mb: int = 0
     kv_budget_tokens: int = 2048
     prefix_cache: bool = True
@@ -89,7 +93,9 @@ class EngineSettings:
         base = cls()
         try:
             mode = store.setting("kv_mode", base.kv_mode) or base.kv_mode
+            bits = int(store.setting("kv_bits", str(base.kv_bits)) or base.kv_bits)
             return cls(kv_mode=mode if mode in KV_MODES else base.kv_mode,
+                       kv_bits=bits if bits in KV_BITS else base.kv_bits,
                        kv_ram_mb=max(0, int(store.setting("kv_ram_mb", "0") or 0)),
                        kv_budget_tokens=int(store.setting("kv_budget_tokens",
                                                           str(base.kv_budget_tokens)) or 0)
@@ -100,12 +106,13 @@ class EngineSettings:
 
     def save(self, store: ChatStore) -> None:
         store.set_setting("kv_mode", self.kv_mode)
+        store.set_setting("kv_bits", str(self.kv_bits))
         store.set_setting("kv_ram_mb", str(self.kv_ram_mb))
         store.set_setting("kv_budget_tokens", str(self.kv_budget_tokens))
         store.set_setting("prefix_cache", "1" if self.prefix_cache else "0")
 
     def as_dict(self) -> dict[str, Any]:
-        return {"kv_mode": self.kv_mode, "kv_ram_mb": self.kv_ram_mb,
+        return {"kv_mode": self.kv_mode, "kv_bits": self.kv_bits, "kv_ram_mb": self.kv_ram_mb,
                 "kv_budget_tokens": self.kv_budget_tokens, "prefix_cache": self.prefix_cache}
 
 

@@ -386,8 +386,8 @@ class ChatView(QWidget):
         self.kv_bits.setAccessibleName("KV precision")
         for bits, label in KV_BITS_LABELS:
             self.kv_bits.addItem(label, bits)
-        self.kv_bits.setToolTip("Paged cache only: 8 or 4 bits store each page quantized, "
-                                "a third or a fifth of the memory; 4 bits costs accuracy.")
+        self.kv_bits.setToolTip("Paged cache only: 8 or 4 bits keep each page quantized, "
+                                "in less memory; 4 bits costs some accuracy")
         self.kv_ram_mb = QSpinBox()
         self.kv_ram_mb.setAccessibleName("KV RAM budget")
         self.kv_ram_mb.setRange(0, 1 << 20)

@@ -15,6 +15,12 @@ from typing import Any
 from engine.errors import StrataError
 
 MODES = ("mlx", "exact", "sparse")
+BITS = (16, 8, 4)  # KV precision: 16 keeps the compute dtype, 8 and 4 quantize pages
+GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
+# Group size by bits when not set (docs/benchmarks.md, KV bits): at 8 bits the group hardly
+# changes KL on the starter model, so the larger one (fewer scale bytes); at 4 bits group 32
+# cuts KL about in half for 20% more bytes than group 64.
+DEFAULT_GROUP = {16: 64, 8: 64, 4: 32}
 
 
 @dataclass(frozen=True)
@@ -23,7 +29,10 @@ class KVSettings:
 
     ram_mb: RAM tier budget (None: a quarter of system memory). ssd_mb: SSD tier budget.
     budget_tokens: sparse mode's attention budget per query (sinks and window included).
-    bits: 16 keeps the compute dtype (no KV quantization).
+    bits: 16 keeps the compute dtype (no KV quantization); 8 and 4 quantize every full page
+    group-wise along head_dim, `group_size` values per scale and bias (None: by bits,
+    DEFAULT_GROUP); the partial page at the end stays as computed until it fills. Paged
+    modes only.
     """
 
     mode: str = "mlx"
@@ -33,6 +42,7 @@ class KVSettings:
     ssd_dir: Path | None = None
     ssd_mb: int = 64 * 1024
     bits: int = 16
+    group_size: int | None = None
     budget_tokens: int = 2048
     sink_tokens: int = 128
     window_tokens: int = 512
@@ -45,8 +55,14 @@ class KVSettings:
             raise StrataError(f"KV mode {self.mode!r} is unknown: use one of {', '.join(MODES)}")
         if self.page_tokens < 8 or self.page_tokens & (self.page_tokens - 1):
             raise StrataError(f"KV page size {self.page_tokens} must be a power of two >= 8")
-        if self.bits not in (16,):
-            raise StrataError(f"KV bits {self.bits} are not supported yet: use 16")
+        if self.bits not in BITS:
+            raise StrataError(f"KV bits {self.bits} are not supported: use 16, 8 or 4")
+        if self.bits != 16 and self.mode == "mlx":
+            raise StrataError(f"KV bits {self.bits} need the paged KV cache (KV mode exact "
+                              "or sparse, --kv-mode): mode 'mlx' is 16-bit only")
+        if self.group_size is not None and self.group_size not in GROUP_SIZES:
+            raise StrataError(f"KV quantization group {self.group_size} is not supported: "
+                              f"use {', '.join(map(str, GROUP_SIZES))}")
         if self.ram_mb is not None and self.ram_mb < 1:
             raise StrataError(f"KV RAM budget {self.ram_mb} MB is too small")
         if self.budget_tokens < self.sink_tokens + self.window_tokens + self.page_tokens:
@@ -54,6 +70,10 @@ class KVSettings:
             raise StrataError(f"KV budget of {self.budget_tokens} tokens is below sinks + "
                               f"window + one page ({least})")
         return self
+
+    def group(self) -> int:
+        """The quantization group size in effect."""
+        return self.group_size or DEFAULT_GROUP.get(self.bits, 64)
 
     def with_(self, **kw: Any) -> KVSettings:
         return replace(self, **kw)

@@ -5,6 +5,8 @@ would over every token the cache holds plus the current chunk (causal within the
 (1, q_heads, L, D) queries; in sparse mode a decode step (L <= SPARSE_MAX_L) reads only sinks,
 the recent window and the pages whose key bound is highest, within the token budget.
 `install_hook(model)` routes the model module's scaled_dot_product_attention here.
+Quantized pages (KV bits 8 or 4) are decoded group by group as they are read, then attended
+with the same float matmuls (on CPU that beats mx.quantized_matmul, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -20,6 +22,13 @@ SCORE_ELEMENTS = 1 << 23
 SPARSE_MAX_L = 4
 # Prefill chunks over at most this many past tokens use MLX's fused kernel on a copy.
 FUSED_PAST_MAX = 16384
+# Pages read from the SSD per group in exact mode: a group is copied about three times on
+# its way in (read, stack, MLX) and evaluated before the next, so RAM stays bounded over a
+# million-token pass.
+STREAM_PAGES = 256
+# Quantized pages are decoded at most this many key (or value) floats at a time, so that a
+# long context never holds a full-precision copy of a whole layer.
+DECODE_ELEMENTS = 1 << 22
 
 _Partial = tuple[Any, Any, Any]  # running max (H, R), sum (H, R), output (H, R, D)
 
@@ -36,12 +45,16 @@ def _partial_pages(qg: Any, k: Any, v: Any) -> _Partial:
 
 def _partial_gathered(qg: Any, k: Any, v: Any) -> _Partial:
     """Same over per-head gathered pages k, v (n, H, P, D) flattened to (H, n*P, D)."""
+    n, h, p_, d = k.shape
+    return _partial_flat(qg, k.transpose(1, 0, 2, 3).reshape(h, n * p_, d),
+                         v.transpose(1, 0, 2, 3).reshape(h, n * p_, d))
+
+
+def _partial_flat(qg: Any, kk: Any, vv: Any) -> _Partial:
+    """Over per-head keys and values kk, vv (H, T, D), no mask."""
     import mlx.core as mx
 
-    n, h, p_, d = k.shape
-    kk = k.transpose(1, 0, 2, 3).reshape(h, n * p_, d)
-    vv = v.transpose(1, 0, 2, 3).reshape(h, n * p_, d)
-    s = qg @ kk.swapaxes(-1, -2)                          # (H, R, n*P)
+    s = qg @ kk.swapaxes(-1, -2)                          # (H, R, T)
     m = s.max(axis=-1)
     p = mx.exp(s - m[..., None])
     return m, p.sum(axis=-1), p @ vv
@@ -129,16 +142,24 @@ def _fused(queries: Any, keys: Any, values: Any, tail_k: Any, tail_v: Any,
 
 
 def _exact(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial | None) -> _Partial:
-    h, r, _ = qg.shape
+    h, r, d = qg.shape
     group = max(1, SCORE_ELEMENTS // (h * r * store.P))
-    view = store.resident_view(layer, n_pages)
+    codec = store.codec
+    if codec.quantized:
+        group = min(group, max(1, DECODE_ELEMENTS // (h * store.P * d)))
+    view = store.resident_parts(layer, n_pages)
     if view is not None:
-        k, v = view
+        kp, vp = view
         for i in range(0, n_pages, group):
-            acc = _merge(acc, _partial_pages(qg, k[i:i + group], v[i:i + group]))
+            k = codec.decode(tuple(a[i:i + group] for a in kp))
+            v = codec.decode(tuple(a[i:i + group] for a in vp))
+            acc = _merge(acc, _partial_pages(qg, k, v))
         return acc  # type: ignore[return-value]
-    for k, v in store.stream(layer, np.arange(n_pages), group):
+    import mlx.core as mx
+
+    for k, v in store.stream(layer, np.arange(n_pages), min(group, STREAM_PAGES)):
         acc = _merge(acc, _partial_pages(qg, k, v))
+        mx.eval(acc)  # frees the group's pages: a lazy pass would hold every page it read
     return acc  # type: ignore[return-value]
 
 
@@ -160,17 +181,28 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial | None)
     fixed = mx.concatenate([mx.arange(sink), mx.arange(n_pages - win, n_pages)])
     ids = mx.concatenate([mx.broadcast_to(fixed[:, None], (fixed.shape[0], h)),
                           top.astype(fixed.dtype)])
+    heads = mx.arange(h)[None, :]
     if table.all_resident(n_pages):
         # Everything hot: stay lazy (no sync), map pages to slots inside the graph.
         slots = ids if table.identity else mx.array(table.slot_of[:n_pages])[ids]
     else:
         ids_np = np.array(ids)
-        store.ensure_resident(layer, np.unique(ids_np))
+        uniq = np.unique(ids_np)
+        if store.ensure_resident(layer, uniq) is None:
+            # More pages than RAM holds at once: read them for this step only. `stream`
+            # returns a group's resident pages first, then the cold ones.
+            res = table.resident(uniq)
+            at = np.empty(len(uniq), np.int64)
+            at[np.concatenate([np.flatnonzero(res), np.flatnonzero(~res)])] = np.arange(len(uniq))
+            ku, vu = next(iter(store.stream(layer, uniq, len(uniq))))
+            pos = mx.array(at[np.searchsorted(uniq, ids_np)])
+            return _merge(acc, _partial_gathered(qg, ku[pos, heads], vu[pos, heads]))
         slots = mx.array(table.slot_of[ids_np])
-    heads = mx.arange(h)[None, :]
-    k = store.pool_k[layer][slots, heads]                    # (n_sel, H, P, D)
-    v = store.pool_v[layer][slots, heads]
-    return _merge(acc, _partial_gathered(qg, k, v))
+    # Gathered head-major, (H, n_sel, P, D), so flattening to (H, n_sel*P, D) is free: the
+    # page-major order needed a transposed copy first (1.8x slower per layer, measured).
+    k, v = store.gather(layer, slots.T, heads.T)
+    d = qg.shape[-1]
+    return _merge(acc, _partial_flat(qg, k.reshape(h, -1, d), v.reshape(h, -1, d)))
 
 
 # -- the hook -----------------------------------------------------------------------------

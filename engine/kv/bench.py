@@ -5,6 +5,10 @@ Contract: for each context length, one prefill with mlx-lm's KVCache (or, with
 the paged cache is filled with the very same keys and values, then every mode decodes greedily
 from the same logits. Reported per mode: generated tok/s, ratio to mlx-lm, greedy tokens
 identical to mlx-lm's, first-step max |logit difference|, pages and bytes read per token, RSS.
+With --synthetic-fill N every context is instead filled by tiling one real N-token prefill
+(engine/kv/fill.py; rows say "synthetic"). --passkey runs the pass-key table
+(engine/kv/passkey.py); --context N one long context on the SSD tier (engine/kv/longrun.py).
+Ctrl-C prints and writes what finished.
 """
 
 from __future__ import annotations
@@ -30,6 +34,28 @@ def add_kv_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--page-tokens", type=int, default=128, help="kv: tokens per page")
     g.add_argument("--prefill-paged", action="store_true",
                    help="kv: also prefill through the paged cache and compare logits")
+    g.add_argument("--synthetic-fill", type=int, metavar="DOC_TOKENS",
+                   help="kv: fill every context by tiling the KV of one real prefill of "
+                   "DOC_TOKENS tokens (same KV for every subject; labelled synthetic)")
+    g.add_argument("--passkey", action="store_true",
+                   help="kv: pass-key retrieval table, exact and sparse, instead of speed")
+    g.add_argument("--passkey-lengths", default="2048,4096,8192",
+                   help="kv --passkey: prompt lengths in tokens")
+    g.add_argument("--passkey-depths", default="10,30,50,70,90",
+                   help="kv --passkey: key depths in percent of the filler")
+    g.add_argument("--passkey-fraction", type=float, default=0.25,
+                   help="kv --passkey: sparse budget as a fraction of the prompt")
+    g.add_argument("--context", type=int, metavar="TOKENS",
+                   help="kv: one long context held mostly on the SSD tier (e.g. 1000000): "
+                   "synthetic fill unless --end-to-end")
+    g.add_argument("--end-to-end", action="store_true",
+                   help="kv --context: real prefill of a pass-key prompt, then its answer")
+    g.add_argument("--exact-tokens", type=int, default=2,
+                   help="kv --context: tokens decoded in exact mode (0: skip it)")
+    g.add_argument("--kv-dtype", choices=("float16", "float32"),
+                   help="kv --context: page dtype (default: the model's compute dtype)")
+    g.add_argument("--fill-doc", type=int, default=4096,
+                   help="kv --context: tokens of the real document tiled by the fill")
 
 
 def _rss() -> int:
@@ -85,111 +111,213 @@ def _fill_from(paged: list[Any], ref: list[Any]) -> None:
         mx.eval(p.state)
 
 
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def run_kv(args: argparse.Namespace) -> int:
-    import mlx.core as mx
-    import numpy as np
-
-    from engine.bench import machine_facts, prompt_ids
-    from engine.kv import KVSettings, make_paged_cache
-    from engine.kv.cache import close_caches
     from engine.runtime.generate import LoadedModel
-    from engine.runtime.model import cache_module
 
-    lm = LoadedModel.load(args.model)
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
         if m not in ("mlx", "exact", "sparse"):
             raise StrataError(f"bench kv: unknown mode {m!r} (mlx, exact, sparse)")
+    lm = LoadedModel.load(args.model)
+    if args.passkey:
+        return _run_passkey(lm, args)
+    if args.context:
+        return _run_long(lm, args, modes)
+    return _run_contexts(lm, args, modes)
+
+
+def _write_json(args: argparse.Namespace, lm: Any, doc: dict[str, Any]) -> None:
+    from engine.bench import machine_facts
+
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(
+            {"schema": "strata-bench-kv/2", "model": lm.manifest["name"],
+             "profile": lm.profile.name, "page_tokens": args.page_tokens,
+             "command": " ".join(sys.argv), "machine": machine_facts(), **doc}, indent=2))
+
+
+def _run_contexts(lm: Any, args: argparse.Namespace, modes: list[str]) -> int:
+    """Decode speed per context and mode (the table); Ctrl-C keeps what finished."""
+    import mlx.core as mx
+    import numpy as np
+
+    from engine.bench import prompt_ids
+    from engine.kv import KVSettings, make_paged_cache
+    from engine.kv.cache import close_caches
+    from engine.kv.fill import doc_kv, tiled_mlx_cache
+    from engine.runtime.model import cache_module
+
     rows: list[dict[str, Any]] = []
-    for ctx in [int(c) for c in args.contexts.split(",") if c]:
-        ids = prompt_ids(lm.tokenizer, ctx)
-        print(f"context {ctx}: prefill with mlx-lm's KVCache", file=sys.stderr, flush=True)
-        t = time.perf_counter()
-        ref_cache = cache_module().make_prompt_cache(lm.model)
-        last = [-1]
+    last = [-1]
 
-        def progress(done: int, total: int, last: list[int] = last) -> None:
-            if done * 10 // total != last[0]:
-                last[0] = done * 10 // total
-                print(f"  {done}/{total}", file=sys.stderr, flush=True)
+    def progress(done: int, total: int, last: list[int] = last) -> None:
+        if done * 10 // total != last[0]:
+            last[0] = done * 10 // total
+            _say(f"  {done}/{total}")
 
-        first = _prefill(lm, ref_cache, ids, progress)
-        prefill_s = time.perf_counter() - t
-        settings = KVSettings(mode="exact", page_tokens=args.page_tokens, ram_mb=args.kv_ram_mb,
-                              budget_tokens=args.kv_budget).validate()
-        paged = make_paged_cache(lm.model, settings)
-        paged_first = None
-        paged_prefill_s = None
-        if args.prefill_paged:
-            print(f"context {ctx}: prefill through the paged cache", file=sys.stderr, flush=True)
-            t = time.perf_counter()
-            paged_first = _prefill(lm, paged, ids, progress)
-            paged_prefill_s = time.perf_counter() - t
-        else:
-            _fill_from(paged, ref_cache)
-        store = paged[0].store
-        base_tokens: list[int] | None = None
-        base_logits = None
-        for mode in modes:
-            rss0 = _rss()
-            if mode == "mlx":
-                cache, start = ref_cache, first
+    doc = None
+    fill = "prefill"
+    if args.synthetic_fill:
+        _say(f"synthetic fill: one real prefill of {args.synthetic_fill} tokens with mlx-lm's "
+             "KVCache; every context and subject gets its KV tiled to length")
+        doc = doc_kv(lm, args.synthetic_fill, args.page_tokens, progress)
+        fill = f"synthetic (tiled real KV of {doc.tokens} tokens)"
+    complete = True
+    try:
+        for ctx in [int(c) for c in args.contexts.split(",") if c]:
+            if doc is not None:
+                ref_cache, first, prefill_s = tiled_mlx_cache(doc, ctx), doc.logits, 0.0
+                ids: list[int] = []
             else:
-                store.settings = settings.with_(mode=mode)
-                for c in paged:
-                    c.trim(c.offset - ctx)  # back to the prompt after the previous mode
-                cache, start = paged, (paged_first if paged_first is not None else first)
-            before = dict(store.counters)
-            toks, tps, step1 = _decode(lm, cache, start, args.gen)
-            row: dict[str, Any] = {"context": ctx, "mode": mode, "gen_tokens": args.gen,
-                                   "decode_tps": round(tps, 2), "rss_bytes": max(rss0, _rss())}
-            if mode == "mlx":
-                base_tokens, base_logits = toks, np.array(step1)
+                ids = prompt_ids(lm.tokenizer, ctx)
+                _say(f"context {ctx}: prefill with mlx-lm's KVCache")
+                t = time.perf_counter()
+                ref_cache = cache_module().make_prompt_cache(lm.model)
+                last[0] = -1
+                first = _prefill(lm, ref_cache, ids, progress)
+                prefill_s = time.perf_counter() - t
+            settings = KVSettings(mode="exact", page_tokens=args.page_tokens,
+                                  ram_mb=args.kv_ram_mb,
+                                  budget_tokens=args.kv_budget).validate()
+            paged = make_paged_cache(lm.model, settings)
+            paged_first = None
+            paged_prefill_s = None
+            if args.prefill_paged and ids:
+                _say(f"context {ctx}: prefill through the paged cache")
+                t = time.perf_counter()
+                paged_first = _prefill(lm, paged, ids, progress)
+                paged_prefill_s = time.perf_counter() - t
             else:
-                reads = store.counters["bytes_read"] - before["bytes_read"]
-                row["ssd_bytes_read_per_token"] = reads / args.gen
-                row["budget_tokens"] = args.kv_budget if mode == "sparse" else ctx
-                attended = min(ctx, args.kv_budget) if mode == "sparse" else ctx
-                row["kv_bytes_attended_per_token"] = attended * store.n_layers * \
-                    store.page_bytes // store.P
-            if base_tokens is not None and mode != "mlx":
-                same = sum(a == b for a, b in zip(base_tokens, toks, strict=True))
-                row["tokens_same_as_mlx"] = f"{same}/{len(toks)}"
-                row["identical"] = toks == base_tokens
-                row["max_abs_logit_diff_step1"] = float(np.abs(np.array(step1) -
-                                                              base_logits).max())
-            rows.append(row)
-            print(f"  {mode:7} {tps:7.2f} tok/s  {row.get('tokens_same_as_mlx', '')}",
-                  file=sys.stderr, flush=True)
-        extra = {"context": ctx, "prefill_s_mlx": round(prefill_s, 1)}
-        if paged_first is not None:
-            extra["prefill_s_paged"] = round(paged_prefill_s or 0.0, 1)
-            extra["prefill_max_abs_logit_diff"] = float(np.abs(np.array(paged_first) -
-                                                               np.array(first)).max())
-            extra["prefill_greedy_same"] = bool(mx.argmax(paged_first, -1).item() ==
-                                                mx.argmax(first, -1).item())
-        rows.append(extra)
-        close_caches(paged)
-        del ref_cache, paged
+                _fill_from(paged, ref_cache)
+            store = paged[0].store
+            base_tokens: list[int] | None = None
+            base_logits = None
+            for mode in modes:
+                rss0 = _rss()
+                if mode == "mlx":
+                    cache, start = ref_cache, first
+                else:
+                    store.settings = settings.with_(mode=mode)
+                    for c in paged:
+                        c.trim(c.offset - ctx)  # back to the prompt after the previous mode
+                    cache, start = paged, (paged_first if paged_first is not None else first)
+                before = dict(store.counters)
+                toks, tps, step1 = _decode(lm, cache, start, args.gen)
+                row: dict[str, Any] = {"context": ctx, "mode": mode, "fill": fill,
+                                       "gen_tokens": args.gen, "decode_tps": round(tps, 2),
+                                       "rss_bytes": max(rss0, _rss())}
+                if mode == "mlx":
+                    base_tokens, base_logits = toks, np.array(step1)
+                else:
+                    reads = store.counters["bytes_read"] - before["bytes_read"]
+                    row["ssd_bytes_read_per_token"] = reads / args.gen
+                    row["budget_tokens"] = args.kv_budget if mode == "sparse" else ctx
+                    attended = min(ctx, args.kv_budget) if mode == "sparse" else ctx
+                    row["kv_bytes_attended_per_token"] = attended * store.n_layers * \
+                        store.page_bytes // store.P
+                if base_tokens is not None and mode != "mlx":
+                    same = sum(a == b for a, b in zip(base_tokens, toks, strict=True))
+                    row["tokens_same_as_mlx"] = f"{same}/{len(toks)}"
+                    row["identical"] = toks == base_tokens
+                    row["max_abs_logit_diff_step1"] = float(np.abs(np.array(step1) -
+                                                                  base_logits).max())
+                rows.append(row)
+                _say(f"  {ctx} {mode:7} {tps:7.2f} tok/s  {row.get('tokens_same_as_mlx', '')}")
+            extra: dict[str, Any] = {"context": ctx, "prefill_s_mlx": round(prefill_s, 1)}
+            if paged_first is not None:
+                extra["prefill_s_paged"] = round(paged_prefill_s or 0.0, 1)
+                extra["prefill_max_abs_logit_diff"] = float(np.abs(np.array(paged_first) -
+                                                                   np.array(first)).max())
+                extra["prefill_greedy_same"] = bool(mx.argmax(paged_first, -1).item() ==
+                                                    mx.argmax(first, -1).item())
+            if doc is None:
+                rows.append(extra)
+            close_caches(paged)
+            del ref_cache, paged
+    except KeyboardInterrupt:
+        complete = False
+        _say("interrupted: reporting what finished")
+    print(format_contexts(rows, lm, args, fill))
+    _write_json(args, lm, {"suite": "kv", "complete": complete, "fill": fill,
+                           "budget_tokens": args.kv_budget, "gen_tokens": args.gen,
+                           "rows": rows})
+    return 0 if complete else 130
+
+
+def format_contexts(rows: list[dict[str, Any]], lm: Any, args: argparse.Namespace,
+                    fill: str) -> str:
+    """The speed table as text: tok/s per context and mode, ratio to mlx-lm."""
     base = {r["context"]: r["decode_tps"] for r in rows if r.get("mode") == "mlx"}
-    print(f"\nmodel {lm.manifest['name']}, profile {lm.profile.name}, page {args.page_tokens} "
-          f"tokens, sparse budget {args.kv_budget}, {args.gen} tokens per subject")
-    print(f"{'context':>8} {'mode':7} {'tok/s':>8} {'x mlx':>6} {'same tokens':>12} "
-          f"{'max|dlogit|':>12} {'RSS MB':>8}")
+    out = [f"\nmodel {lm.manifest['name']}, profile {lm.profile.name}, page {args.page_tokens} "
+           f"tokens, sparse budget {args.kv_budget}, {args.gen} tokens per subject",
+           f"KV fill: {fill}",
+           f"{'context':>8} {'mode':7} {'tok/s':>8} {'x mlx':>6} {'same tokens':>12} "
+           f"{'max|dlogit|':>12} {'RSS MB':>8}"]
     for r in rows:
         if "mode" not in r:
             rest = {k: v for k, v in r.items() if k != "context"}
-            print(f"{r['context']:>8} prefill {json.dumps(rest)}")
+            out.append(f"{r['context']:>8} prefill {json.dumps(rest)}")
             continue
         ratio = r["decode_tps"] / base[r["context"]] if base.get(r["context"]) else float("nan")
-        print(f"{r['context']:>8} {r['mode']:7} {r['decode_tps']:8.2f} {ratio:6.2f} "
-              f"{r.get('tokens_same_as_mlx', '-'):>12} "
-              f"{r.get('max_abs_logit_diff_step1', float('nan')):12.2e} "
-              f"{r['rss_bytes'] / 2**20:8.0f}")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(
-            {"schema": "strata-bench-kv/1", "model": lm.manifest["name"],
-             "profile": lm.profile.name, "page_tokens": args.page_tokens,
-             "budget_tokens": args.kv_budget, "machine": machine_facts(), "rows": rows},
-            indent=2))
-    return 0
+        out.append(f"{r['context']:>8} {r['mode']:7} {r['decode_tps']:8.2f} {ratio:6.2f} "
+                   f"{r.get('tokens_same_as_mlx', '-'):>12} "
+                   f"{r.get('max_abs_logit_diff_step1', float('nan')):12.2e} "
+                   f"{r['rss_bytes'] / 2**20:8.0f}")
+    return "\n".join(out)
+
+
+def _run_passkey(lm: Any, args: argparse.Namespace) -> int:
+    """The pass-key table; cells are kept as they finish, so Ctrl-C still reports them."""
+    from engine.kv.passkey import PasskeyCell, passkey_table, run_passkey, sparse_matches_exact
+
+    lengths = [int(x) for x in args.passkey_lengths.split(",") if x]
+    depths = [int(x) / 100 for x in args.passkey_depths.split(",") if x]
+    cells: list[PasskeyCell] = []
+
+    def on_cell(c: PasskeyCell) -> None:
+        cells.append(c)
+        _say(f"  {c.target:>6} {c.depth:4.0%} {c.mode:6} budget {c.budget_tokens:>5}: "
+             f"{'found' if c.found else 'NOT found'} (key {c.key}, answer {c.answer!r})")
+
+    complete = True
+    try:
+        run_passkey(lm, lengths, depths, ("exact", "sparse"),
+                    budget_fraction=args.passkey_fraction, seed=args.seed, on_cell=on_cell)
+    except KeyboardInterrupt:
+        complete = False
+        _say("interrupted: reporting what finished")
+    goal = sparse_matches_exact(cells)
+    print(f"\npass key, model {lm.manifest['name']}, profile {lm.profile.name}; one prefill "
+          "per prompt, both modes decode from its pages (the last prompt token and the answer "
+          f"are decode steps); pages of 64 tokens, sinks 64, window 128; sparse budget "
+          f"{args.passkey_fraction:g} of the prompt in whole pages; Y found, - not found")
+    print(passkey_table(cells))
+    print(f"sparse finds the key wherever exact does: {'yes' if goal else 'NO'}")
+    _write_json(args, lm, {"suite": "kv-passkey", "complete": complete,
+                           "sparse_matches_exact": goal,
+                           "cells": [c.as_dict() for c in cells]})
+    return 0 if complete else 130
+
+
+def _run_long(lm: Any, args: argparse.Namespace, modes: list[str]) -> int:
+    """One long context on the SSD tier (see engine.kv.longrun)."""
+    from engine.kv.longrun import LongOptions, format_long, run_long
+
+    if "mlx" in modes:
+        _say("mlx: skipped (mlx-lm's KVCache keeps the whole context in memory; this run is "
+             "about a context that does not fit)")
+    # Sparse first: exact reads every page per token and may take minutes at this length.
+    order = [m for m in ("sparse", "exact") if m in modes]
+    opts = LongOptions(context=args.context, modes=tuple(order),
+                       gen=args.gen, exact_tokens=args.exact_tokens,
+                       page_tokens=args.page_tokens, budget_tokens=args.kv_budget,
+                       ram_mb=args.kv_ram_mb or 1024, kv_dtype=args.kv_dtype,
+                       doc_tokens=args.fill_doc, end_to_end=args.end_to_end, seed=args.seed)
+    report = run_long(lm, opts, _say)
+    print(format_long(report, lm))
+    _write_json(args, lm, {"suite": "kv-long", **report})
+    return 0 if report.get("complete") else 130

@@ -50,7 +50,8 @@ class PagedLayerCache:
     @property
     def state(self) -> list[Any]:
         s = self.store
-        arrays = [s.pool_k[self.layer], s.pool_v[self.layer], self.tail_k, self.tail_v]
+        arrays = [*(s.pool_k[self.layer] or ()), *(s.pool_v[self.layer] or ()), self.tail_k,
+                  self.tail_v]
         return [a for a in arrays if a is not None]
 
     @state.setter
@@ -107,7 +108,8 @@ class PagedLayerCache:
 
     @property
     def nbytes(self) -> int:
-        """RAM held for this layer: resident pages plus the tail."""
+        """RAM held for this layer: resident pages (as stored: quantized pages count their
+        encoded size) plus the tail (as computed)."""
         table = self.store.tables[self.layer]
         tail = 0 if self.tail_k is None else 2 * int(self.tail_k.nbytes)
         return table.n_resident * self.store.page_bytes + tail

@@ -1,9 +1,13 @@
 """The SSD tier's on-disk format and its I/O threads: page records, a writer, a read-ahead queue.
 
 Contract: one record file per layer (`layer-NN.kvp`), fixed-size records at `index * size`;
-each record is a header, the keys and values of one page, and a CRC-32 over both. A record
-that fails its checksum raises `PageCorrupt` and is never returned. Writes go through a
-bounded background queue; reads of many pages keep up to `depth` reads in flight.
+each record is a header, the keys and values of one page, and a CRC-32 over both. Format 1
+holds pages as computed (float32/float16); format 2 holds group-wise quantized pages (8 or
+4 bits, engine.kv.codec): format 1's header plus the group size, then the key parts (codes,
+scales, biases) and the value parts. A file reads only records of its own format, bits,
+group, dtype and shape; a record that fails any check or its checksum raises `PageCorrupt`
+and is never returned. Writes go through a bounded background queue; reads of many pages
+keep up to `depth` reads in flight.
 """
 
 from __future__ import annotations
@@ -21,12 +25,16 @@ from pathlib import Path
 import numpy as np
 
 from engine.errors import StrataError
+from engine.kv.codec import PageCodec, Parts
 
 MAGIC = b"STRATAKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # pages as computed; unchanged since the first release (prefix files too)
+QUANT_FORMAT_VERSION = 2  # group-wise quantized pages
 # magic, version, layer, page index, first position, tokens, dtype code, kv bits,
 # kv heads, head dim, page tokens, payload bytes
 _HEADER = struct.Struct("<8sHHIQIBBHHIQ")
+# format 2: the same fields, then the quantization group size
+_HEADER_Q = struct.Struct("<8sHHIQIBBHHIQH")
 _CRC = struct.Struct("<I")
 DTYPES = {1: np.dtype(np.float32), 2: np.dtype(np.float16)}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
@@ -52,27 +60,48 @@ class PageHeader:
     head_dim: int
     page_tokens: int
     payload: int
+    group: int = 0  # format 2 only: values per quantization group
 
     def pack(self) -> bytes:
-        return _HEADER.pack(MAGIC, FORMAT_VERSION, self.layer, self.index, self.first_pos,
-                            self.tokens, self.dtype_code, self.kv_bits, self.kv_heads,
-                            self.head_dim, self.page_tokens, self.payload)
+        """Format 1 for pages as computed (kv_bits 16), format 2 for quantized pages."""
+        fields = (self.layer, self.index, self.first_pos, self.tokens, self.dtype_code,
+                  self.kv_bits, self.kv_heads, self.head_dim, self.page_tokens, self.payload)
+        if self.kv_bits == 16:
+            return _HEADER.pack(MAGIC, FORMAT_VERSION, *fields)
+        return _HEADER_Q.pack(MAGIC, QUANT_FORMAT_VERSION, *fields, self.group)
 
 
 def record_size(kv_heads: int, head_dim: int, page_tokens: int, itemsize: int) -> int:
+    """Bytes of one format-1 record (pages as computed)."""
     return _HEADER.size + 2 * kv_heads * page_tokens * head_dim * itemsize + _CRC.size
 
 
+def codec_record_size(codec: PageCodec, kv_heads: int, head_dim: int, page_tokens: int
+                      ) -> int:
+    """Bytes of one record of pages encoded by `codec` (format 1 or 2)."""
+    head = _HEADER_Q if codec.quantized else _HEADER
+    return head.size + 2 * kv_heads * page_tokens * codec.vector_bytes(head_dim) + _CRC.size
+
+
 class RecordFile:
-    """Fixed-size page records of one layer in one file; pread/pwrite, so threads can share it."""
+    """Fixed-size page records of one layer in one file; pread/pwrite, so threads can share it.
+
+    bits/group: 16 stores pages as computed (format 1); 8 or 4 stores mx.quantize's parts
+    (format 2). Pages go in and out as parts (engine.kv.codec); `write`/`read` are the
+    one-array shorthand of 16-bit files.
+    """
 
     def __init__(self, path: Path, layer: int, kv_heads: int, head_dim: int, page_tokens: int,
-                 dtype: np.dtype) -> None:
+                 dtype: np.dtype, bits: int = 16, group: int = 64) -> None:
         self.path, self.layer = path, layer
         self.kv_heads, self.head_dim, self.page_tokens, self.dtype = (
             kv_heads, head_dim, page_tokens, np.dtype(dtype))
-        self.half = kv_heads * page_tokens * head_dim * self.dtype.itemsize
-        self.size = record_size(kv_heads, head_dim, page_tokens, self.dtype.itemsize)
+        self.codec = PageCodec(bits, group, self.dtype.name)
+        self.dims = self.codec.part_dims(head_dim)
+        self.header = _HEADER_Q if self.codec.quantized else _HEADER
+        self.version = QUANT_FORMAT_VERSION if self.codec.quantized else FORMAT_VERSION
+        self.half = kv_heads * page_tokens * self.codec.vector_bytes(head_dim)
+        self.size = codec_record_size(self.codec, kv_heads, head_dim, page_tokens)
         try:
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
@@ -84,15 +113,22 @@ class RecordFile:
             self.fd = -1
 
     def write(self, index: int, first_pos: int, k: np.ndarray, v: np.ndarray) -> int:
-        """Write page `index` (k, v: (kv_heads, tokens, head_dim)); returns bytes written."""
-        tokens = k.shape[1]
-        kb = np.zeros((self.kv_heads, self.page_tokens, self.head_dim), self.dtype)
-        vb = np.zeros_like(kb)
-        kb[:, :tokens] = k
-        vb[:, :tokens] = v
-        payload = kb.tobytes() + vb.tobytes()
-        head = PageHeader(self.layer, index, first_pos, tokens, DTYPE_CODES[self.dtype], 16,
-                          self.kv_heads, self.head_dim, self.page_tokens, len(payload)).pack()
+        """Write page `index` of a 16-bit file (k, v: (kv_heads, tokens, head_dim))."""
+        return self.write_parts(index, first_pos, (k,), (v,))
+
+    def write_parts(self, index: int, first_pos: int, k: Parts, v: Parts) -> int:
+        """Write page `index` (each part (kv_heads, tokens, n)); returns bytes written."""
+        tokens = k[0].shape[1]
+        chunks = []
+        for parts in (k, v):
+            for part, (n, dt) in zip(parts, self.dims, strict=True):
+                buf = np.zeros((self.kv_heads, self.page_tokens, n), dt)
+                buf[:, :tokens] = part
+                chunks.append(buf.tobytes())
+        payload = b"".join(chunks)
+        head = PageHeader(self.layer, index, first_pos, tokens, DTYPE_CODES[self.dtype],
+                          self.codec.bits, self.kv_heads, self.head_dim, self.page_tokens,
+                          len(payload), self.codec.group if self.codec.quantized else 0).pack()
         body = head + payload
         data = body + _CRC.pack(zlib.crc32(body))
         n = os.pwrite(self.fd, data, index * self.size)
@@ -101,28 +137,54 @@ class RecordFile:
         return n
 
     def read(self, index: int) -> tuple[PageHeader, np.ndarray, np.ndarray]:
-        """Read and verify page `index`; raises PageCorrupt if anything does not check out."""
+        """Read and verify page `index` of a 16-bit file."""
+        head, k, v = self.read_parts(index)
+        if self.codec.quantized:
+            raise KVStoreError(f"{self.path.name}: {self.codec.describe()} pages are read "
+                               "as parts")
+        return head, k[0], v[0]
+
+    def read_parts(self, index: int) -> tuple[PageHeader, Parts, Parts]:
+        """Read and verify page `index`; raises PageCorrupt if anything does not check out:
+        length, magic, format, checksum, and every header field against this file's."""
         data = os.pread(self.fd, self.size, index * self.size)
         where = f"{self.path.name} page {index}"
+        # Magic and format first, to name a foreign record; nothing is used before the CRC.
+        if len(data) >= 10 and data[:8] == MAGIC:
+            version = struct.unpack_from("<H", data, 8)[0]
+            if version != self.version:
+                raise PageCorrupt(f"KV page {where}: format {version}, expected format "
+                                  f"{self.version} ({self.codec.describe()} pages)")
         if len(data) != self.size:
             raise PageCorrupt(f"KV page {where}: truncated record ({len(data)} bytes)")
+        if data[:8] != MAGIC:
+            raise PageCorrupt(f"KV page {where}: not a Strata KV page")
         body, (crc,) = data[:-_CRC.size], _CRC.unpack(data[-_CRC.size:])
         if zlib.crc32(body) != crc:
             raise PageCorrupt(f"KV page {where}: checksum mismatch, page not used")
-        fields = _HEADER.unpack(body[:_HEADER.size])
-        if fields[0] != MAGIC or fields[1] != FORMAT_VERSION:
-            raise PageCorrupt(f"KV page {where}: not a Strata KV page of format "
-                              f"{FORMAT_VERSION}")
-        head = PageHeader(*fields[2:])
+        head = PageHeader(*self.header.unpack(body[:self.header.size])[2:])
         if (head.layer, head.index) != (self.layer, index):
             raise PageCorrupt(f"KV page {where}: header names layer {head.layer} "
                               f"page {head.index}")
-        shape = (self.kv_heads, self.page_tokens, self.head_dim)
-        off = _HEADER.size
-        k = np.frombuffer(body, self.dtype, count=shape[0] * shape[1] * shape[2], offset=off)
-        v = np.frombuffer(body, self.dtype, count=k.size, offset=off + self.half)
+        want = (DTYPE_CODES[self.dtype], self.codec.bits, self.kv_heads, self.head_dim,
+                self.page_tokens, 2 * self.half, self.codec.group if self.codec.quantized else 0)
+        got = (head.dtype_code, head.kv_bits, head.kv_heads, head.head_dim, head.page_tokens,
+               head.payload, head.group)
+        if got != want or not 0 < head.tokens <= self.page_tokens:
+            raise PageCorrupt(f"KV page {where}: header (dtype code, bits, heads, head dim, "
+                              f"page tokens, payload, group) {got} does not match {want}")
+        off = self.header.size
         t = head.tokens
-        return head, k.reshape(shape)[:, :t], v.reshape(shape)[:, :t]
+        out: list[Parts] = []
+        for _ in range(2):
+            parts = []
+            for n, dt in self.dims:
+                shape = (self.kv_heads, self.page_tokens, n)
+                a = np.frombuffer(body, dt, count=shape[0] * shape[1] * n, offset=off)
+                parts.append(a.reshape(shape)[:, :t])
+                off += a.nbytes
+            out.append(tuple(parts))
+        return head, out[0], out[1]
 
 
 # -- background writer --------------------------------------------------------------------
@@ -131,8 +193,8 @@ class _Job:
     layer: int
     index: int
     first_pos: int
-    k: np.ndarray
-    v: np.ndarray
+    k: Parts
+    v: Parts
     serial: int = 0
 
 
@@ -159,8 +221,7 @@ class PageWriter:
         self._thread = threading.Thread(target=self._run, name="strata-kv-writer", daemon=True)
         self._thread.start()
 
-    def put(self, layer: int, index: int, first_pos: int, k: np.ndarray, v: np.ndarray
-            ) -> int:
+    def put(self, layer: int, index: int, first_pos: int, k: Parts, v: Parts) -> int:
         """Queue a page; returns its serial, 0 if the tier is full (page stays RAM only)."""
         if self.full_reason is not None:
             return 0
@@ -171,7 +232,7 @@ class PageWriter:
         self._q.put(job)
         return job.serial
 
-    def pending_page(self, layer: int, index: int) -> tuple[np.ndarray, np.ndarray] | None:
+    def pending_page(self, layer: int, index: int) -> tuple[Parts, Parts] | None:
         with self._lock:
             job = self.pending.get((layer, index))
         return None if job is None else (job.k, job.v)
@@ -201,7 +262,8 @@ class PageWriter:
                     if self.bytes_written + f.size > self.budget_bytes:
                         self.full_reason = f"size budget of {self.budget_bytes >> 20} MB reached"
                     else:
-                        self.bytes_written += f.write(job.index, job.first_pos, job.k, job.v)
+                        self.bytes_written += f.write_parts(job.index, job.first_pos, job.k,
+                                                            job.v)
                         if self._on_written is not None:
                             self._on_written(job.layer, job.index, job.serial)
             except OSError as exc:
@@ -219,16 +281,16 @@ class PageWriter:
 class Prefetcher:
     """Reads pages in order with up to `depth` reads in flight, so reads overlap compute."""
 
-    def __init__(self, read: Callable[[int, int], tuple[np.ndarray, np.ndarray]],
-                 depth: int = 4) -> None:
+    def __init__(self, read: Callable[[int, int], tuple[Parts, Parts]], depth: int = 4
+                 ) -> None:
         self.depth = max(1, depth)
         self._read = read
         self._pool = ThreadPoolExecutor(self.depth, thread_name_prefix="strata-kv-read")
 
     def read_many(self, layer: int, indices: Sequence[int]
-                  ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+                  ) -> Iterator[tuple[int, Parts, Parts]]:
         """Yield (index, k, v) in the order given; errors surface when their page is reached."""
-        inflight: list[tuple[int, Future[tuple[np.ndarray, np.ndarray]]]] = []
+        inflight: list[tuple[int, Future[tuple[Parts, Parts]]]] = []
         it = iter(indices)
         for idx in it:
             inflight.append((idx, self._pool.submit(self._read, layer, idx)))

@@ -5,7 +5,11 @@ it for the disk (write-through, so eviction never waits on a write it could have
 earlier); when the layer's slots are all taken the least recently used unpinned page that is
 on disk leaves RAM. `pages(layer, ids)` returns keys and values of any pages, reading the
 cold ones through the read-ahead queue; every read is verified. The RAM tier is page-major:
-(slots, kv_heads, page_tokens, head_dim) per layer, so a page gathers with one index.
+(slots, kv_heads, page_tokens, n) per part per layer, so a page gathers with one index.
+With KV bits 8 or 4 (`settings.bits`) pages are quantized as they are committed, in both
+tiers alike (engine.kv.codec), and decoded when attention reads them; the key summaries are
+taken from the keys before quantization. Byte counts (`page_bytes`, `stats()`) are the
+encoded sizes.
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ from typing import Any
 import numpy as np
 
 from engine.kv import KVSettings
+from engine.kv.codec import Parts, codec_for
 from engine.kv.pagefile import (
     KVStoreError,
     PageWriter,
     Prefetcher,
     RecordFile,
     check_writable,
+    codec_record_size,
 )
 from engine.kv.table import LayerTable
 from engine.platform import pid_alive
@@ -52,14 +58,18 @@ class KVStore:
         self.P = settings.page_tokens
         self.dtype = getattr(mx, dtype)
         self.np_dtype = np.dtype(dtype)
-        self.page_bytes = 2 * kv_heads * self.P * head_dim * self.np_dtype.itemsize
+        self.codec = codec_for(settings.bits, settings.group(), dtype, head_dim)
+        # Bytes of one page (keys and values of one layer) as the tiers hold it: encoded.
+        self.page_bytes = 2 * kv_heads * self.P * self.codec.vector_bytes(head_dim)
+        self.record_bytes = codec_record_size(self.codec, kv_heads, head_dim, self.P)
         sink_pages = -(-settings.sink_tokens // self.P)
         window_pages = -(-settings.window_tokens // self.P)
         self.max_slots = max(sink_pages + window_pages + 2,
                              settings.ram_bytes() // (n_layers * self.page_bytes))
         self.tables = [LayerTable(self.P, sink_pages, window_pages) for _ in range(n_layers)]
-        self.pool_k: list[Any] = [None] * n_layers
-        self.pool_v: list[Any] = [None] * n_layers
+        # Per layer: one MLX array per codec part, (slots, kv_heads, P, n); None until used.
+        self.pool_k: list[Parts | None] = [None] * n_layers
+        self.pool_v: list[Parts | None] = [None] * n_layers
         self._free: list[list[int]] = [[] for _ in range(n_layers)]
         self._serials: list[dict[int, int]] = [{} for _ in range(n_layers)]
         self.counters = dict(evictions=0, ram_hits=0, ssd_reads=0, bytes_read=0, read_s=0.0,
@@ -84,7 +94,8 @@ class KVStore:
         if f is None:
             assert self.folder is not None
             f = RecordFile(self.folder / f"layer-{layer:02d}.kvp", layer, self.kv_heads,
-                           self.head_dim, self.P, self.np_dtype)
+                           self.head_dim, self.P, self.np_dtype, self.codec.bits,
+                           self.codec.group)
             self._files[layer] = f
         return f
 
@@ -94,13 +105,13 @@ class KVStore:
             self.tables[layer].on_disk[index] = True
             self.counters["pages_written"] += 1
 
-    def _read_np(self, layer: int, index: int) -> tuple[np.ndarray, np.ndarray]:
+    def _read_np(self, layer: int, index: int) -> tuple[Parts, Parts]:
         if self.writer is not None:
             hit = self.writer.pending_page(layer, index)
             if hit is not None:
                 return hit
         t = time.perf_counter()
-        _, k, v = self._file(layer).read(index)
+        _, k, v = self._file(layer).read_parts(index)
         self.counters["read_s"] += time.perf_counter() - t
         self.counters["ssd_reads"] += 1
         self.counters["bytes_read"] += self._file(layer).size
@@ -120,18 +131,25 @@ class KVStore:
             return heapq.heappop(free)
         table = self.tables[layer]
         used = len(table.page_of_slot)
-        cap = 0 if self.pool_k[layer] is None else self.pool_k[layer].shape[0]
+        pk, pv = self.pool_k[layer], self.pool_v[layer]
+        cap = 0 if pk is None else pk[0].shape[0]
         if used < cap:
             return used
         if cap < self.max_slots:
             grow = min(self.max_slots, max(16, 2 * cap)) - cap
-            shape = (grow, self.kv_heads, self.P, self.head_dim)
-            zk, zv = mx.zeros(shape, self.dtype), mx.zeros(shape, self.dtype)
-            if self.pool_k[layer] is None:
-                self.pool_k[layer], self.pool_v[layer] = zk, zv
+            dims = self.codec.part_dims(self.head_dim)
+
+            def zeros() -> Parts:  # fresh arrays for k and v: slot writes update in place
+                return tuple(mx.zeros((grow, self.kv_heads, self.P, n), getattr(mx, dt.name))
+                             for n, dt in dims)
+
+            if pk is None or pv is None:
+                self.pool_k[layer], self.pool_v[layer] = zeros(), zeros()
             else:
-                self.pool_k[layer] = mx.concatenate([self.pool_k[layer], zk])
-                self.pool_v[layer] = mx.concatenate([self.pool_v[layer], zv])
+                self.pool_k[layer] = tuple(mx.concatenate([a, z])
+                                           for a, z in zip(pk, zeros(), strict=True))
+                self.pool_v[layer] = tuple(mx.concatenate([a, z])
+                                           for a, z in zip(pv, zeros(), strict=True))
             return used
         victim = table.evict_candidate()
         if victim is None and table.lru and self.writer is not None:
@@ -160,16 +178,27 @@ class KVStore:
 
         table = self.tables[layer]
         slot = self._slot(layer)
-        self.pool_k[layer][slot] = k
-        self.pool_v[layer][slot] = v
+        kp, vp = self.codec.encode(k), self.codec.encode(v)
+        self._put(layer, slot, kp, vp)
         page = table.add_page(slot)
+        # Summaries from the keys as computed: quantization error stays out of the bounds.
         table.add_summary(k.min(axis=1)[None], k.max(axis=1)[None])
         if self.writer is not None and self.writer.full_reason is None:
-            mx.eval(k, v)
-            serial = self.writer.put(layer, page, page * self.P, np.array(k), np.array(v))
+            mx.eval(*kp, *vp)
+            serial = self.writer.put(layer, page, page * self.P,
+                                     tuple(np.array(a) for a in kp),
+                                     tuple(np.array(a) for a in vp))
             if serial:
                 self._serials[layer][page] = serial
         return page
+
+    def _put(self, layer: int, slot: int, kp: Parts, vp: Parts) -> None:
+        """Write one page's encoded parts (MLX arrays) into `slot` of the layer's pools."""
+        pk, pv = self.pool_k[layer], self.pool_v[layer]
+        assert pk is not None and pv is not None
+        for pool, parts in ((pk, kp), (pv, vp)):
+            for a, part in zip(pool, parts, strict=True):
+                a[slot] = part
 
     def truncate(self, layer: int, n_pages: int) -> None:
         for s in self.tables[layer].truncate(n_pages):
@@ -183,69 +212,108 @@ class KVStore:
         import mlx.core as mx
 
         slot = int(self.tables[layer].slot_of[page])
-        if slot >= 0:
-            return self.pool_k[layer][slot], self.pool_v[layer][slot]
+        pk, pv = self.pool_k[layer], self.pool_v[layer]
+        if slot >= 0 and pk is not None and pv is not None:
+            return (self.codec.decode(tuple(a[slot] for a in pk)),
+                    self.codec.decode(tuple(a[slot] for a in pv)))
         k, v = self._read_np(layer, page)
-        return mx.array(k), mx.array(v)
+        return (self.codec.decode(tuple(mx.array(a) for a in k)),
+                self.codec.decode(tuple(mx.array(a) for a in v)))
 
-    def resident_view(self, layer: int, n_pages: int) -> tuple[Any, Any] | None:
-        """Keys and values of pages [0, n_pages) if all are in RAM, else None (no copy if
-        slots are in page order)."""
+    def resident_parts(self, layer: int, n_pages: int) -> tuple[Parts, Parts] | None:
+        """Encoded keys and values of pages [0, n_pages) if all are in RAM, else None (no
+        copy if slots are in page order). Decode with `self.codec.decode`."""
         import mlx.core as mx
 
         table = self.tables[layer]
-        if n_pages == 0 or not table.all_resident(n_pages):
+        pk, pv = self.pool_k[layer], self.pool_v[layer]
+        if n_pages == 0 or pk is None or pv is None or not table.all_resident(n_pages):
             return None
         if table.identity:
-            return self.pool_k[layer][:n_pages], self.pool_v[layer][:n_pages]
+            return tuple(a[:n_pages] for a in pk), tuple(a[:n_pages] for a in pv)
         idx = mx.array(table.slot_of[:n_pages])
-        return mx.take(self.pool_k[layer], idx, axis=0), mx.take(self.pool_v[layer], idx, axis=0)
+        return (tuple(mx.take(a, idx, axis=0) for a in pk),
+                tuple(mx.take(a, idx, axis=0) for a in pv))
+
+    def resident_view(self, layer: int, n_pages: int) -> tuple[Any, Any] | None:
+        """Keys and values of pages [0, n_pages), decoded, if all are in RAM, else None."""
+        parts = self.resident_parts(layer, n_pages)
+        if parts is None:
+            return None
+        return self.codec.decode(parts[0]), self.codec.decode(parts[1])
+
+    def gather(self, layer: int, slots: Any, heads: Any) -> tuple[Any, Any]:
+        """Decoded keys and values of resident slots, per head: pool[slots, heads] (MLX
+        index arrays that broadcast together); the slots must be resident."""
+        pk, pv = self.pool_k[layer], self.pool_v[layer]
+        assert pk is not None and pv is not None
+        return (self.codec.decode(tuple(a[slots, heads] for a in pk)),
+                self.codec.decode(tuple(a[slots, heads] for a in pv)))
 
     def stream(self, layer: int, pages: np.ndarray, group: int) -> Any:
-        """Yield (k, v) groups of at most `group` pages, in page order; cold pages are read
+        """Yield decoded (k, v) groups of at most `group` pages, in page order between groups;
+        within a group the resident pages come first, then the cold ones, which are read
         ahead through the prefetch queue and not kept in RAM (a full pass would thrash it)."""
         import mlx.core as mx
 
         table = self.tables[layer]
         res = table.resident(pages)
+        dec = self.codec.decode
         for i in range(0, len(pages), group):
             part, r = pages[i:i + group], res[i:i + group]
             ks: list[Any] = []
             vs: list[Any] = []
             hot = part[r]
-            if len(hot):
+            pk, pv = self.pool_k[layer], self.pool_v[layer]
+            if len(hot) and pk is not None and pv is not None:
                 idx = mx.array(table.slot_of[hot])
-                ks.append(mx.take(self.pool_k[layer], idx, axis=0))
-                vs.append(mx.take(self.pool_v[layer], idx, axis=0))
+                ks.append(dec(tuple(mx.take(a, idx, axis=0) for a in pk)))
+                vs.append(dec(tuple(mx.take(a, idx, axis=0) for a in pv)))
                 self.counters["ram_hits"] += len(hot)
             cold = part[~r]
             if len(cold):
                 assert self.prefetcher is not None
-                rk: list[np.ndarray] = []
-                rv: list[np.ndarray] = []
+                rk: list[Parts] = []
+                rv: list[Parts] = []
                 for _, k, v in self.prefetcher.read_many(layer, [int(c) for c in cold]):
                     rk.append(k)
                     rv.append(v)
-                ks.append(mx.array(np.stack(rk)))
-                vs.append(mx.array(np.stack(rv)))
+                ks.append(dec(tuple(mx.array(np.stack(p)) for p in zip(*rk, strict=True))))
+                vs.append(dec(tuple(mx.array(np.stack(p)) for p in zip(*rv, strict=True))))
             yield (ks[0], vs[0]) if len(ks) == 1 else (mx.concatenate(ks), mx.concatenate(vs))
 
-    def ensure_resident(self, layer: int, pages: np.ndarray) -> np.ndarray:
-        """Bring `pages` into RAM (evicting LRU pages as needed); returns their slots."""
+    def ensure_resident(self, layer: int, pages: np.ndarray) -> np.ndarray | None:
+        """Bring `pages` (distinct) into RAM, evicting LRU pages outside them; returns their
+        slots, or None (nothing read) if RAM cannot hold them all at once: loading one would
+        then evict another that the caller is about to read."""
         import mlx.core as mx
 
         table = self.tables[layer]
-        table.touch(pages)
+        table.touch(pages)  # requested pages go to the young end: evicted last
         cold = pages[~table.resident(pages)]
+        if len(cold) > self._room(layer, pages):
+            return None
         self.counters["ram_hits"] += len(pages) - len(cold)
         if len(cold):
             assert self.prefetcher is not None
             for idx, k, v in self.prefetcher.read_many(layer, [int(c) for c in cold]):
                 slot = self._slot(layer)
-                self.pool_k[layer][slot] = mx.array(k)
-                self.pool_v[layer][slot] = mx.array(v)
+                self._put(layer, slot, tuple(mx.array(a) for a in k),
+                          tuple(mx.array(a) for a in v))
                 table.place(idx, slot)
         return table.slot_of[pages]
+
+    def _room(self, layer: int, keep: np.ndarray) -> int:
+        """Slots that can be had without evicting a page of `keep`: free, not yet allocated,
+        or held by an unpinned page outside `keep` (on disk, or on its way there)."""
+        table = self.tables[layer]
+        spare = len(self._free[layer]) + self.max_slots - len(table.page_of_slot)
+        if self.writer is None:
+            return spare
+        keep_set = set(int(p) for p in keep)
+        writing = self.writer.full_reason is None  # else pages not on disk never will be
+        return spare + sum(1 for p in table.lru
+                           if p not in keep_set and (writing or table.on_disk[p]))
 
     # -- life cycle and telemetry ---------------------------------------------------------
     def flush(self) -> None:
@@ -277,13 +345,14 @@ class KVStore:
         self.flush()
         doc = {"format": 1, "layers": self.n_layers, "kv_heads": self.kv_heads,
                "head_dim": self.head_dim, "page_tokens": self.P, "dtype": self.np_dtype.name,
+               "kv_bits": self.codec.bits, "group": self.codec.group,
                "tokens": n_tokens, "pages": [t.n_pages for t in self.tables],
                "on_disk": [t.n_on_disk for t in self.tables], **(extra or {})}
         (self.folder / "manifest.json").write_text(json.dumps(doc))
 
     def adopt(self, layer: int, n_pages: int) -> None:
         """Register pages [0, n_pages) found on disk (after a restart) as cold pages; their
-        summaries are rebuilt from the verified records."""
+        summaries are rebuilt from the verified records (decoded keys, if quantized)."""
         import mlx.core as mx
 
         table = self.tables[layer]
@@ -294,17 +363,19 @@ class KVStore:
             table.slot_of[p] = -1
             table.on_disk[p] = True
             table.identity = False
-            kk = mx.array(k)
+            kk = self.codec.decode(tuple(mx.array(a) for a in k))
             table.add_summary(kk.min(axis=1)[None], kk.max(axis=1)[None])
 
     def stats(self) -> dict[str, Any]:
+        """Pages and bytes per tier (encoded sizes: quantized pages count as stored)."""
         ram_pages = sum(t.n_resident for t in self.tables)
         ssd_pages = sum(t.n_on_disk for t in self.tables)
-        rec = self.page_bytes + 64
         return {"pages_ram": ram_pages, "pages_ssd": ssd_pages,
-                "bytes_ram": ram_pages * self.page_bytes, "bytes_ssd": ssd_pages * rec,
+                "bytes_ram": ram_pages * self.page_bytes,
+                "bytes_ssd": ssd_pages * self.record_bytes,
                 "ram_budget_bytes": self.max_slots * self.n_layers * self.page_bytes,
-                "ssd_full": self.ssd_full_reason, **self.counters}
+                "kv_bits": self.codec.bits, "ssd_full": self.ssd_full_reason,
+                **self.counters}
 
 
 def _sweep_dead_sessions(root: Path) -> None:

@@ -29,8 +29,11 @@ class LayerTable:
         self.identity = True  # slot i holds page i for every page: attention may slice
         # Per-page key summaries (Quest): element-wise min and max over the page's tokens,
         # (n_pages, kv_heads, head_dim) MLX arrays, kept in RAM whatever the page's tier.
-        self.kmin: Any = None
-        self.kmax: Any = None
+        # New pages wait in a list and join on the next read: one concatenation per page
+        # would copy the whole array each time (quadratic over a million tokens).
+        self._kmin: Any = None
+        self._kmax: Any = None
+        self._pending: list[tuple[Any, Any]] = []
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _grow(self, n: int) -> None:
@@ -107,8 +110,8 @@ class LayerTable:
             self.lru.pop(p, None)
         self.n_pages = n_pages
         if self.kmin is not None:
-            self.kmin = self.kmin[:n_pages] if n_pages else None
-            self.kmax = self.kmax[:n_pages] if n_pages else None
+            self._kmin = self._kmin[:n_pages] if n_pages else None
+            self._kmax = self._kmax[:n_pages] if n_pages else None
         return freed
 
     def resident(self, pages: np.ndarray) -> np.ndarray:
@@ -128,10 +131,31 @@ class LayerTable:
     # -- summaries ------------------------------------------------------------------------
     def add_summary(self, kmin: Any, kmax: Any) -> None:
         """Append one page's (1, kv_heads, head_dim) key min and max."""
+        self._pending.append((kmin, kmax))
+        if len(self._pending) % 64 == 0:
+            import mlx.core as mx
+
+            # Materialize the small summaries so the lazy graph lets go of the page tensors.
+            mx.eval(self._pending[-64:])
+
+    def _join(self) -> None:
         import mlx.core as mx
 
-        if self.kmin is None:
-            self.kmin, self.kmax = kmin, kmax
-        else:
-            self.kmin = mx.concatenate([self.kmin, kmin])
-            self.kmax = mx.concatenate([self.kmax, kmax])
+        head = [] if self._kmin is None else [self._kmin]
+        self._kmin = mx.concatenate(head + [a for a, _ in self._pending])
+        head = [] if self._kmax is None else [self._kmax]
+        self._kmax = mx.concatenate(head + [b for _, b in self._pending])
+        self._pending = []
+
+    @property
+    def kmin(self) -> Any:
+        """(n_pages, kv_heads, head_dim) element-wise key minimum per page, or None."""
+        if self._pending:
+            self._join()
+        return self._kmin
+
+    @property
+    def kmax(self) -> Any:
+        if self._pending:
+            self._join()
+        return self._kmax

@@ -132,4 +132,8 @@ def test_cli_kv_options(tmp_path: Path) -> None:
     s = _kv_settings(args)
     assert (s.mode, s.ram_mb, s.budget_tokens) == ("sparse", 256, 1024)
     assert _kv_settings(build_parser().parse_args(["generate", "--prompt", "x"])) is None
-    assert main(["generate", "--prompt", "x", "--kv-mode", "exact", "--kv-bits", "4"]) == 1
+    s = _kv_settings(build_parser().parse_args(["generate", "--prompt", "x", "--kv-mode",
+                                                "exact", "--kv-bits", "4"]))
+    assert (s.mode, s.bits, s.group()) == ("exact", 4, 32)
+    # Quantized pages need the paged cache: refused before the model loads.
+    assert main(["generate", "--prompt", "x", "--kv-mode", "mlx", "--kv-bits", "8"]) == 1
