@@ -21,7 +21,7 @@ run: setup
 	$(BIN)/strata
 
 test: setup lint
-	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q
+	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q --durations=15
 
 lint: setup
 	$(BIN)/ruff check engine app tests packaging

@@ -72,6 +72,7 @@ class EngineWorker(QObject):
     reply_started = Signal(int)
     reply_delta = Signal(int, str)
     reply_finished = Signal(int, dict)  # job, stats
+    import_planned = Signal(int, dict)  # job, engine.quant.quantize.import_options(...)
     import_started = Signal(int, dict)  # job, {"path", "kind"}
     import_progress = Signal(int, int, int)  # job, done, total
     import_finished = Signal(int, dict)  # job, manifest
@@ -132,7 +133,10 @@ class EngineWorker(QObject):
         from engine.kv import settings_from_env
 
         ram = int(settings.get("kv_ram_mb") or 0)
-        return settings_from_env(mode=str(settings.get("kv_mode") or "mlx"),
+        mode = str(settings.get("kv_mode") or "mlx")
+        # KV bits apply to the paged cache only; mlx-lm's in-memory cache stays 16-bit.
+        bits = int(settings.get("kv_bits") or 16) if mode != "mlx" else 16
+        return settings_from_env(mode=mode, bits=bits,
                                  ram_mb=ram if ram > 0 else None,
                                  budget_tokens=int(settings.get("kv_budget_tokens") or 2048),
                                  ssd_dir=self.home / "kv")
@@ -217,8 +221,12 @@ class EngineWorker(QObject):
         self._run(job, "reply", self._reply_steps(job, request))
 
     @Slot(int, str)
-    def _on_import_requested(self, job: int, path: str) -> None:
-        self._run(job, "import", self._import_steps(job, Path(path)))
+    def _on_import_planned_requested(self, job: int, path: str) -> None:
+        self._run(job, "import", self._plan_steps(job, Path(path)))
+
+    @Slot(int, str, str)
+    def _on_import_requested(self, job: int, path: str, recipe: str) -> None:
+        self._run(job, "import", self._import_steps(job, Path(path), recipe or None))
 
     @Slot(int, str)
     def _on_remove_requested(self, job: int, name: str) -> None:
@@ -478,7 +486,12 @@ class EngineWorker(QObject):
                         seconds=time.perf_counter() - t0, phases=timeline.durations())
         yield self.prefix_warmed, (job, chat_id, info)
 
-    def _import_steps(self, job: int, path: Path) -> Iterator[Step]:
+    def _plan_steps(self, job: int, path: Path) -> Iterator[Step]:
+        from engine.quant.quantize import import_options
+
+        yield self.import_planned, (job, import_options(self.library, path))
+
+    def _import_steps(self, job: int, path: Path, recipe: str | None) -> Iterator[Step]:
         from engine.importers import detect, import_path
 
         kind = detect(path)
@@ -492,7 +505,7 @@ class EngineWorker(QObject):
                 self.import_progress.emit(job, permille, 1000)
             self._sample()
 
-        manifest = import_path(self.library, path, progress=on_progress,
+        manifest = import_path(self.library, path, progress=on_progress, recipe=recipe,
                                cancel=lambda: self._is_cancelled(job))
         yield self.import_finished, (job, manifest)
 
@@ -520,6 +533,7 @@ class Engine(QObject):
     reply_started = Signal(int)
     reply_delta = Signal(int, str)
     reply_finished = Signal(int, dict)
+    import_planned = Signal(int, dict)
     import_started = Signal(int, dict)
     import_progress = Signal(int, int, int)
     import_finished = Signal(int, dict)
@@ -532,7 +546,8 @@ class Engine(QObject):
     starter_requested = Signal(int, bool)
     load_requested = Signal(int, str)
     reply_requested = Signal(int, object)
-    import_requested = Signal(int, str)
+    import_planned_requested = Signal(int, str)
+    import_requested = Signal(int, str, str)  # job, path, recipe ("": as stored)
     remove_requested = Signal(int, str)
     chat_forgotten = Signal(int)
     prewarm_requested = Signal(int, int, str, str)
@@ -552,6 +567,7 @@ class Engine(QObject):
         self.load_requested.connect(self.worker._on_load_requested)
         self.reply_requested.connect(self.worker._on_reply_requested)
         self.import_requested.connect(self.worker._on_import_requested)
+        self.import_planned_requested.connect(self.worker._on_import_planned_requested)
         self.remove_requested.connect(self.worker._on_remove_requested)
         self.chat_forgotten.connect(self.worker._on_chat_forgotten)
         self.prewarm_requested.connect(self.worker._on_prewarm_requested)
@@ -560,8 +576,9 @@ class Engine(QObject):
         self.shutdown_requested.connect(self.worker._on_shutdown_requested)
         for name in ("busy_changed", "starter_progressed", "starter_ready", "model_loading",
                      "model_loaded", "reply_started", "reply_delta", "reply_finished",
-                     "import_started", "import_progress", "import_finished", "model_removed",
-                     "error_occurred", "memory_sampled", "prefix_warmed", "settings_applied"):
+                     "import_planned", "import_started", "import_progress", "import_finished",
+                     "model_removed", "error_occurred", "memory_sampled", "prefix_warmed",
+                     "settings_applied"):
             getattr(self.worker, name).connect(getattr(self, name))  # queued: GUI thread
         self.busy_changed.connect(self._on_busy_changed)
         self._busy = False
@@ -602,9 +619,16 @@ class Engine(QObject):
         self.reply_requested.emit(job, request)
         return job
 
-    def import_path(self, path: Path | str) -> int:
+    def plan_import(self, path: Path | str) -> int:
+        """Ask what an import of `path` can do (kind, recipes, sizes): `import_planned`."""
         job = self._next()
-        self.import_requested.emit(job, str(path))
+        self.import_planned_requested.emit(job, str(path))
+        return job
+
+    def import_path(self, path: Path | str, recipe: str | None = None) -> int:
+        """Import `path` as stored, or requantized by `recipe` (a built-in name or file)."""
+        job = self._next()
+        self.import_requested.emit(job, str(path), recipe or "")
         return job
 
     def remove(self, name: str) -> int:

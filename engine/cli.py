@@ -84,10 +84,15 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_import(args: argparse.Namespace) -> int:
     from engine.importers import import_path
+    from engine.quant.cli import calibration_from_args, print_quantized
 
     m = import_path(_library(), Path(args.path), name=args.name,
-                    progress=_progress_printer("importing"))
-    if args.json:
+                    progress=_progress_printer("importing"), recipe=args.recipe,
+                    method=args.method, calibration=calibration_from_args(args),
+                    calibration_tokens=args.calibration_tokens, target_bpw=args.bpw)
+    if args.recipe is not None:
+        print_quantized(m, args.json)
+    elif args.json:
         _print(m, True)
     else:
         print(f"imported {m['name']} ({m['bytes'] / 1e6:.1f} MB, "
@@ -122,7 +127,9 @@ def _add_kv(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-mode", choices=("mlx", "exact", "sparse"),
                    help="KV cache: mlx-lm's in memory (default), paged exact or paged sparse")
     p.add_argument("--kv-ram-mb", type=int, help="RAM tier budget of the paged KV cache")
-    p.add_argument("--kv-bits", type=int, choices=(16, 8, 4), help="KV precision (16: full)")
+    p.add_argument("--kv-bits", type=int, choices=(16, 8, 4),
+                   help="KV precision: 16 as computed (default); 8 or 4 quantize the pages "
+                        "(paged modes only)")
     p.add_argument("--kv-budget", type=int, metavar="TOKENS",
                    help="sparse mode: tokens attended per step (sinks and window included)")
 
@@ -240,6 +247,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from engine.bench.prefix import run_prefix
 
         return run_prefix(args)
+    if args.suite == "kvbits":
+        from engine.kv.quality import run_kvbits
+
+        return run_kvbits(args)
 
     return run_cli(args)
 
@@ -329,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("import", help="import a .gguf file, an MLX folder or a HF folder")
     p.add_argument("path")
     p.add_argument("--name")
+    from engine.quant.cli import add_recipe_arguments
+
+    add_recipe_arguments(p, required=False)  # without --recipe: weights as stored
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_import)
 
@@ -370,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.bench.prefix import add_prefix_arguments
 
     add_prefix_arguments(p)
+    from engine.kv.quality import add_kvbits_arguments
+
+    add_kvbits_arguments(p)
     p.set_defaults(func=cmd_bench)
 
     from engine.quant.cli import add_commands as add_quant_commands  # quantize, recipes, eval

@@ -1,9 +1,11 @@
 """The library screen's logic: list models, import (drop, menu, Dock), delete, set default.
 
 Contract: the listing reads manifests (cheap file reads) on the GUI thread; imports and
-deletes run on the engine thread. Each import gets an `ImportDialog`; a refusal shows the
-engine's one-line reason and leaves the library as it was. `models_changed(names, default)`
-fires whenever either changes.
+deletes run on the engine thread. Each import gets an `ImportDialog`: the engine first
+reports what the file is and what each recipe would weigh (a planning job), the user picks
+one and the import job starts; both jobs map to the same dialog in `dialogs`. A refusal shows
+the engine's one-line reason and leaves the library as it was. `models_changed(names,
+default)` fires whenever either changes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ DEFAULT_KEY = "default_model"
 
 class LibraryController(QObject):
     models_changed = Signal(list, str)  # names, default name
+    import_planned = Signal(int)  # planning job: its dialog now offers the recipes
     import_done = Signal(int, bool, str)  # job, imported, model name or reason
 
     def __init__(self, store: ChatStore, engine: Engine, parent: QObject | None = None) -> None:
@@ -38,6 +41,7 @@ class LibraryController(QObject):
         self.view.delete_requested.connect(self._on_delete_requested)
         self.view.default_requested.connect(self._on_default_requested)
         w = self.engine
+        w.import_planned.connect(self._on_import_planned)
         w.import_started.connect(self._on_import_started)
         w.import_progress.connect(self._on_import_progress)
         w.import_finished.connect(self._on_import_finished)
@@ -74,17 +78,29 @@ class LibraryController(QObject):
         self.refresh()
 
     def import_paths(self, paths: list[Path], parent: QWidget | None = None) -> list[int]:
-        """Start one import per path, each with its own dialog; return the job ids."""
+        """Open one import dialog per path, each asking the engine for its options; return
+        the planning jobs' ids. The import itself starts when the dialog is confirmed."""
         jobs = []
         for path in paths:
-            job = self.engine.import_path(path)
+            job = self.engine.plan_import(path)
             dialog = ImportDialog(str(path), parent or self.view.window())
-            dialog.cancel_requested.connect(lambda j=job: self.engine.cancel(j))
-            dialog.finished.connect(lambda _r, j=job: self.dialogs.pop(j, None))
+            dialog.import_confirmed.connect(
+                lambda recipe, d=dialog, p=path: self._start_import(d, p, recipe))
+            dialog.finished.connect(lambda _r, d=dialog: self._forget(d))
             self.dialogs[job] = dialog
             dialog.open()
             jobs.append(job)
         return jobs
+
+    def _forget(self, dialog: ImportDialog) -> None:
+        for job in [j for j, d in self.dialogs.items() if d is dialog]:
+            del self.dialogs[job]
+
+    def _start_import(self, dialog: ImportDialog, path: Path, recipe: str) -> int:
+        job = self.engine.import_path(path, recipe or None)
+        self.dialogs[job] = dialog
+        dialog.cancel_requested.connect(lambda: self.engine.cancel(job))
+        return job
 
     def delete(self, name: str) -> int:
         return self.engine.remove(name)
@@ -111,6 +127,12 @@ class LibraryController(QObject):
         self.set_default(name)
 
     # -- slots: engine ---------------------------------------------------------------------
+    @Slot(int, dict)
+    def _on_import_planned(self, job: int, info: dict[str, Any]) -> None:
+        if job in self.dialogs:
+            self.dialogs[job].show_options(info)
+            self.import_planned.emit(job)
+
     @Slot(int, dict)
     def _on_import_started(self, job: int, info: dict[str, Any]) -> None:
         if job in self.dialogs:

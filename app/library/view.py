@@ -1,8 +1,10 @@
 """The library screen's widgets and the import dialog.
 
 Contract: widgets only. `LibraryView` emits `import_requested` (no path: ask for one),
-`delete_requested(name)` and `default_requested(name)`; `ImportDialog` shows one import job
-(what was dropped, how it is quantized, progress) and emits `cancel_requested`.
+`delete_requested(name)` and `default_requested(name)`; `ImportDialog` shows one import: first
+the choice of how to quantize (as stored, or a recipe, each with the size it would have on
+disk, from `show_options`), then the job (progress, result or refusal). It emits
+`import_confirmed(recipe)` ("" for as stored) and `cancel_requested`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 from PySide6.QtCore import QItemSelection, Qt, Signal, Slot
 from PySide6.QtWidgets import (
     QAbstractItemView,
+    QComboBox,
     QDialog,
     QDialogButtonBox,
     QFormLayout,
@@ -30,11 +33,6 @@ from app.format import human_bytes, quantization_details, quantization_summary
 from app.library.model import LibraryModel, NameRole
 
 KIND_LABELS = {"gguf": "GGUF file", "mlx": "MLX folder", "hf": "Hugging Face folder"}
-RECIPES = {
-    "gguf": "as stored in the file, repacked for MLX",
-    "mlx": "as stored in the folder",
-    "hf": "as converted by the importer (no recipe to choose yet)",
-}
 EMPTY_TEXT = ("No models yet.\n\nDrop a .gguf file or a model folder (MLX or Hugging Face) "
               "anywhere on this window,\nor use Import model… (Ctrl+O).")
 
@@ -153,46 +151,101 @@ class LibraryView(QWidget):
 
 
 class ImportDialog(QDialog):
-    """One import: what, how, progress, and then the result or the reason it was refused."""
+    """One import: how to quantize (with sizes), progress, then the result or the refusal."""
 
+    import_confirmed = Signal(str)  # recipe name, "" for as stored
     cancel_requested = Signal()
 
     def __init__(self, path: str, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setWindowTitle("Import model")
         self.setAccessibleName("Import dialog")
-        self.setMinimumWidth(520)
+        self.setMinimumWidth(560)
         self.path_label = QLabel(path)
         self.path_label.setWordWrap(True)
         self.path_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.kind_label = QLabel("checking…")
+        self.recipe_box = QComboBox()
+        self.recipe_box.setAccessibleName("Quantization recipe")
+        self.recipe_box.setEnabled(False)
         self.recipe_label = QLabel("")
+        self.recipe_label.setAccessibleName("Recipe details")
         self.recipe_label.setWordWrap(True)
         self.progress = QProgressBar()
         self.progress.setAccessibleName("Import progress")
         self.progress.setRange(0, 0)  # busy until the first progress report
+        self.progress.setVisible(False)
         self.message = QLabel("")
         self.message.setAccessibleName("Import message")
         self.message.setWordWrap(True)
         self.message.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Cancel)
+        self.import_button = self.buttons.addButton(
+            "Import", QDialogButtonBox.ButtonRole.AcceptRole)
+        self.import_button.setAccessibleName("Start import")
+        self.import_button.setEnabled(False)  # until the options are known
         cancel = self.buttons.button(QDialogButtonBox.StandardButton.Cancel)
         cancel.setAccessibleName("Cancel import")
         self.form = QFormLayout()
         self.form.addRow("File", self.path_label)
         self.form.addRow("Kind", self.kind_label)
-        self.form.addRow("Quantization", self.recipe_label)
+        self.form.addRow("Quantization", self.recipe_box)
+        self.form.addRow("", self.recipe_label)
         layout = QVBoxLayout(self)
         layout.addLayout(self.form)
         layout.addWidget(self.progress)
         layout.addWidget(self.message)
         layout.addWidget(self.buttons)
         self.buttons.rejected.connect(self._on_rejected)
+        self.buttons.accepted.connect(self._on_accepted)
+        self.recipe_box.currentIndexChanged.connect(self._on_recipe_changed)
+        self.options: list[dict[str, Any]] = []
+        self.started = False
         self.finished_ok: bool | None = None
 
+    # -- choosing --------------------------------------------------------------------------
+    def show_options(self, info: dict[str, Any]) -> None:
+        """The engine's import_options: the kind, then one entry per way to quantize."""
+        self.kind_label.setText(KIND_LABELS.get(str(info.get("kind")), str(info.get("kind"))))
+        self.options = list(info.get("options", []))
+        self.recipe_box.blockSignals(True)
+        self.recipe_box.clear()
+        for opt in self.options:
+            self.recipe_box.addItem(option_text(opt), opt.get("recipe") or "")
+        self.recipe_box.blockSignals(False)
+        self.recipe_box.setEnabled(bool(self.options))
+        self.import_button.setEnabled(bool(self.options))
+        self.recipe_box.setCurrentIndex(0)
+        self._on_recipe_changed(0)
+        self.message.setText("Choose how to quantize it, then Import.")
+
+    def selected_recipe(self) -> str:
+        return str(self.recipe_box.currentData() or "")
+
+    def select_recipe(self, recipe: str) -> None:
+        i = self.recipe_box.findData(recipe)
+        if i >= 0:
+            self.recipe_box.setCurrentIndex(i)
+
+    @Slot(int)
+    def _on_recipe_changed(self, index: int) -> None:
+        opt = self.options[index] if 0 <= index < len(self.options) else None
+        self.recipe_label.setText(str(opt.get("description", "")) if opt else "")
+
+    @Slot()
+    def _on_accepted(self) -> None:
+        if self.started or not self.options:
+            return
+        self.started = True
+        self.recipe_box.setEnabled(False)
+        self.import_button.setEnabled(False)
+        self.progress.setVisible(True)
+        self.message.setText("Importing…")
+        self.import_confirmed.emit(self.selected_recipe())
+
+    # -- the job ---------------------------------------------------------------------------
     def show_started(self, kind: str) -> None:
         self.kind_label.setText(KIND_LABELS.get(kind, kind))
-        self.recipe_label.setText(RECIPES.get(kind, ""))
         self.message.setText("Importing…")
 
     def show_progress(self, done: int, total: int) -> None:
@@ -214,6 +267,7 @@ class ImportDialog(QDialog):
         self.progress.setRange(0, 1)
         self.progress.setValue(0)
         self.progress.setVisible(False)
+        self.recipe_box.setEnabled(False)
         if cancelled:
             self.message.setText("Import cancelled. The library is unchanged.")
         else:
@@ -221,6 +275,7 @@ class ImportDialog(QDialog):
                                  f"{_escape(reason)}<br>The library is unchanged.")
         if self.kind_label.text() == "checking…":
             self.kind_label.setText("not a model")
+            self.form.setRowVisible(self.recipe_box, False)
             self.form.setRowVisible(self.recipe_label, False)
         self._to_close_button()
 
@@ -232,9 +287,24 @@ class ImportDialog(QDialog):
 
     @Slot()
     def _on_rejected(self) -> None:
-        if self.finished_ok is None:
-            self.cancel_requested.emit()
-            self.message.setText("Cancelling…")
+        if self.finished_ok is not None:
+            return
+        if not self.started:
+            self.finished_ok = False  # nothing started: closing is all there is to do
+            self.reject()
+            return
+        self.cancel_requested.emit()
+        self.message.setText("Cancelling…")
+
+
+def option_text(opt: dict[str, Any]) -> str:
+    """One line per way to import: name, bits per weight and size on disk where known."""
+    size = opt.get("bytes")
+    bpw = opt.get("bits_per_weight")
+    parts = [f"{bpw:.2f} bits/weight" if bpw is not None else "",
+             f"{human_bytes(size)}" if size is not None else ""]
+    details = ", ".join(p for p in parts if p)
+    return f"{opt.get('label')} ({details})" if details else str(opt.get("label"))
 
 
 def _escape(text: str) -> str:

@@ -2,6 +2,9 @@
 
 Contract: `import_path(library, path, name=None, ...)` returns the new manifest or raises
 ImportFailed with one line naming the path and the reason; the library is unchanged on failure.
+With `recipe` the weights are requantized by that recipe (and `method`) through the same code
+as `strata quantize` (engine.quant.quantize); without it they are kept as stored (GGUF, MLX) or
+quantized with the importer's default (Hugging Face folders).
 """
 
 from __future__ import annotations
@@ -57,12 +60,27 @@ def import_path(
     progress: Progress | None = None,
     cancel: CancelFlag | None = None,
     replace: bool = False,
+    recipe: str | None = None,
+    method: str = "rtn",
+    calibration: Path | None = None,
+    calibration_tokens: int = 2048,
+    target_bpw: float | None = None,
 ) -> Manifest:
     """Import a GGUF file, an MLX folder or a Hugging Face folder into the library."""
     path = Path(path).expanduser()
     kind = detect(path)
     if kind == "gguf" and path.is_dir():
         path = sorted(path.glob("*.gguf"))[0]
+    if recipe is not None:
+        from engine.quant.quantize import quantize
+
+        return quantize(library, str(path), recipe,
+                        name or clean_name(path.stem if kind == "gguf" else path.resolve().name),
+                        target_bpw=target_bpw, calibration=calibration,
+                        calibration_tokens=calibration_tokens, method=method,
+                        progress=progress, cancel=cancel, replace=replace)
+    if method != "rtn" or target_bpw is not None:
+        raise ImportFailed("--method and --bpw need --recipe (the weights are kept as stored)")
     if kind == "gguf":
         from engine.importers.gguf import import_gguf, read_metadata
 

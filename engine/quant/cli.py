@@ -29,22 +29,50 @@ def _library() -> Any:
 def cmd_quantize(args: argparse.Namespace) -> int:
     from engine.quant.quantize import quantize
 
-    calibration = Path(args.calibration) if args.calibration else None
-    if args.recipe == "auto" and calibration is None:
-        default = SHARED_DATA / "tinyshakespeare.txt"
-        calibration = default if default.is_file() else None
     m = quantize(_library(), args.source, args.recipe, args.name, target_bpw=args.bpw,
-                 calibration=calibration, progress=_progress("quantizing"),
-                 replace=args.replace)
-    if args.json:
-        print(json.dumps(m, indent=2, sort_keys=True))
-    else:
-        tensors = m["recipe"]["tensors"]
-        print(f"quantized {m['name']} with {m['recipe']['name']} "
-              f"({m['bytes'] / 1e6:.1f} MB, {m['bits_per_weight']} bits/weight)")
-        for cls, formats in tensors.items():
-            print(f"  {cls:9} " + ", ".join(f"{k} x{v}" for k, v in formats.items()))
+                 calibration=calibration_from_args(args),
+                 calibration_tokens=args.calibration_tokens, method=args.method,
+                 progress=_progress("quantizing"), replace=args.replace)
+    print_quantized(m, args.json)
     return 0
+
+
+def calibration_from_args(args: argparse.Namespace) -> Path | None:
+    """--calibration, else tinyshakespeare where a recipe or method needs calibration text."""
+    if args.calibration:
+        return Path(args.calibration)
+    if args.recipe == "auto" or args.method != "rtn":
+        default = SHARED_DATA / "tinyshakespeare.txt"
+        return default if default.is_file() else None
+    return None
+
+
+def print_quantized(m: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(m, indent=2, sort_keys=True))
+        return
+    r = m["recipe"]
+    how = f" ({r['method']}, {r['calibration_tokens']} tokens of {r['calibration']})" \
+        if r.get("method") else ""
+    print(f"quantized {m['name']} with {r['name']}{how} "
+          f"({m['bytes'] / 1e6:.1f} MB, {m['bits_per_weight']} bits/weight)")
+    for cls, formats in r["tensors"].items():
+        print(f"  {cls:9} " + ", ".join(f"{k} x{v}" for k, v in formats.items()))
+
+
+def add_recipe_arguments(p: argparse.ArgumentParser, required: bool) -> None:
+    """The options `strata quantize` and `strata import` share."""
+    p.add_argument("--recipe", required=required,
+                   help="built-in name (see `strata recipes`), 'auto', or a .toml/.json file")
+    p.add_argument("--method", default="rtn",  # checked by the engine: one-line errors
+                   help="rounding: rtn (round to nearest, default) or calibrated through "
+                        "mlx-lm's gptq, awq or dwq")
+    p.add_argument("--bpw", type=float, help="with --recipe auto: target bits per weight")
+    p.add_argument("--calibration", metavar="FILE",
+                   help="calibration text for --recipe auto and --method gptq/awq/dwq "
+                        "(default: ../shared/data/tinyshakespeare.txt)")
+    p.add_argument("--calibration-tokens", type=int, default=2048, metavar="N",
+                   help="calibration tokens (default 2048)")
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
@@ -83,12 +111,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def add_commands(sub: Any) -> None:
     p = sub.add_parser("quantize", help="quantize a model by recipe into a new library model")
     p.add_argument("source", help="library model, MLX or Hugging Face folder, or .gguf file")
-    p.add_argument("--recipe", required=True,
-                   help="built-in name (see `strata recipes`), 'auto', or a .toml/.json file")
+    add_recipe_arguments(p, required=True)
     p.add_argument("--name", required=True, help="library name of the new model")
-    p.add_argument("--bpw", type=float, help="with --recipe auto: target bits per weight")
-    p.add_argument("--calibration", metavar="FILE",
-                   help="calibration text for --recipe auto (default: tinyshakespeare.txt)")
     p.add_argument("--replace", action="store_true", help="replace a model of the same name")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_quantize)

@@ -8,7 +8,9 @@ result atomically with Library.install. The recipe, the name and the source are 
 any weight is read; on any error nothing is written. `recipe="auto"` with `target_bpw`
 measures sensitivities on calibration text first (engine.quant.sensitivity). The saved folder
 holds recipe.toml, the recipe that made it. Progress is reported per chunk and per tensor; the
-cancel flag is checked between them.
+cancel flag is checked between them. `method` other than "rtn" (gptq, awq, dwq) calibrates
+the rounding with mlx-lm's quant module on calibration text, in a child process
+(engine.quant.calibrated); the method and recipe are checked together before it starts.
 """
 
 from __future__ import annotations
@@ -158,8 +160,8 @@ def load_float(kind: str, path: Path, progress: Progress | None = None,
 
 # -- quantizing -----------------------------------------------------------------------------
 def apply_plan(model: Any, plan: dict[str, Format], progress: Progress | None = None,
-               cancel: CancelFlag | None = None) -> None:
-    """Quantize `model` in place as planned; every float parameter ends float16."""
+               cancel: CancelFlag | None = None, dtype: str = "float16") -> None:
+    """Quantize `model` in place as planned; every float parameter ends `dtype`."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_map
@@ -186,7 +188,8 @@ def apply_plan(model: Any, plan: dict[str, Format], progress: Progress | None = 
         mod = modules[path]
         mod.weight, mod.scales, mod.biases = affine_quantize(w, f.bits, f.group_size)
         mx.eval(mod.weight, mod.scales, mod.biases)
-    model.update(tree_map(lambda a: a.astype(mx.float16)
+    target = getattr(mx, dtype)
+    model.update(tree_map(lambda a: a.astype(target)
                           if mx.issubdtype(a.dtype, mx.floating) else a, model.parameters()))
 
 
@@ -223,12 +226,21 @@ class Prepared:
     recipe: Recipe | None  # None for "auto" (planned after measuring)
     config: dict[str, Any]
     name: str
+    plan: dict[str, Format] | None = None  # None for "auto"
 
 
 def prepare(library: Library, source: str, recipe_spec: str, name: str,
             target_bpw: float | None = None, replace: bool = False,
-            calibration: Path | None = None) -> Prepared:
+            calibration: Path | None = None, method: str = "rtn") -> Prepared:
     """Every check that needs no weights; raises StrataError with one line, writes nothing."""
+    from engine.quant.calibrated import CALIBRATED, check_method
+
+    check_method(method, {}, recipe_spec, None)  # an unknown method fails first
+    if method in CALIBRATED:
+        if calibration is None:
+            raise RecipeError(f"method {method!r} needs calibration text (--calibration FILE)")
+        if not Path(calibration).is_file():
+            raise RecipeError(f"{calibration}: no such calibration text")
     recipe = None
     if recipe_spec == "auto":
         if target_bpw is None:
@@ -249,9 +261,84 @@ def prepare(library: Library, source: str, recipe_spec: str, name: str,
         raise ImportFailed(f"a model named {name!r} is already in the library")
     kind, path = source_kind(library, source)
     config = source_config(kind, path)
+    plan = None
     if recipe is not None:
-        plan_model(recipe, _float_model(config), config)  # raises if a rule matches nothing
-    return Prepared(kind, path, recipe, config, name)
+        plan = plan_model(recipe, _float_model(config), config)  # raises if a rule matches none
+    check_method(method, plan, recipe_spec if recipe is None else recipe.name,
+                 config.get("model_type"))
+    return Prepared(kind, path, recipe, config, name, plan)
+
+
+def expected_sizes(library: Library, source: str, recipe_specs: list[str]
+                   ) -> dict[str, tuple[float, int]]:
+    """Recipe -> (bits per weight, bytes) that it would give SOURCE, from the shapes of the
+    source's tensors (its config and model class; no weight is read). Bits per weight count
+    every stored tensor (weights, scales, biases, float16 others) over the parameter count,
+    as the manifest does. Bytes are those of the weights; a folder source's tokenizer files
+    are added (a GGUF's are written at import from its metadata, and not counted)."""
+    from mlx.utils import tree_flatten
+
+    kind, path = source_kind(library, source)
+    config = source_config(kind, path)
+    model = _float_model(config)
+    flat: Any = tree_flatten(model.parameters())
+    sizes = [(key.rsplit(".", 1)[0], key.endswith(".weight"), int(arr.size)) for key, arr in flat]
+    params = sum(n for _, _, n in sizes)
+    extra = 0
+    if kind != "gguf":
+        from engine.importers.hf import TOKENIZER_FILES
+
+        extra = sum((path / n).stat().st_size for n in TOKENIZER_FILES if (path / n).is_file())
+    out = {}
+    for spec in recipe_specs:
+        plan = plan_model(resolve_recipe(spec), model, config)
+        bits = 0.0
+        for module, is_weight, n in sizes:
+            f = plan.get(module)
+            quantized = f is not None and f.quantized and is_weight
+            bits += n * (f.bits_per_weight if quantized and f is not None else 16)
+        out[spec] = (bits / max(params, 1), int(bits // 8) + extra)
+    return out
+
+
+def import_options(library: Library, path: Path) -> dict[str, Any]:
+    """What an import of `path` can do, for the import dialog: {"kind", "options"}, each
+    option {"recipe" (None: as stored), "label", "description", "bits_per_weight", "bytes"}.
+    Sizes of recipes come from expected_sizes; recipes that cannot apply are left out."""
+    from engine.importers import detect
+    from engine.quant.recipes import builtin_names
+
+    path = Path(path).expanduser()
+    kind = detect(path)
+    file = sorted(path.glob("*.gguf"))[0] if kind == "gguf" and path.is_dir() else path
+    names = []
+    for n in builtin_names():
+        try:
+            expected_sizes(library, str(file), [n])
+            names.append(n)
+        except RecipeError:
+            continue  # a rule matches no tensor of this model
+    sizes = expected_sizes(library, str(file), names)
+    stored: dict[str, Any]
+    if kind == "hf":
+        from engine.importers.hf import DEFAULT_RECIPE
+
+        stored = {"label": "importer default",
+                  "description": f"{DEFAULT_RECIPE['bits']}-bit g{DEFAULT_RECIPE['group_size']}"
+                                 f", embeddings and head {DEFAULT_RECIPE['high_bits']}-bit",
+                  "bits_per_weight": None, "bytes": None}
+    else:
+        weights = [file] if file.is_file() else list(file.glob("*.safetensors"))
+        stored = {"label": "as stored", "description": "the source's own quantization, "
+                  "repacked for MLX without requantizing" if kind == "gguf"
+                  else "the folder's weights, copied",
+                  "bits_per_weight": None, "bytes": sum(f.stat().st_size for f in weights)}
+    options: list[dict[str, Any]] = [{"recipe": None, **stored}]
+    for n in names:
+        bpw, size = sizes[n]
+        options.append({"recipe": n, "label": n, "description": resolve_recipe(n).description,
+                        "bits_per_weight": round(bpw, 3), "bytes": size})
+    return {"kind": kind, "path": str(file), "options": options}
 
 
 def quantize(
@@ -265,12 +352,29 @@ def quantize(
     progress: Progress | None = None,
     cancel: CancelFlag | None = None,
     replace: bool = False,
+    method: str = "rtn",
+    in_child: bool = False,
 ) -> Manifest:
-    """Quantize SOURCE by recipe into library model `name`. See the module docstring."""
+    """Quantize SOURCE by recipe into library model `name`. See the module docstring.
+
+    A calibrated `method` runs in a child process (`in_child` is set there)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    job = prepare(library, source, recipe_spec, name, target_bpw, replace, calibration)
+    job = prepare(library, source, recipe_spec, name, target_bpw, replace, calibration,
+                  method)
+    if method != "rtn" and not in_child:
+        from engine.quant.calibrated import run_child
+
+        # The child runs elsewhere (cwd): paths travel resolved.
+        recipe_file = Path(recipe_spec).expanduser()
+        spec = {"home": str(library.home.resolve()),
+                "source": source if job.kind == "library" else str(job.path.resolve()),
+                "recipe": str(recipe_file.resolve()) if recipe_file.is_file() else recipe_spec,
+                "name": name, "target_bpw": target_bpw, "method": method,
+                "calibration": str(Path(calibration).resolve()) if calibration else None,
+                "calibration_tokens": calibration_tokens, "replace": replace}
+        return run_child(library.home, spec, progress, cancel)
     cancel = cancel or (lambda: False)
     src = load_float(job.kind, job.path, None, cancel)
     try:
@@ -295,7 +399,18 @@ def quantize(
         else:
             recipe = job.recipe
             plan = plan_model(recipe, src.model, src.config)
-        apply_plan(src.model, plan, progress, cancel)
+        if method == "rtn":
+            apply_plan(src.model, plan, progress, cancel)
+        else:
+            from engine.quant.calibrated import apply_method, calibration_batches
+            from engine.runtime.tokenizer import Tokenizer
+
+            assert calibration is not None
+            data = calibration_batches(Tokenizer.load(src.folder), calibration,
+                                       calibration_tokens, method)
+            apply_method(method, src.model, src.config, plan, data, progress, cancel)
+            sens_info.update(method=method, calibration=calibration.name,
+                             calibration_tokens=int(data.size))
         weights = dict(tree_flatten(src.model.parameters()))
         mx.eval(weights)
         config = quantized_config(src.config, recipe, plan)

@@ -32,6 +32,19 @@ def _library_state(home: Path) -> list[str]:
     return sorted(p.name for p in (home / "models").iterdir())
 
 
+def _drop_and_import(window: MainWindow, qtbot: Any, path: Path, recipe: str = "") -> Any:
+    """Drop `path`, wait for the dialog's options, pick `recipe` ("" as stored), Import."""
+    with qtbot.waitSignal(window.library.import_planned, timeout=REPLY_TIMEOUT_MS) as planned:
+        _drop(window, path)
+        assert window.tabs.currentWidget() is window.library.view
+    dialog = window.library.dialogs[planned.args[0]]
+    dialog.select_recipe(recipe)
+    assert dialog.selected_recipe() == recipe
+    with qtbot.waitSignal(window.library.import_done, timeout=REPLY_TIMEOUT_MS) as blocker:
+        dialog.import_button.click()
+    return blocker
+
+
 def test_dropping_a_gguf_imports_it(make_window: WindowFactory, tmp_path: Path,
                                     qtbot: Any) -> None:
     from engine.library.starter import starter_gguf
@@ -42,9 +55,7 @@ def test_dropping_a_gguf_imports_it(make_window: WindowFactory, tmp_path: Path,
     assert window.library.view.stack.currentWidget() is window.library.view.empty_label
     dropped = tmp_path / "My Little Model.gguf"
     shutil.copyfile(starter_gguf(), dropped)
-    with qtbot.waitSignal(window.library.import_done, timeout=REPLY_TIMEOUT_MS) as blocker:
-        _drop(window, dropped)
-        assert window.tabs.currentWidget() is window.library.view
+    blocker = _drop_and_import(window, qtbot, dropped)
     job, ok, name = blocker.args
     assert ok, name
     assert name == "my-little-model"
