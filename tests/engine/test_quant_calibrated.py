@@ -116,8 +116,11 @@ def test_cancelled_calibration_leaves_the_library_as_it_was(
      "no such calibration text"),
 ])
 def test_bad_method_input_fails_first_and_writes_nothing(
-        library: Any, starter: Any, capsys: Any, argv: list[str], fragment: str) -> None:
+        library: Any, starter: Any, capsys: Any, tmp_path: Path, argv: list[str],
+        fragment: str) -> None:
     before = _library_state(library)
+    if "--calibration" not in argv:  # a text is there, so the method's own check speaks
+        argv = [*argv, "--calibration", str(_calibration_text(tmp_path))]
     assert _cli("quantize", "starter", "--name", "t-bad-method", *argv) == 1
     err = capsys.readouterr().err.strip()
     assert fragment in err and len(err.splitlines()) == 1, err
@@ -180,7 +183,17 @@ def test_import_options_list_every_recipe_with_its_size(library: Any, starter: A
     assert by["q3-g64"]["bytes"] < by["q4-g64"]["bytes"] < by["q8-g32"]["bytes"]
 
 
-def test_ctrl_c_in_the_cli_leaves_the_library_as_it_was(library: Any, starter: Any) -> None:
+def _calibration_text(folder: Path) -> Path:
+    """Plain prose for runs that must not depend on ../shared (a clone elsewhere)."""
+    from engine.bench import FILLER
+
+    path = folder / "calibration.txt"
+    path.write_text(FILLER * 20)
+    return path
+
+
+def test_ctrl_c_in_the_cli_leaves_the_library_as_it_was(library: Any, starter: Any,
+                                                        tmp_path: Path) -> None:
     """SIGINT to the command's process group, as a terminal sends it: parent and child stop."""
     import os
     import signal
@@ -191,7 +204,8 @@ def test_ctrl_c_in_the_cli_leaves_the_library_as_it_was(library: Any, starter: A
     before = _library_state(library)
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine", "quantize", "starter", "--recipe", "q4-g64",
-         "--method", "gptq", "--calibration-tokens", "256", "--name", "t-interrupted"],
+         "--method", "gptq", "--calibration-tokens", "256", "--name", "t-interrupted",
+         "--calibration", str(_calibration_text(tmp_path))],
         stderr=subprocess.PIPE, text=True, start_new_session=True,
         # As from a terminal, even when this test runs with SIGINT ignored (a background job).
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
