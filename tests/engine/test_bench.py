@@ -131,7 +131,9 @@ def test_ctrl_c_keeps_what_finished(starter: dict[str, Any], tmp_path: Path) -> 
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine", "bench", "quick", "--peers", "mlx-lm", *TINY,
          "--json", str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=dict(os.environ), start_new_session=True)
+        text=True, env=dict(os.environ), start_new_session=True,
+        # As from a terminal, even when the suite runs with SIGINT ignored (a background job).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stderr is not None
     deadline = time.monotonic() + 120
     for line in proc.stderr:  # wait until the first subject has its loads done
