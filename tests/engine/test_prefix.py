@@ -8,12 +8,9 @@ import os
 import subprocess
 import sys
 import types
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from engine.kv.prefix import PrefixCache, PrefixSettings, model_key
 from engine.platform import ComputeProfile
@@ -35,17 +32,6 @@ def _run(lm: Any, ids: list[int], **kw: Any) -> tuple[list[int], Any]:
     return tokens, last
 
 
-@pytest.fixture
-def prefix(starter_lm: Any, tmp_path: Path) -> Iterator[PrefixCache]:
-    """A prefix cache with 32-token pages in a fresh folder, installed on the shared model."""
-    pc = PrefixCache.for_model(starter_lm, PrefixSettings(folder=tmp_path / "px",
-                                                          page_tokens=32))
-    starter_lm.prefix_cache = pc
-    try:
-        yield pc
-    finally:
-        starter_lm.prefix_cache = None
-        pc.close()
 
 
 def _ids(lm: Any, n: int, salt: str = "") -> list[int]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import pytest
 from engine.bench.prefix import TURNS, chat_turns, run_prefix, summarize
 from engine.bench.worker import drop_page_cache, resident_fraction
 from engine.errors import StrataError
-from engine.kv.prefix import _PX, PrefixCache, PrefixSettings, _unfilled
+from engine.kv.prefix import _PX, PrefixCache, _unfilled
 from engine.runtime.generate import generate
 from engine.runtime.readahead import read_ahead
 from engine.runtime.sampling import SamplingParams
@@ -27,16 +26,6 @@ TEXT = ("The harbour office kept its ledgers in a tall oak cabinet, one drawer p
         "the tide tables were pinned beside the door where the pilots could read them. ") * 30
 
 
-@pytest.fixture
-def prefix(starter_lm: Any, tmp_path: Path) -> Iterator[PrefixCache]:
-    pc = PrefixCache.for_model(starter_lm, PrefixSettings(folder=tmp_path / "px",
-                                                          page_tokens=32))
-    starter_lm.prefix_cache = pc
-    try:
-        yield pc
-    finally:
-        starter_lm.prefix_cache = None
-        pc.close()
 
 
 def _ids(lm: Any, n: int) -> list[int]:
