@@ -51,6 +51,10 @@ _BF16_CODE = 3
 PAGE_TOKENS = 128  # as the paged KV cache; 64 vs 256 not yet measured (docs/benchmarks.md)
 _IOV_MAX = 1024
 _STEP = 256  # mlx-lm KVCache grows in steps of 256 positions: restore with that headroom
+# Page files read at once by a restore. The readers mostly wait on the disk, so more files in
+# flight than cores is faster: 8 against 4 took 6-12% off a cold 16-page restore
+# (docs/benchmarks.md, prefix cache, third pass).
+_READERS = 8
 
 
 class PrefixCacheError(StrataError):
@@ -206,7 +210,7 @@ class PrefixCache:
         self.stats = PrefixStats()
         self._sweep_temp()
         self._q: queue.Queue[_Job | None] = queue.Queue()
-        self._pool = ThreadPoolExecutor(4, thread_name_prefix="strata-prefix-read")
+        self._pool = ThreadPoolExecutor(_READERS, thread_name_prefix="strata-prefix-read")
         self._thread = threading.Thread(target=self._run, name="strata-prefix-writer",
                                         daemon=True)
         self._thread.start()
