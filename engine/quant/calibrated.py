@@ -45,8 +45,10 @@ from engine.quant.recipes import Format, RecipeError
 
 Progress = Callable[[int, int], None]
 CancelFlag = Callable[[], bool]
-METHODS = ("rtn", "gptq", "awq", "dwq")
-CALIBRATED = ("gptq", "awq", "dwq")
+METHODS = ("rtn", "imatrix", "gptq", "awq", "dwq")
+CALIBRATED = ("gptq", "awq", "dwq")  # mlx-lm's, run in a child process
+# Methods that read calibration text; imatrix (Strata's weighted rounding) runs in-process.
+NEEDS_CALIBRATION = ("imatrix", *CALIBRATED)
 SEQUENCE_LENGTH = 512  # calibration sequence length (mlx-lm's default for gptq and awq)
 DWQ_LEARNING_RATE = 1e-5
 DWQ_BATCH = 2

@@ -65,11 +65,13 @@ def add_recipe_arguments(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--recipe", required=required,
                    help="built-in name (see `strata recipes`), 'auto', or a .toml/.json file")
     p.add_argument("--method", default="rtn",  # checked by the engine: one-line errors
-                   help="rounding: rtn (round to nearest, default) or calibrated through "
-                        "mlx-lm's gptq, awq or dwq")
+                   help="rounding: rtn (round to nearest, default), imatrix (rounding "
+                        "weighted by calibration activations; best measured), or calibrated "
+                        "through mlx-lm's gptq, awq or dwq")
     p.add_argument("--bpw", type=float, help="with --recipe auto: target bits per weight")
     p.add_argument("--calibration", metavar="FILE",
-                   help="calibration text for --recipe auto and --method gptq/awq/dwq "
+                   help="calibration text for --recipe auto and --method "
+                        "imatrix/gptq/awq/dwq "
                         "(default: ../shared/data/tinyshakespeare.txt)")
     p.add_argument("--calibration-tokens", type=int, default=2048, metavar="N",
                    help="calibration tokens (default 2048)")

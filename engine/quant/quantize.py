@@ -8,9 +8,12 @@ result atomically with Library.install. The recipe, the name and the source are 
 any weight is read; on any error nothing is written. `recipe="auto"` with `target_bpw`
 measures sensitivities on calibration text first (engine.quant.sensitivity). The saved folder
 holds recipe.toml, the recipe that made it. Progress is reported per chunk and per tensor; the
-cancel flag is checked between them. `method` other than "rtn" (gptq, awq, dwq) calibrates
-the rounding with mlx-lm's quant module on calibration text, in a child process
-(engine.quant.calibrated); the method and recipe are checked together before it starts.
+cancel flag is checked between them. `method="imatrix"` measures activation importance on
+calibration text (engine.quant.importance) and rounds every covered tensor by the
+importance-weighted grid search (engine.quant.rounding), in this process; with "auto" the
+sensitivities are measured with that rounding too. gptq, awq and dwq calibrate the rounding with
+mlx-lm's quant module on calibration text, in a child process (engine.quant.calibrated); the
+method and recipe are checked together before any work starts.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import Cancelled, ImportFailed, StrataError
 from engine.library.store import Library, Manifest, check_name
@@ -35,6 +38,9 @@ from engine.quant.recipes import (
     resolve_recipe,
     tensor_class,
 )
+
+if TYPE_CHECKING:
+    from engine.quant.importance import Importance
 
 Progress = Callable[[int, int], None]
 CancelFlag = Callable[[], bool]
@@ -160,8 +166,12 @@ def load_float(kind: str, path: Path, progress: Progress | None = None,
 
 # -- quantizing -----------------------------------------------------------------------------
 def apply_plan(model: Any, plan: dict[str, Format], progress: Progress | None = None,
-               cancel: CancelFlag | None = None, dtype: str = "float16") -> None:
-    """Quantize `model` in place as planned; every float parameter ends `dtype`."""
+               cancel: CancelFlag | None = None, dtype: str = "float16",
+               importance: Importance | None = None) -> None:
+    """Quantize `model` in place as planned; every float parameter ends `dtype`.
+
+    With `importance` (engine.quant.importance), tensors it covers are rounded by the
+    importance-weighted grid search of engine.quant.rounding."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_map
@@ -186,7 +196,8 @@ def apply_plan(model: Any, plan: dict[str, Format], progress: Progress | None = 
             progress(i, len(originals))
         f = plan[path]
         mod = modules[path]
-        mod.weight, mod.scales, mod.biases = affine_quantize(w, f.bits, f.group_size)
+        imp = importance.get(path) if importance is not None else None
+        mod.weight, mod.scales, mod.biases = affine_quantize(w, f.bits, f.group_size, imp)
         mx.eval(mod.weight, mod.scales, mod.biases)
     target = getattr(mx, dtype)
     model.update(tree_map(lambda a: a.astype(target)
@@ -233,10 +244,10 @@ def prepare(library: Library, source: str, recipe_spec: str, name: str,
             target_bpw: float | None = None, replace: bool = False,
             calibration: Path | None = None, method: str = "rtn") -> Prepared:
     """Every check that needs no weights; raises StrataError with one line, writes nothing."""
-    from engine.quant.calibrated import CALIBRATED, check_method
+    from engine.quant.calibrated import NEEDS_CALIBRATION, check_method
 
     check_method(method, {}, recipe_spec, None)  # an unknown method fails first
-    if method in CALIBRATED:
+    if method in NEEDS_CALIBRATION:
         if calibration is None:
             raise RecipeError(f"method {method!r} needs calibration text (--calibration FILE)")
         if not Path(calibration).is_file():
@@ -363,7 +374,9 @@ def quantize(
 
     job = prepare(library, source, recipe_spec, name, target_bpw, replace, calibration,
                   method)
-    if method != "rtn" and not in_child:
+    from engine.quant.calibrated import CALIBRATED
+
+    if method in CALIBRATED and not in_child:
         from engine.quant.calibrated import run_child
 
         # The child runs elsewhere (cwd): paths travel resolved.
@@ -381,6 +394,18 @@ def quantize(
         if cancel():
             raise Cancelled("quantize")
         sens_info: dict[str, Any] = {}
+        importance: Importance | None = None
+        if method == "imatrix":
+            from engine.quant.importance import activation_importance
+            from engine.quant.sensitivity import calibration_tokens as read_tokens
+            from engine.runtime.tokenizer import Tokenizer
+
+            assert calibration is not None
+            ids = read_tokens(Tokenizer.load(src.folder), calibration, calibration_tokens)
+            importance = activation_importance(src.model, ids, progress=progress,
+                                               cancel=cancel)
+            sens_info.update(method=method, calibration=calibration.name,
+                             calibration_tokens=len(ids))
         if job.recipe is None:
             from engine.quant.sensitivity import allocate, measure
 
@@ -389,18 +414,18 @@ def quantize(
 
             tok = Tokenizer.load(src.folder)
             errors = measure(src.model, tok, calibration, calibration_tokens,
-                             progress=progress, cancel=cancel)
+                             progress=progress, cancel=cancel, importance=importance)
             plan = allocate(errors, quantizable(src.model), target_bpw)
             recipe = plan_to_recipe(f"auto-{target_bpw:g}", plan,
                                     f"sensitivity-guided for {target_bpw:g} bits per weight, "
                                     f"calibrated on {calibration.name}")
-            sens_info = {"target_bpw": target_bpw, "calibration": calibration.name,
-                         "calibration_tokens": calibration_tokens}
+            sens_info.update(target_bpw=target_bpw, calibration=calibration.name,
+                             calibration_tokens=calibration_tokens)
         else:
             recipe = job.recipe
             plan = plan_model(recipe, src.model, src.config)
-        if method == "rtn":
-            apply_plan(src.model, plan, progress, cancel)
+        if method in ("rtn", "imatrix"):
+            apply_plan(src.model, plan, progress, cancel, importance=importance)
         else:
             from engine.quant.calibrated import apply_method, calibration_batches
             from engine.runtime.tokenizer import Tokenizer

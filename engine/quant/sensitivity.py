@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import Cancelled, StrataError
+from engine.quant.importance import Importance
 from engine.quant.recipes import (
     SUPPORTED_BITS,
     SUPPORTED_GROUPS,
@@ -101,8 +102,11 @@ def candidates(columns: int) -> list[Format]:
 
 def measure(model: Any, tokenizer: Any, text_path: Path, n_tokens: int = 2048,
             chunk: int = 128, progress: Progress | None = None,
-            cancel: CancelFlag | None = None) -> Errors:
-    """Estimated loss increase per tensor and candidate format. See the module docstring."""
+            cancel: CancelFlag | None = None, importance: Importance | None = None) -> Errors:
+    """Estimated loss increase per tensor and candidate format. See the module docstring.
+
+    With `importance`, each format's error is that of the importance-weighted rounding the
+    tensors will get (engine.quant.rounding), so the allocation prices what is stored."""
     import mlx.core as mx
 
     tokens = calibration_tokens(tokenizer, text_path, n_tokens)
@@ -113,7 +117,8 @@ def measure(model: Any, tokenizer: Any, text_path: Path, n_tokens: int = 2048,
         w = modules[path].weight.astype(mx.float32)
         errors[path] = {}
         for fmt in candidates(w.shape[-1]):
-            deq = quantize_dequantize(w, fmt.bits, fmt.group_size)
+            imp = importance.get(path) if importance is not None else None
+            deq = quantize_dequantize(w, fmt.bits, fmt.group_size, imp)
             errors[path][fmt] = float((f * (w - deq) ** 2).sum().item())
     return errors
 

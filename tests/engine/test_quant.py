@@ -331,3 +331,71 @@ def test_narrow_rounding_is_mlx_rounding(bits: int) -> None:
     ref = mx.quantize(x, group_size=64, bits=bits)
     assert mx.array_equal(scales, ref[1].astype(mx.float16))
     assert mx.array_equal(biases, ref[2].astype(mx.float16))
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_weighted_rounding_lowers_the_weighted_error(bits: int) -> None:
+    import mlx.core as mx
+    import numpy as np
+
+    from engine.quant.rounding import affine_quantize, quantize_dequantize
+
+    x = mx.random.normal((32, 256), key=mx.random.key(10 + bits))
+    # Activations are far from uniform across columns: a few columns carry most of the energy.
+    imp = np.random.default_rng(bits).lognormal(0.0, 1.5, 256).astype(np.float32)
+    packed, scales, biases = affine_quantize(x, bits, 64, imp)
+    stored = mx.dequantize(packed, scales.astype(mx.float32), biases.astype(mx.float32),
+                           group_size=64, bits=bits)
+    assert mx.allclose(stored, quantize_dequantize(x, bits, 64, imp), atol=1e-5)
+
+    def weighted(deq: Any) -> float:
+        return float((mx.array(imp) * (deq.astype(mx.float32) - x) ** 2).sum().item())
+
+    plain = mx.dequantize(*affine_quantize(x, bits, 64), group_size=64, bits=bits)
+    assert weighted(stored) < 0.9 * weighted(plain)
+
+
+def test_importance_covers_every_tensor_and_leaves_the_model_as_it_was(tmp_path: Path) -> None:
+    import mlx.core as mx
+
+    from engine.quant.importance import activation_importance
+    from engine.quant.quantize import load_float
+    from engine.quant.recipes import quantizable
+    from tests.engine.hf_factory import write_hf_llama
+
+    for tie in (True, False):
+        write_hf_llama(tmp_path / f"hf{tie}", layers=2, tie=tie)
+        model = load_float("hf", tmp_path / f"hf{tie}").model
+        ids = mx.array(list(range(3, 67)))[None]
+        before = model(ids)
+        types = {p: type(m) for p, m in model.named_modules()}
+        imp = activation_importance(model, list(range(3, 131)), chunk=64)
+        shapes = quantizable(model)
+        # A tied embedding is measured as the head; an untied one is a lookup table.
+        want = {p for p in shapes if tie or "embed" not in p}
+        assert set(imp) == want
+        assert all(v.shape == (shapes[p][-1],) and (v >= 0).all() and v.sum() > 0
+                   for p, v in imp.items())
+        assert {p: type(m) for p, m in model.named_modules()} == types
+        assert mx.array_equal(model(ids), before)
+
+
+def test_imatrix_beats_round_to_nearest_on_the_starter(library: Any, reference: Any) -> None:
+    """The real starter at q3-g128: weighted rounding must measurably lower KL.
+
+    Texts from this repository, so the test runs in any checkout: calibration on the
+    architecture notes, evaluation on the README (never the same text)."""
+    from engine.quant.evaluate import evaluate
+    from engine.quant.quantize import quantize
+
+    root = Path(__file__).resolve().parents[2]
+    rtn = library.find("t-q3-g128") or quantize(library, "starter", "q3-g128", "t-q3-g128")
+    m = quantize(library, "starter", "q3-g128", "t-q3-g128-imatrix",
+                 calibration=root / "docs" / "architecture.md", calibration_tokens=512,
+                 method="imatrix", replace=True)
+    assert m["recipe"]["method"] == "imatrix" and m["recipe"]["calibration_tokens"] == 512
+    assert m["bits_per_weight"] == rtn["bits_per_weight"]
+    kl = {name: evaluate(library, name, "starter-f16", root / "README.md", tokens=256,
+                         window=256, gen_tokens=0).kl_mean for name in (rtn["name"], m["name"])}
+    # On 4,096 wikitext tokens the gap is about 2.5x (docs/quantization.md); ask for 1.5x.
+    assert kl[m["name"]] * 1.5 < kl[rtn["name"]], kl

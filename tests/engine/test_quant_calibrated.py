@@ -103,6 +103,12 @@ def test_cancelled_calibration_leaves_the_library_as_it_was(
                  calibration=shared_data / "tinyshakespeare.txt", calibration_tokens=256,
                  progress=lambda d, t: seen.append(d), cancel=lambda: len(seen) >= 2)
     assert _library_state(library) == before
+    seen.clear()  # imatrix runs in this process: cancelled while measuring importance
+    with pytest.raises(Cancelled):
+        quantize(library, "starter", "q4-g64", "t-cancelled", method="imatrix",
+                 calibration=shared_data / "tinyshakespeare.txt", calibration_tokens=2048,
+                 progress=lambda d, t: seen.append(d), cancel=lambda: len(seen) >= 2)
+    assert _library_state(library) == before
 
 
 @pytest.mark.parametrize(("argv", "fragment"), [
@@ -113,6 +119,8 @@ def test_cancelled_calibration_leaves_the_library_as_it_was(
     (["--recipe", "auto", "--bpw", "4", "--method", "awq"], "cannot follow recipe 'auto'"),
     (["--recipe", "f16", "--method", "awq"], "nothing to calibrate"),
     (["--recipe", "q4-g64", "--method", "gptq", "--calibration", "/nonexistent.txt"],
+     "no such calibration text"),
+    (["--recipe", "q4-g64", "--method", "imatrix", "--calibration", "/nonexistent.txt"],
      "no such calibration text"),
 ])
 def test_bad_method_input_fails_first_and_writes_nothing(
@@ -132,6 +140,7 @@ def test_check_method_without_a_model() -> None:
 
     check_method("gptq", None, "auto", "llama")  # gptq and dwq take any plan, auto included
     check_method("dwq", {"model.layers.0.mlp.up_proj": Format(3, 64)}, "x", "llama")
+    check_method("imatrix", None, "auto", "llama")  # Strata's own weighted rounding: any
     with pytest.raises(RecipeError, match="unknown method"):
         check_method("rtn2", {}, "x", "llama")
 
