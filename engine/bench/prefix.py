@@ -7,8 +7,9 @@ that prints one JSON line; the parent drops the cache files (and mlx-lm's file) 
 cache before each restart, so reads are cold. Weights stay in the page cache for every
 subject alike. Ratios are taken between figures of this run only (the machine may be shared).
 The disk's sequential speed is a 256 MB probe file read once right after it is written; next
-to each restart the parent reads it again (older by then) and reads the page files themselves
-into memory touched beforehand (the restore's I/O floor), cold; the summary compares medians.
+to each restart the parent reads it again (older by then) and reads the cache's files
+themselves (prefix format 3: one run file for the 2,048-token prefix) into memory touched
+beforehand (the restore's I/O floor), cold; the summary compares medians.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def read_probe(path: Path) -> dict[str, float]:
 
 
 def files_read_speed(paths: list[Path]) -> dict[str, float]:
-    """The I/O floor of a restore: the same page files, cold, read whole and in order into
+    """The I/O floor of a restore: the same cache files, cold, read whole and in order into
     memory written beforehand (no page faults, no checks, no MLX), after a WILLNEED on all of
     them as the restore does. What the restore adds on top of this is its own cost."""
     sizes = [p.stat().st_size for p in paths]

@@ -1,23 +1,40 @@
 """The prefix cache on the SSD: the KV of prompt prefixes, in full pages that survive restarts.
 
-Contract: a page of `page_tokens` prompt tokens is stored once, in `<hash>.kvp` under the
-prefix folder, where hash = sha256(parent hash, model key, page token ids): a chain, so a page
-is found only after the same tokens, on the same weights, config (RoPE, quantization), compute
-profile and KV dtype/bits (`model_key`). `lookup` finds the longest run of stored pages from
-the start of a prompt; `restore` reads them into mlx-lm KVCaches, verifying every byte (a
-corrupt or truncated page is deleted and the match ends before it); `store` snapshots new
-pages on the calling thread and writes them from a background thread (temp file + rename), and
-least recently used pages leave when the folder passes its disk budget. Each file is the prefix
-header (hashes, token ids, an xxh3-64 digest of the rest, CRC-32 of the header) followed by one
-SSD-tier page record per layer (engine.kv.pagefile's header and CRC), so the two tiers share
-one record format; a restore checks the digest, which covers every byte of the records, instead
-of the records' own CRC-32s (xxh3 runs at about 10x the speed of zlib's CRC-32).
+Contract: a page is `page_tokens` prompt tokens; its hash is sha256(parent hash, model key,
+page token ids): a chain, so a page is found only after the same tokens, on the same weights,
+config (RoPE, quantization), compute profile and KV dtype/bits (`model_key`).
+
+Format 3 (this one): each `store` writes the pages that are not on disk yet as ONE run file,
+`<hash of its first page>.kvp` in the prefix folder: a run header (layout, parent hash, the
+chain hashes of its pages, CRC-32), then one page record per page, each `page_bytes` long: the
+page header (hashes, depth, token ids, an xxh3-64 digest of the rest, CRC-32) and one SSD-tier
+record per layer (engine.kv.pagefile's header and CRC), so the two tiers share one record
+format. Pages an earlier run holds are referenced, not copied: a run starts where the stored
+chain ended and names its parent, and `lookup` walks from run to run (the run named after the
+next page's hash), matching page by page, so a prompt that diverges inside a run (or inside a
+page) reuses exactly the pages before. A restore reads each run's pages as one contiguous
+range (few files instead of one per page; docs/benchmarks.md, prefix cache, fourth pass).
+
+Integrity: a restore checks every byte of the pages it uses (page header CRC, hashes, depth,
+tokens, the digest over the layer records, which replaces the records' own CRC-32s: xxh3 runs
+at about 10x zlib's CRC-32). The first page that fails ends the match; its run is cut before it
+(truncated, or deleted if it was the run's first page), so it and the run's later pages are
+never used and the next `store` writes them again. A run header that does not verify, a
+truncated page and a file of another format (format 2's one file per page) are ignored; the
+next store of that name replaces it, and eviction removes unusable files first.
+
+Writes: `store` snapshots new pages on the calling thread; a background thread writes the run
+(temp file + rename, so a run appears whole or not at all). Disk budget: least recently used
+whole runs leave when the folder passes it, and with them every run whose parent page is no
+longer stored (so nothing points into a deleted file); a store never writes a run larger than
+the budget. Format 2 files are never found (the key includes the format) and go first.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -29,7 +46,7 @@ import time
 import weakref
 import zlib
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -42,19 +59,23 @@ from engine.kv.pagefile import _CRC, _HEADER, DTYPE_CODES, FORMAT_VERSION, MAGIC
 from engine.platform import pid_alive
 
 PREFIX_MAGIC = b"STRATAPX"
-PREFIX_VERSION = 2
-# magic, version, page tokens, depth (page index), layers, parent hash, own hash,
-# xxh3-64 of the layer records that follow the header
+RUN_MAGIC = b"STRATARN"
+PREFIX_VERSION = 3
+# Page header: magic, version, page tokens, depth (page index), layers, parent hash, own
+# hash, xxh3-64 of the layer records that follow; then the token ids and a CRC-32.
 _PX = struct.Struct("<8sHIII32s32sQ")
+# Run header: magic, version, page tokens, layers, depth of the first page, pages, bytes per
+# page record, parent hash of the first page; then the pages' hashes and a CRC-32.
+_RUN = struct.Struct("<8sHIIIIQ32s")
 # pagefile knows float32 (1) and float16 (2); bfloat16 travels as raw 16-bit words.
 _BF16_CODE = 3
 PAGE_TOKENS = 128  # as the paged KV cache; 64 vs 256 not yet measured (docs/benchmarks.md)
 _IOV_MAX = 1024
 _STEP = 256  # mlx-lm KVCache grows in steps of 256 positions: restore with that headroom
-# Page files read at once by a restore. The readers mostly wait on the disk, so more files in
-# flight than cores is faster: 8 against 4 took 6-12% off a cold 16-page restore
-# (docs/benchmarks.md, prefix cache, third pass).
+# Page reads in flight during a restore. The readers mostly wait on the disk, so more reads
+# than cores is faster (docs/benchmarks.md, prefix cache, third and fourth passes).
 _READERS = 8
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 class PrefixCacheError(StrataError):
@@ -150,17 +171,42 @@ def chain_hashes(tokens: Sequence[int], page_tokens: int, key: bytes, n_pages: i
 
 
 # -- the cache ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Run:
+    """A run file as `lookup` saw it: the pages it holds whole, from depth `first` on."""
+
+    path: Path
+    ino: int
+    first: int
+    parent: bytes
+    hashes: list[bytes]  # as the header lists them
+    present: int  # pages wholly in the file (a cut or truncated run holds fewer)
+    head: int  # bytes before the first page record
+
+    def offset(self, i: int, page_bytes: int) -> int:
+        return self.head + i * page_bytes
+
+
 @dataclass
 class Plan:
-    """What `lookup` found: chain hashes of the prompt's full pages, and how many are stored."""
+    """What `lookup` found: chain hashes of the prompt's full pages, how many are stored, and
+    the runs that hold them (in order; run k holds pages runs[k].first..)."""
 
     hashes: list[bytes]
     hit_pages: int
     page_tokens: int
+    runs: list[_Run] = field(default_factory=list)
 
     @property
     def hit_tokens(self) -> int:
         return self.hit_pages * self.page_tokens
+
+    def where(self, depth: int) -> tuple[_Run, int]:
+        """The run holding page `depth` and the page's index in it."""
+        for run in reversed(self.runs):
+            if depth >= run.first:
+                return run, depth - run.first
+        raise IndexError(depth)
 
 
 @dataclass
@@ -169,6 +215,7 @@ class _Job:
     k: list[np.ndarray]  # per layer (kv_heads, n*P, head_dim), page-contiguous per head
     v: list[np.ndarray]
     first: int  # depth of the first page in k/v
+    mtime_ns: int = 0  # 0: now; else older than its parent runs' (LRU drops children first)
 
 
 @dataclass
@@ -178,9 +225,11 @@ class PrefixStats:
     restore_s: float = 0.0
     bytes_read: int = 0
     pages_written: int = 0
+    runs_written: int = 0
     bytes_written: int = 0
     corrupt_pages: int = 0
     evicted_pages: int = 0
+    evicted_runs: int = 0
     write_errors: list[str] = field(default_factory=list)
 
 
@@ -199,7 +248,8 @@ class PrefixCache:
         self.dtype_code = _BF16_CODE if dtype == "bfloat16" else DTYPE_CODES[self.np_dtype]
         self.half = kv_heads * self.P * head_dim * self.np_dtype.itemsize
         self.head_bytes = self.P * head_dim * self.np_dtype.itemsize
-        self.file_bytes = (_PX.size + 4 * self.P + _CRC.size
+        self.page_head = _PX.size + 4 * self.P + _CRC.size
+        self.page_bytes = (self.page_head
                            + n_layers * (_HEADER.size + 2 * self.half + _CRC.size))
         self.folder = self.settings.root()
         try:
@@ -230,7 +280,66 @@ class PrefixCache:
                    settings)
 
     def path(self, h: bytes) -> Path:
+        """The run file that starts with page `h` (whether or not it exists)."""
         return self.folder / f"{h.hex()}.kvp"
+
+    def run_head_bytes(self, pages: int) -> int:
+        return _RUN.size + 32 * pages + _CRC.size
+
+    # -- run headers --------------------------------------------------------------------
+    def _run_info(self, path: Path) -> _Run | None:
+        """The run header of `path` if it is a run of this layout that verifies, else None.
+        A link in the folder is not ours: it is removed, never followed."""
+        try:
+            fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            return None
+        try:
+            st = os.fstat(fd)
+            head = os.pread(fd, 4096, 0)
+            if len(head) < _RUN.size:
+                return None
+            magic, version, ptok, layers, first, n, pbytes, parent = _RUN.unpack_from(head)
+            if (magic, version, ptok, layers, pbytes) != (RUN_MAGIC, PREFIX_VERSION, self.P,
+                                                         self.n_layers, self.page_bytes):
+                return None
+            size = self.run_head_bytes(n)
+            if n < 1 or size > st.st_size:
+                return None
+            if size > len(head):
+                head += os.pread(fd, size - len(head), len(head))
+            if len(head) < size:
+                return None
+            body = head[:size - _CRC.size]
+            if zlib.crc32(body) != _CRC.unpack_from(head, size - _CRC.size)[0]:
+                return None
+            hashes = [body[_RUN.size + 32 * i:_RUN.size + 32 * (i + 1)] for i in range(n)]
+            present = min(n, (st.st_size - size) // self.page_bytes)
+            return _Run(path, st.st_ino, first, parent, hashes, present, size)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+
+    def _walk(self, hashes: Sequence[bytes], start: int) -> tuple[int, list[_Run]]:
+        """From page `start` on: the pages stored in a row and the runs that hold them."""
+        d, runs = start, []
+        while d < len(hashes):
+            run = self._run_info(self.path(hashes[d]))
+            parent = hashes[d - 1] if d else bytes(32)
+            if run is None or run.first != d or run.parent != parent:
+                break
+            j = 0
+            while j < run.present and d + j < len(hashes) and run.hashes[j] == hashes[d + j]:
+                j += 1
+            if j == 0:
+                break
+            runs.append(run)
+            d += j
+        return d, runs
 
     # -- lookup and restore -------------------------------------------------------------
     def lookup(self, prompt: Sequence[int]) -> Plan:
@@ -238,10 +347,8 @@ class PrefixCache:
         the longest run of them on disk."""
         n = max(0, (len(prompt) - 1) // self.P)
         hashes = chain_hashes(prompt, self.P, self.key, n)
-        hit = 0
-        while hit < n and self.path(hashes[hit]).is_file():
-            hit += 1
-        return Plan(hashes, hit, self.P)
+        hit, runs = self._walk(hashes, 0)
+        return Plan(hashes, hit, self.P, runs)
 
     def restore(self, caches: list[Any], prompt: Sequence[int], plan: Plan, cached: int
                 ) -> int:
@@ -253,12 +360,13 @@ class PrefixCache:
         if plan.hit_pages <= first:
             return cached
         t0 = time.perf_counter()
+        opened = self._open(plan, first)  # the disk starts on every page now
         n = plan.hit_pages - first
+        if n <= 0:
+            return cached
         total = n * self.P
         cap = -(-(total + 1) // _STEP) * _STEP if first == 0 else total
         shape = (1, self.kv_heads, cap, self.head_dim)
-        # The disk starts on every page now, while the buffers are made.
-        self._pool.submit(_will_need, [self.path(h) for h in plan.hashes[first:plan.hit_pages]])
         # Pages are read straight into MLX's own buffers (writable through the buffer
         # protocol), which are left unwritten until then: each byte of fresh memory is
         # touched once, by the read, and no copy follows.
@@ -268,11 +376,7 @@ class PrefixCache:
         mx.eval(mk, mv)
         ks = [np.asarray(memoryview(cast(Any, a))) for a in mk]
         vs = [np.asarray(memoryview(cast(Any, a))) for a in mv]
-        futs = [self._pool.submit(self._read_page, plan.hashes[first + i], first + i,
-                                  prompt, ks, vs, i * self.P) for i in range(n)]
-        ok = [f.result() for f in futs]  # all of them: no reader may outlive the buffers
-        good = ok.index(False) if False in ok else n
-        plan.hit_pages = first + good  # pages past a bad one are rewritten by the next store
+        good = self._read(opened, plan, first, prompt, ks, vs)
         if good == 0:
             ks.clear()
             vs.clear()
@@ -297,32 +401,88 @@ class PrefixCache:
         mk.clear()
         mv.clear()
         mx.eval([c.keys for c in caches if _is_kvcache(c)])
-        self._touch(plan.hashes[:first + good])
+        self._touch(plan.runs, plan.hit_pages)
         self.stats.hits += 1
         self.stats.restored_tokens += end - base
-        self.stats.bytes_read += good * self.file_bytes
+        self.stats.bytes_read += good * self.page_bytes
         self.stats.restore_s += time.perf_counter() - t0
         return end
 
-    def _read_page(self, h: bytes, depth: int, prompt: Sequence[int], ks: list[np.ndarray],
-                   vs: list[np.ndarray], pos: int) -> bool:
-        """Read one page file straight into the layers' arrays at `pos`; verify it all.
-        A page that does not verify is deleted (the next store writes it again)."""
-        path = self.path(h)
-        try:
-            ok = self._read_into(path, h, depth, prompt, ks, vs, pos)
-        except OSError:
-            ok = False
-        if not ok:
-            self.stats.corrupt_pages += 1
-            with contextlib.suppress(OSError):
-                path.unlink()
-        return ok
+    def read_pages(self, plan: Plan, prompt: Sequence[int], ks: list[np.ndarray],
+                   vs: list[np.ndarray], first: int = 0) -> int:
+        """Read pages first..plan.hit_pages into per-layer arrays shaped (1, kv_heads, >= n*P,
+        head_dim), page `first` at position 0; returns how many verified in a row (the restore
+        without MLX, for tests and tools)."""
+        return self._read(self._open(plan, first), plan, first, prompt, ks, vs)
 
-    def _read_into(self, path: Path, h: bytes, depth: int, prompt: Sequence[int],
+    def _open(self, plan: Plan, first: int) -> list[tuple[_Run, int, Future[None]]]:
+        """Open the runs holding pages first..hit_pages and ask the OS to read those ranges
+        ahead. A run replaced since `lookup` (another process) ends the match before it."""
+        out: list[tuple[_Run, int, Future[None]]] = []
+        for k, run in enumerate(plan.runs):
+            end = plan.runs[k + 1].first if k + 1 < len(plan.runs) else plan.hit_pages
+            if end <= first:
+                continue
+            try:
+                fd = os.open(run.path, os.O_RDONLY | _NOFOLLOW)
+            except OSError:
+                plan.hit_pages = max(first, run.first)
+                break
+            if os.fstat(fd).st_ino != run.ino:
+                os.close(fd)
+                plan.hit_pages = max(first, run.first)
+                break
+            a = max(first, run.first) - run.first
+            out.append((run, fd, self._pool.submit(_will_need, fd, run.offset(a, self.page_bytes),
+                                                   (end - run.first - a) * self.page_bytes)))
+        return out
+
+    def _read(self, opened: list[tuple[_Run, int, Future[None]]], plan: Plan, first: int,
+              prompt: Sequence[int], ks: list[np.ndarray], vs: list[np.ndarray]) -> int:
+        """Read and verify pages first..plan.hit_pages from the opened runs; closes them.
+        Cuts the run of the first page that fails, and sets plan.hit_pages before it."""
+        try:
+            fds = {run.path: fd for run, fd, _ in opened}
+            futs = []
+            for d in range(first, plan.hit_pages):
+                run, i = plan.where(d)
+                futs.append(self._pool.submit(
+                    self._read_page, fds[run.path], run.offset(i, self.page_bytes),
+                    plan.hashes[d], d, prompt, ks, vs, (d - first) * self.P))
+            ok = [f.result() for f in futs]  # all of them: no reader may outlive the buffers
+        finally:
+            for _, fd, advice in opened:
+                advice.result()  # the fd is closed only once nothing uses it
+                os.close(fd)
+        good = ok.index(False) if False in ok else len(ok)
+        if good < len(ok):
+            self.stats.corrupt_pages += 1
+            run, i = plan.where(first + good)
+            self._cut(run, i)
+        plan.hit_pages = first + good  # pages past a bad one are rewritten by the next store
+        return good
+
+    def _cut(self, run: _Run, i: int) -> None:
+        """Drop page i of a run and all after it: truncate the file before it, or remove the
+        file if nothing is left. Only the file `lookup` saw (same inode) is touched."""
+        with contextlib.suppress(OSError):
+            fd = os.open(run.path, os.O_WRONLY | _NOFOLLOW)
+            try:
+                if os.fstat(fd).st_ino != run.ino:
+                    return
+                if i == 0:
+                    run.path.unlink()
+                else:
+                    os.ftruncate(fd, run.offset(i, self.page_bytes))
+            finally:
+                os.close(fd)
+
+    def _read_page(self, fd: int, off: int, h: bytes, depth: int, prompt: Sequence[int],
                    ks: list[np.ndarray], vs: list[np.ndarray], pos: int) -> bool:
+        """Read one page record at `off` straight into the layers' arrays at `pos`; verify it
+        all (False if any byte, the hash, the depth or the tokens are not as expected)."""
         P = self.P
-        head = bytearray(_PX.size + 4 * P + _CRC.size)
+        head = bytearray(self.page_head)
         rec_heads = [bytearray(_HEADER.size) for _ in range(self.n_layers)]
         crcs = [bytearray(_CRC.size) for _ in range(self.n_layers)]
         bufs: list[Any] = [head]
@@ -332,21 +492,16 @@ class PrefixCache:
                 bufs.extend(arr[0, hh, pos:pos + P].data.cast("B")
                             for hh in range(self.kv_heads))
             bufs.append(crcs[layer])
-        # Never through a link: only files this cache wrote into its own folder are read.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         try:
-            if os.fstat(fd).st_size != self.file_bytes:
-                return False  # truncated or from another layout
-            off = 0
             for i in range(0, len(bufs), _IOV_MAX):
                 chunk = bufs[i:i + _IOV_MAX]
                 want = sum(len(b) for b in chunk)
                 if os.preadv(fd, chunk, off) != want:
-                    return False
+                    return False  # truncated since lookup
                 off += want
-        finally:
-            os.close(fd)
-        # Prefix header: magic, layout, hashes, digest, tokens, CRC.
+        except OSError:
+            return False
+        # Page header: magic, layout, hashes, digest, tokens, CRC.
         body = bytes(head[:-_CRC.size])
         if zlib.crc32(body) != _CRC.unpack(head[-_CRC.size:])[0]:
             return False
@@ -373,32 +528,41 @@ class PrefixCache:
                 return False
         return True
 
-    def _touch(self, hashes: Sequence[bytes]) -> None:
-        """Mark pages used now; deeper pages look slightly older, so LRU drops them first
-        (a page without its parent can never be reached)."""
-        now = time.time_ns()
-        for depth, h in enumerate(hashes):
-            t = now - depth * 1000
+    def _touch(self, runs: Sequence[_Run], hit_pages: int, now: int | None = None) -> int:
+        """Mark the runs used now; deeper runs look slightly older, so LRU drops them first
+        (a run without its parent can never be reached). Returns the oldest time set."""
+        t = time.time_ns() if now is None else now
+        for run in runs:
+            if run.first >= hit_pages:
+                break
             with contextlib.suppress(OSError):
-                os.utime(self.path(h), ns=(t, t))
+                os.utime(run.path, ns=(t, t))
+            t -= 1000
+        return t
 
     # -- store --------------------------------------------------------------------------
     def store(self, caches: list[Any], prompt: Sequence[int], plan: Plan) -> int:
-        """Queue the prompt's full pages that are not on disk; returns pages queued.
-        Runs on the generating thread (MLX arrays belong to it): copies the new pages out."""
+        """Queue the prompt's full pages that are not on disk, as one run; returns pages
+        queued. Runs on the generating thread (MLX arrays belong to it): copies them out."""
         import mlx.core as mx
 
         if self._closed or not all(_is_kvcache(c) and c.keys is not None for c in caches):
             return 0
         n = len(plan.hashes)
-        todo = [d for d in range(plan.hit_pages, n) if not self.path(plan.hashes[d]).is_file()]
-        if not todo:
-            self._touch(plan.hashes)
+        # Pages stored since lookup (another process, an earlier queued run) are kept.
+        start, more = self._walk(plan.hashes, plan.hit_pages)
+        runs = [r for r in plan.runs if r.first < plan.hit_pages] + more
+        if start >= n:
+            self._touch(runs, n)
             return 0
-        first, last = todo[0], todo[-1] + 1
-        if any(c.offset < last * self.P for c in caches):
+        # The new run ends where a stored run begins (it is referenced, not copied), and is
+        # never larger than the whole budget.
+        stop = next((d for d in range(start + 1, n) if self.path(plan.hashes[d]).is_file()), n)
+        fits = int(self.settings.budget_mb * (1 << 20)) - self.run_head_bytes(stop - start)
+        stop = min(stop, start + max(0, fits // self.page_bytes))
+        if stop <= start or any(c.offset < stop * self.P for c in caches):
             return 0
-        a, b = first * self.P, last * self.P
+        a, b = start * self.P, stop * self.P
         ks, vs = [], []
         for c in caches:
             k, v = c.keys[..., a:b, :], c.values[..., a:b, :]
@@ -410,12 +574,12 @@ class PrefixCache:
             ks.append(kn)
             vs.append(vn)
         pages = []
-        for d in todo:
+        for d in range(start, stop):
             parent = plan.hashes[d - 1] if d else bytes(32)
             toks = np.asarray(prompt[d * self.P:(d + 1) * self.P], "<u4")
             pages.append((d, parent, plan.hashes[d], toks))
-        self._q.put(_Job(pages, ks, vs, first))
-        self._touch(plan.hashes[:plan.hit_pages])
+        oldest = self._touch(runs, start)
+        self._q.put(_Job(pages, ks, vs, start, mtime_ns=oldest))
         return len(pages)
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -442,22 +606,22 @@ class PrefixCache:
             try:
                 if job is None:
                     return
-                for depth, parent, h, toks in job.pages:
+                if job.pages:
                     try:
-                        self._write_page(job, depth, parent, h, toks)
+                        self._write_run(job)
                     except OSError as exc:
                         # A full disk or a read-only folder: the cache is optional, go on.
-                        self.stats.write_errors.append(f"{self.path(h).name}: "
+                        self.stats.write_errors.append(f"{self.path(job.pages[0][2]).name}: "
                                                        f"{exc.strerror or exc}")
-                        break
                 self._evict()
             finally:
                 self._q.task_done()
 
-    def _write_page(self, job: _Job, depth: int, parent: bytes, h: bytes, toks: np.ndarray
-                    ) -> None:
+    def _page_record(self, job: _Job, depth: int, parent: bytes, h: bytes, toks: np.ndarray
+                     ) -> list[Any]:
+        """One page's record as buffers: page header, then one SSD-tier record per layer."""
         P = self.P
-        bufs: list[Any] = [b""]  # the prefix header, once the digest of the records is known
+        bufs: list[Any] = [b""]  # the page header, once the digest of the records is known
         x = xxhash.xxh3_64()
         pos = (depth - job.first) * P
         for layer in range(self.n_layers):
@@ -477,15 +641,26 @@ class PrefixCache:
         body = _PX.pack(PREFIX_MAGIC, PREFIX_VERSION, P, depth, self.n_layers, parent, h,
                         x.intdigest()) + toks.tobytes()
         bufs[0] = body + _CRC.pack(zlib.crc32(body))
-        final = self.path(h)
-        tmp = self.folder / f".tmp-{os.getpid()}-{h.hex()[:16]}"
+        return bufs
+
+    def _write_run(self, job: _Job) -> None:
+        """Write the job's pages as one run file: temp file, then rename into place."""
+        first, parent, h0, _ = job.pages[0]
+        body = _RUN.pack(RUN_MAGIC, PREFIX_VERSION, self.P, self.n_layers, first,
+                         len(job.pages), self.page_bytes, parent)
+        body += b"".join(h for _, _, h, _ in job.pages)
+        final = self.path(h0)
+        tmp = self.folder / f".tmp-{os.getpid()}-{h0.hex()[:16]}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            for i in range(0, len(bufs), _IOV_MAX):
-                chunk = bufs[i:i + _IOV_MAX]
-                want = sum(len(b) for b in chunk)
-                if os.writev(fd, chunk) != want:
-                    raise OSError(28, "No space left on device (short write)")
+            os.write(fd, body + _CRC.pack(zlib.crc32(body)))
+            for depth, par, h, toks in job.pages:
+                bufs = self._page_record(job, depth, par, h, toks)
+                for i in range(0, len(bufs), _IOV_MAX):
+                    chunk = bufs[i:i + _IOV_MAX]
+                    want = sum(len(b) for b in chunk)
+                    if os.writev(fd, chunk) != want:
+                        raise OSError(28, "No space left on device (short write)")
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
@@ -494,28 +669,57 @@ class PrefixCache:
         os.close(fd)
         # No fsync: a torn page after a crash fails its checksum and is rebuilt.
         os.replace(tmp, final)
-        t = time.time_ns() - depth * 1000
+        t = job.mtime_ns or time.time_ns()
         os.utime(final, ns=(t, t))
-        self.stats.pages_written += 1
-        self.stats.bytes_written += self.file_bytes
+        self.stats.runs_written += 1
+        self.stats.pages_written += len(job.pages)
+        self.stats.bytes_written += self.run_head_bytes(len(job.pages)) + len(
+            job.pages) * self.page_bytes
 
     # -- disk budget --------------------------------------------------------------------
     def disk_bytes(self) -> int:
         return sum(size for _, size, _ in _scan(self.folder))
 
     def _evict(self) -> None:
+        """Over budget: remove files this layout cannot use, then least recently used runs,
+        each with the runs that continue it (their parent page is gone: unreachable)."""
         budget = int(self.settings.budget_mb * (1 << 20))
         entries = _scan(self.folder)
         total = sum(size for _, size, _ in entries)
         if total <= budget:
             return
-        for _mtime, size, path in sorted(entries):
+        info = {path: self._run_info(path) for _, _, path in entries}
+        size_of = {path: size for _, size, path in entries}
+        alive = set(size_of)
+
+        def remove(path: Path) -> None:
+            nonlocal total
             with contextlib.suppress(OSError):
                 path.unlink()
-                self.stats.evicted_pages += 1
-                total -= size
+            alive.discard(path)
+            total -= size_of[path]
+            run = info[path]
+            if run is not None:
+                self.stats.evicted_runs += 1
+                self.stats.evicted_pages += run.present
+
+        order = sorted(entries, key=lambda e: (info[e[2]] is not None, e[0]))
+        for _mtime, _size, path in order:
             if total <= budget:
                 break
+            if path not in alive:
+                continue
+            remove(path)
+            # Runs whose parent page no longer is on disk: drop them too, until none is left.
+            while True:
+                stored = {h for p in alive if (r := info[p]) is not None
+                          for h in r.hashes[:r.present]}
+                orphans = [p for p in alive if (r := info[p]) is not None and r.first > 0
+                           and r.parent not in stored]
+                if not orphans:
+                    break
+                for p in orphans:
+                    remove(p)
 
     def _sweep_temp(self) -> None:
         """Remove temp files of writers that died (their pid is gone) or are a day old."""
@@ -537,7 +741,7 @@ def _scan(folder: Path) -> list[tuple[int, int, Path]]:
         for e in os.scandir(folder):
             if e.name.endswith(".kvp"):
                 with contextlib.suppress(OSError):
-                    st = e.stat()
+                    st = e.stat(follow_symlinks=False)
                     out.append((st.st_mtime_ns, st.st_size, Path(e.path)))
     return out
 
@@ -548,18 +752,12 @@ def _close_at_exit(ref: weakref.ref[PrefixCache]) -> None:
         cache.close()
 
 
-def _will_need(paths: Sequence[Path]) -> None:
-    """Ask the OS to start reading these files into the page cache (no wait, no error)."""
+def _will_need(fd: int, offset: int, length: int) -> None:
+    """Ask the OS to start reading this range into the page cache (no wait, no error)."""
     advise = getattr(os, "posix_fadvise", None)
-    if advise is None:
-        return
-    for path in paths:
+    if advise is not None:
         with contextlib.suppress(OSError):
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-            try:
-                advise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
+            advise(fd, offset, length, os.POSIX_FADV_WILLNEED)
 
 
 class _Unwritten(io.RawIOBase):

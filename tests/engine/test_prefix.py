@@ -7,10 +7,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 import types
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from engine.kv.prefix import PrefixCache, PrefixSettings, model_key
 from engine.platform import ComputeProfile
@@ -56,7 +59,7 @@ def test_restart_reuses_the_prefix_and_output_is_unchanged(starter: Any, tmp_pat
 
     first, _ = run()
     assert first["cached_tokens"] == 0 and first["prompt_tokens"] > 600
-    assert list((tmp_path / "px").glob("*.kvp")), "the first process left no pages"
+    assert len(list((tmp_path / "px").glob("*.kvp"))) == 1, "the first process left no run"
     second, timeline = run()
     assert second["cached_tokens"] >= first["prompt_tokens"] - 128
     assert second["text"] == first["text"]
@@ -102,30 +105,73 @@ def test_a_different_model_key_never_reuses(starter_lm: Any, prefix: PrefixCache
 
 
 # -- integrity -----------------------------------------------------------------------------
-def test_corrupt_and_truncated_pages_are_ignored_and_rebuilt(starter_lm: Any,
+def _one_run(prefix: PrefixCache, ids: list[int], pages: int) -> Path:
+    plan = prefix.lookup(ids)
+    assert plan.hit_pages == pages and len(plan.runs) == 1
+    return plan.runs[0].path
+
+
+def test_a_corrupt_page_inside_a_run_is_rejected_and_rebuilt(starter_lm: Any,
                                                              prefix: PrefixCache) -> None:
-    ids = _ids(starter_lm, 140)  # 4 full pages of 32
+    ids = _ids(starter_lm, 140)  # 4 full pages of 32, one run
     want, last = _run(starter_lm, ids, prefix_cache=False)
     assert last.cached_tokens == 0
     _run(starter_lm, ids)
     prefix.flush()
-    plan = prefix.lookup(ids)
-    assert plan.hit_pages == 4
-    p1, p2 = prefix.path(plan.hashes[1]), prefix.path(plan.hashes[2])
-    data = bytearray(p1.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # one flipped bit in the keys of some layer
-    p1.write_bytes(bytes(data))
-    with open(p2, "r+b") as f:
-        f.truncate(p2.stat().st_size - 100)
+    run = _one_run(prefix, ids, 4)
+    head = prefix.run_head_bytes(4)
+    data = bytearray(run.read_bytes())
+    assert len(data) == head + 4 * prefix.page_bytes
+    data[head + 2 * prefix.page_bytes + prefix.page_bytes // 2] ^= 0xFF  # page 2's records
+    run.write_bytes(bytes(data))
     got, last = _run(starter_lm, ids)
-    assert last.cached_tokens == 32  # page 0 only: the match ends at the corrupt page
+    assert last.cached_tokens == 64  # pages 0 and 1: the match ends at the corrupt page
     assert got == want
     prefix.flush()
-    assert prefix.stats.corrupt_pages == 2
-    assert p1.read_bytes() != bytes(data), "a corrupt page must be removed and rewritten"
-    assert prefix.lookup(ids).hit_pages == 4  # rebuilt by the store after that prefill
+    assert prefix.stats.corrupt_pages == 1
+    # The run was cut before the bad page; the store wrote pages 2 and 3 as a new run that
+    # refers to the first one, whose two good pages were not written again.
+    assert run.stat().st_size == head + 2 * prefix.page_bytes
+    plan = prefix.lookup(ids)
+    assert plan.hit_pages == 4 and [r.first for r in plan.runs] == [0, 2]
+    assert prefix.disk_bytes() == head + prefix.run_head_bytes(2) + 4 * prefix.page_bytes
     got, last = _run(starter_lm, ids)
     assert last.cached_tokens == 128 and got == want
+
+
+def test_a_truncated_run_uses_only_its_whole_pages(starter_lm: Any, prefix: PrefixCache
+                                                   ) -> None:
+    ids = _ids(starter_lm, 140, salt="Torn. ")
+    want, _ = _run(starter_lm, ids, prefix_cache=False)
+    _run(starter_lm, ids)
+    prefix.flush()
+    run = _one_run(prefix, ids, 4)
+    with open(run, "r+b") as f:  # a torn write: page 1 is half there
+        f.truncate(prefix.run_head_bytes(4) + prefix.page_bytes + prefix.page_bytes // 2)
+    assert prefix.lookup(ids).hit_pages == 1
+    got, last = _run(starter_lm, ids)
+    assert last.cached_tokens == 32 and got == want
+    prefix.flush()
+    assert prefix.lookup(ids).hit_pages == 4
+    got, last = _run(starter_lm, ids)
+    assert last.cached_tokens == 128 and got == want
+
+
+def test_a_damaged_run_header_is_ignored_and_replaced(starter_lm: Any, prefix: PrefixCache
+                                                      ) -> None:
+    ids = _ids(starter_lm, 100, salt="Header. ")
+    want, _ = _run(starter_lm, ids, prefix_cache=False)
+    _run(starter_lm, ids)
+    prefix.flush()
+    run = _one_run(prefix, ids, 3)
+    data = bytearray(run.read_bytes())
+    data[40] ^= 0x01  # inside the run header's list of page hashes
+    run.write_bytes(bytes(data))
+    assert prefix.lookup(ids).hit_pages == 0
+    got, last = _run(starter_lm, ids)
+    assert last.cached_tokens == 0 and got == want
+    prefix.flush()
+    assert _one_run(prefix, ids, 3) == run  # rewritten under the same name
 
 
 def test_restore_matches_prefill_exactly(starter_lm: Any, prefix: PrefixCache) -> None:
@@ -152,12 +198,45 @@ def test_divergence_mid_page_reuses_only_the_pages_before(starter_lm: Any,
     assert got == want
 
 
+def test_a_second_prompt_reuses_the_shared_pages_without_copying_them(
+        starter_lm: Any, prefix: PrefixCache) -> None:
+    a = _ids(starter_lm, 140, salt="Shared. ")  # 4 pages
+    _run(starter_lm, a)
+    prefix.flush()
+    assert prefix.stats.pages_written == 4 and prefix.stats.runs_written == 1
+    # Diverges inside page 2: pages 0 and 1 are reused, pages 2.. are its own.
+    b = a[:70] + _ids(starter_lm, 90, salt="Another text. ")
+    want_b, _ = _run(starter_lm, b, prefix_cache=False)
+    got, last = _run(starter_lm, b)
+    assert last.cached_tokens == 64 and got == want_b
+    prefix.flush()
+    n_b = (len(b) - 1) // 32
+    assert prefix.stats.pages_written == 4 + n_b - 2 and prefix.stats.runs_written == 2
+    # Extends the first prompt: only the new pages are written, as a run after page 3.
+    c = a + _ids(starter_lm, 100, salt="More. ")
+    want_c, _ = _run(starter_lm, c, prefix_cache=False)
+    got, last = _run(starter_lm, c)
+    assert last.cached_tokens == 128 and got == want_c
+    prefix.flush()
+    n_c = (len(c) - 1) // 32
+    assert prefix.stats.pages_written == 4 + (n_b - 2) + (n_c - 4)
+    pages = 4 + (n_b - 2) + (n_c - 4)
+    heads = prefix.run_head_bytes(4) + prefix.run_head_bytes(n_b - 2) + prefix.run_head_bytes(
+        n_c - 4)
+    assert prefix.disk_bytes() == heads + pages * prefix.page_bytes  # no page twice
+    plan = prefix.lookup(c)
+    assert plan.hit_pages == n_c and [r.first for r in plan.runs] == [0, 4]
+    assert [r.first for r in prefix.lookup(b).runs] == [0, 2]
+    got, last = _run(starter_lm, c)
+    assert last.cached_tokens == n_c * 32 and got == want_c
+
+
 # -- eviction ------------------------------------------------------------------------------
 def test_eviction_under_a_tiny_budget_keeps_the_most_recent(starter_lm: Any,
                                                             tmp_path: Path) -> None:
     probe = PrefixCache.for_model(starter_lm, PrefixSettings(folder=tmp_path / "e",
                                                              page_tokens=32))
-    budget = 2.5 * probe.file_bytes / (1 << 20)  # room for two pages
+    budget = (2.5 * probe.page_bytes + 2 * probe.run_head_bytes(2)) / (1 << 20)  # one run
     probe.close()
     pc = PrefixCache.for_model(starter_lm, PrefixSettings(folder=tmp_path / "e",
                                                           page_tokens=32, budget_mb=budget))
@@ -173,7 +252,58 @@ def test_eviction_under_a_tiny_budget_keeps_the_most_recent(starter_lm: Any,
         assert pc.lookup(y).hit_pages == 2
         assert pc.lookup(x).hit_pages == 0
         assert pc.disk_bytes() <= budget * (1 << 20)
-        assert pc.stats.evicted_pages == 2
+        assert pc.stats.evicted_pages == 2 and pc.stats.evicted_runs == 1
     finally:
         starter_lm.prefix_cache = None
+        pc.close()
+
+
+def test_eviction_removes_whole_runs_and_the_runs_that_continue_them(tmp_path: Path) -> None:
+    from tests.reliability.common import PAGE, new_prefix_cache, prefix_prompt, write_prefix_pages
+
+    pc = new_prefix_cache(tmp_path / "ev")
+    try:
+        x = prefix_prompt(4, seed=1)
+        write_prefix_pages(pc, x, 2, seed=1)  # run X: pages 0-1
+        plan = pc.lookup(x)
+        assert plan.hit_pages == 2
+        # Run Y continues X with pages 2-3 (what a store after a restore of X writes).
+        from engine.kv.prefix import _Job
+        from tests.reliability.common import prefix_pages
+
+        ks, vs = prefix_pages(4, seed=1)
+        pages = [(d, plan.hashes[d - 1], plan.hashes[d],
+                  np.asarray(x[d * PAGE:(d + 1) * PAGE], "<u4")) for d in (2, 3)]
+        pc._write_run(_Job(pages, [k[:, 2 * PAGE:] for k in ks], [v[:, 2 * PAGE:] for v in vs],
+                           2))
+        assert [r.first for r in pc.lookup(x).runs] == [0, 2]
+        z = prefix_prompt(2, seed=2)
+        write_prefix_pages(pc, z, 2, seed=2)
+        # X is the least recently used: it goes, and Y with it (its parent page is gone).
+        old = time.time_ns() - 10**9
+        os.utime(pc.path(plan.hashes[0]), ns=(old, old))
+        pc.settings = replace(pc.settings, budget_mb=pc.disk_bytes() / (1 << 20) - 0.001)
+        pc._evict()
+        assert pc.stats.evicted_runs == 2 and pc.stats.evicted_pages == 4
+        assert [p.name for p in pc.folder.glob("*.kvp")] == [pc.path(pc.lookup(z).hashes[0]).name]
+        assert pc.lookup(x).hit_pages == 0 and pc.lookup(z).hit_pages == 2
+    finally:
+        pc.close()
+
+
+def test_format_2_files_are_never_used_and_go_first(tmp_path: Path) -> None:
+    from tests.reliability.common import new_prefix_cache, prefix_prompt, write_prefix_pages
+
+    pc = new_prefix_cache(tmp_path / "old")
+    try:
+        x = prefix_prompt(2, seed=3)
+        write_prefix_pages(pc, x, 2, seed=3)
+        stale = pc.folder / ("ab" * 32 + ".kvp")  # a format-2 page file: another header
+        stale.write_bytes(b"STRATAPX" + b"\x02\x00" + bytes(1000))
+        os.utime(stale, ns=(time.time_ns() + 10**9,) * 2)  # even if it looks recent
+        assert pc.lookup(x).hit_pages == 2
+        pc.settings = replace(pc.settings, budget_mb=(pc.disk_bytes() - 1) / (1 << 20))
+        pc._evict()
+        assert not stale.exists() and pc.lookup(x).hit_pages == 2
+    finally:
         pc.close()

@@ -73,19 +73,22 @@ def test_any_byte_of_a_page_is_covered(starter_lm: Any, prefix: PrefixCache, whe
     _first_token(starter_lm, ids)
     prefix.flush()
     plan = prefix.lookup(ids)
-    assert plan.hit_pages == 2
-    page = prefix.path(plan.hashes[1])
-    data = bytearray(page.read_bytes())
-    # The digest is the last field of the prefix header; the file ends with the last
-    # layer's values and then that record's CRC-32.
-    pos = {"digest": _PX.size - 1, "last crc": len(data) - 1, "last value": len(data) - 5}
+    assert plan.hit_pages == 2 and len(plan.runs) == 1
+    run = plan.runs[0].path
+    data = bytearray(run.read_bytes())
+    # Page 1 is the run's last record: its page header ends with the digest; the file ends
+    # with the last layer's values and then that record's CRC-32.
+    page1 = prefix.run_head_bytes(2) + prefix.page_bytes
+    pos = {"digest": page1 + _PX.size - 1, "last crc": len(data) - 1,
+           "last value": len(data) - 5}
     data[pos[where]] ^= 0x01
-    page.write_bytes(bytes(data))
+    run.write_bytes(bytes(data))
     last = list(generate(starter_lm, ids, SamplingParams(temperature=0), 1))[-1]
     assert last.cached_tokens == 32  # page 0 only
     assert prefix.stats.corrupt_pages == 1
+    assert run.stat().st_size == page1  # the run is cut before the bad page
     prefix.flush()
-    assert page.read_bytes() != bytes(data)  # rewritten by the store after the prefill
+    assert prefix.lookup(ids).hit_pages == 2  # page 1 rewritten by the store after the prefill
 
 
 def test_each_chat_turn_prefills_only_what_is_new(starter_lm: Any) -> None:
@@ -129,7 +132,7 @@ def test_summary_of_the_restore_part_compares_medians() -> None:
 def test_files_read_speed_reads_every_byte(tmp_path: Path) -> None:
     files = []
     for i in range(3):
-        f = tmp_path / f"{i}.kvp"
+        f = tmp_path / f"{i}.bin"
         f.write_bytes(bytes([i]) * (300_000 + i))
         files.append(f)
     out = files_read_speed(files)

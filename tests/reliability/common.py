@@ -60,29 +60,28 @@ def new_prefix_cache(folder: Path, key: bytes = b"k" * 32) -> Any:
 
 
 def write_prefix_pages(cache: Any, prompt: list[int], n_pages: int, seed: int = 0) -> None:
-    """Write the prompt's first n_pages pages synchronously (the writer thread's own code)."""
+    """Write the prompt's first n_pages pages as one run, synchronously (the writer's code)."""
     from engine.kv.prefix import _Job, chain_hashes
 
     hashes = chain_hashes(prompt, PAGE, cache.key, n_pages)
     ks, vs = prefix_pages(n_pages, seed)
-    job = _Job([], ks, vs, 0)
-    for d in range(n_pages):
-        parent = hashes[d - 1] if d else bytes(32)
-        toks = np.asarray(prompt[d * PAGE:(d + 1) * PAGE], "<u4")
-        cache._write_page(job, d, parent, hashes[d], toks)
+    pages = [(d, hashes[d - 1] if d else bytes(32), hashes[d],
+              np.asarray(prompt[d * PAGE:(d + 1) * PAGE], "<u4")) for d in range(n_pages)]
+    cache._write_run(_Job(pages, ks, vs, 0))
 
 
 def read_prefix_page(cache: Any, prompt: list[int], depth: int
                      ) -> tuple[bool, list[np.ndarray], list[np.ndarray]]:
-    """Read one stored page through the cache's verifying reader into fresh buffers."""
-    from engine.kv.prefix import chain_hashes
-
-    hashes = chain_hashes(prompt, PAGE, cache.key, depth + 1)
-    shape = (1, KV_HEADS, PAGE, HEAD_DIM)
+    """Look the prompt up and read its pages up to `depth` through the cache's verifying
+    reader into fresh buffers; (page `depth` verified, its keys, its values)."""
+    plan = cache.lookup(prompt)
+    plan.hit_pages = min(plan.hit_pages, depth + 1)
+    shape = (1, KV_HEADS, (depth + 1) * PAGE, HEAD_DIM)
     ks = [np.zeros(shape, np.float32) for _ in range(LAYERS)]
     vs = [np.zeros(shape, np.float32) for _ in range(LAYERS)]
-    ok = cache._read_page(hashes[depth], depth, prompt, ks, vs, 0)
-    return ok, ks, vs
+    good = cache.read_pages(plan, prompt, ks, vs) if plan.hit_pages > depth else 0
+    sl = slice(depth * PAGE, (depth + 1) * PAGE)
+    return good > depth, [k[:, :, sl] for k in ks], [v[:, :, sl] for v in vs]
 
 
 class Hang(Exception):

@@ -208,12 +208,17 @@ from engine.kv.prefix import PrefixSettings
 lm = LoadedModel.load({starter["path"]!r})
 cache = lm.enable_prefix_cache(PrefixSettings(folder={str(folder)!r}, page_tokens=32))
 ids = lm.tokenizer.encode_chat([{{"role": "user", "content": {prompt_text!r}}}])
-orig = cache._write_page
+first = lm.tokenizer.encode_chat([{{"role": "user", "content": {prompt_text[:600]!r}}}])
+for ev in generate(lm, first, SamplingParams(temperature=0.0), max_tokens=2):
+    pass
+cache.flush()
+print("RUN", flush=True)  # one run on disk; the next one is killed while it is written
+orig = cache._page_record
 def slow(*a, **k):
-    orig(*a, **k)
     print("PAGE", flush=True)
     time.sleep(0.05)
-cache._write_page = slow
+    return orig(*a, **k)
+cache._page_record = slow
 for ev in generate(lm, ids, SamplingParams(temperature=0.0), max_tokens=2):
     pass
 time.sleep(60)
@@ -222,7 +227,8 @@ time.sleep(60)
                              stderr=subprocess.DEVNULL, text=True)
     assert child.stdout is not None
     try:
-        for _ in range(3):  # a few pages are on disk, more are being written
+        assert child.stdout.readline().startswith("RUN")
+        for _ in range(3):  # a run is on disk, the next one is being written
             assert child.stdout.readline().startswith("PAGE")
         os.kill(child.pid, signal.SIGKILL)
         child.wait(timeout=30)
@@ -231,11 +237,11 @@ time.sleep(60)
             child.kill()
             child.wait()
         child.stdout.close()
-    # Tear one stored page as a torn write would: it must be rejected, not used.
-    pages = sorted(folder.glob("*.kvp"))
-    assert pages
-    with open(pages[0], "r+b") as fh:
-        fh.seek(os.path.getsize(pages[0]) // 2)
+    # Tear a page inside the stored run as a torn write would: it must be rejected, not used.
+    runs = sorted(folder.glob("*.kvp"))
+    assert len(runs) == 1
+    with open(runs[0], "r+b") as fh:
+        fh.seek(os.path.getsize(runs[0]) // 2)
         fh.write(b"\xff" * 64)
 
     from engine.kv.prefix import PrefixSettings
