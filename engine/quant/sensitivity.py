@@ -7,7 +7,7 @@ estimated with the diagonal Fisher information: sum(F * (W - Q(W))**2), where F 
 squared gradient of the next-token loss over calibration chunks. `allocate(errors, shapes,
 target_bpw)` picks one format per tensor minimising the summed estimate under a bits-per-weight
 budget (a Lagrangian sweep, then greedy upgrades with the bits left). Progress is reported per
-chunk; the cancel flag is checked between chunks.
+chunk, then per tensor weighed; the cancel flag is checked between them.
 """
 
 from __future__ import annotations
@@ -113,7 +113,13 @@ def measure(model: Any, tokenizer: Any, text_path: Path, n_tokens: int = 2048,
     fisher = fisher_diagonal(model, tokens, chunk, progress, cancel)
     modules = dict(model.named_modules())
     errors: Errors = {}
-    for path, f in fisher.items():
+    # Weighing every format of every tensor takes minutes with importance: cancel and report
+    # between tensors too, not only between calibration chunks.
+    for i, (path, f) in enumerate(fisher.items()):
+        if cancel is not None and cancel():
+            raise Cancelled("sensitivity measurement")
+        if progress is not None:
+            progress(i, len(fisher))
         w = modules[path].weight.astype(mx.float32)
         errors[path] = {}
         for fmt in candidates(w.shape[-1]):

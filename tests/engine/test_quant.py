@@ -399,3 +399,22 @@ def test_imatrix_beats_round_to_nearest_on_the_starter(library: Any, reference: 
                          window=256, gen_tokens=0).kl_mean for name in (rtn["name"], m["name"])}
     # On 4,096 wikitext tokens the gap is about 2.5x (docs/quantization.md); ask for 1.5x.
     assert kl[m["name"]] * 1.5 < kl[rtn["name"]], kl
+
+
+def test_auto_with_imatrix_can_be_cancelled_while_weighing(library: Any, tmp_path: Path) -> None:
+    """The weighing of every format (minutes on a real model) stops on cancel, writes nothing."""
+    from engine.errors import Cancelled
+    from engine.quant.quantize import quantize
+    from tests.engine.hf_factory import write_hf_llama
+
+    write_hf_llama(tmp_path / "hf", layers=2, tie=True)
+    text = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+    before = _library_state(library)
+    seen: list[tuple[int, int]] = []
+    # Calls: 1 importance chunk, 2 Fisher chunks, then one per tensor weighed.
+    with pytest.raises(Cancelled):
+        quantize(library, str(tmp_path / "hf"), "auto", "t-auto-cancel", target_bpw=3.6,
+                 calibration=text, calibration_tokens=256, method="imatrix",
+                 progress=lambda d, t: seen.append((d, t)), cancel=lambda: len(seen) >= 5)
+    assert len(seen) == 5 and seen[-1][0] == 1  # stopped inside the weighing, after a tensor
+    assert _library_state(library) == before
