@@ -104,34 +104,34 @@ def _least_squares(x: np.ndarray, a: np.ndarray, q: np.ndarray
     return s.astype(np.float32), b.astype(np.float32)
 
 
-def _choose_weighted(w: Any, bits: int, group_size: int, importance: np.ndarray
-                     ) -> tuple[Any, Any, Any]:
-    """`_choose` with the importance-weighted grid search of the module docstring."""
-    import mlx.core as mx
-
+def weighted_search(x: np.ndarray, importance: np.ndarray, bits: int, group_size: int,
+                    s_mlx: np.ndarray, b_mlx: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The importance-weighted grid search of the module docstring, in NumPy only (so that
+    several can run in threads: NumPy releases the GIL): `x` the (rows, cols) float32 weight,
+    `s_mlx`/`b_mlx` MLX's own grid for it. Returns codes (rows, cols/g, g) as float32 and the
+    float16-rounded scales and biases (rows, cols/g) as float32."""
     levels = 2 ** bits - 1
-    arr = np.array(w.astype(mx.float32))
-    rows, cols = arr.shape
+    rows, cols = x.shape
     if importance.shape != (cols,):
-        raise ValueError(f"importance has shape {importance.shape}, the weight {arr.shape}")
-    x = arr.reshape(rows, cols // group_size, group_size)
+        raise ValueError(f"importance has shape {importance.shape}, the weight {x.shape}")
+    xg = x.reshape(rows, cols // group_size, group_size)
     imp = np.maximum(importance.astype(np.float32), 0)
     # A column no calibration token reached still counts a little: its weight is not free.
     imp = imp + np.float32(1e-6) * max(float(imp.mean()), 1e-30)
-    a = np.broadcast_to(imp.reshape(1, cols // group_size, group_size), x.shape)
-    lo, hi = x.min(-1), x.max(-1)
+    a = np.broadcast_to(imp.reshape(1, cols // group_size, group_size), xg.shape)
+    lo, hi = xg.min(-1), xg.max(-1)
     span = np.maximum(hi - lo, np.float32(1e-12))
-    _, s_mlx, b_mlx = mx.quantize(w.astype(mx.float32), group_size=group_size, bits=bits)
-    best = _weighted_codes(x, a, np.array(s_mlx), np.array(b_mlx), levels)
+    best = _weighted_codes(xg, a, s_mlx, b_mlx, levels)
     grids = [((hi - lo) / levels, lo)]
     for k in range(SEARCH_STEPS):
         stretch = levels - 1.0 + 2.0 * k / (SEARCH_STEPS - 1)
-        codes = np.clip(np.rint((stretch / span)[..., None] * (x - lo[..., None])), 0, levels)
-        grids.append(_least_squares(x, a, codes))
+        codes = np.clip(np.rint((stretch / span)[..., None] * (xg - lo[..., None])), 0, levels)
+        grids.append(_least_squares(xg, a, codes))
 
     def keep(s: np.ndarray, b: np.ndarray) -> None:
         nonlocal best
-        cand = _weighted_codes(x, a, s, b, levels)
+        cand = _weighted_codes(xg, a, s, b, levels)
         better = cand[0] < best[0]
         best = (np.where(better, cand[0], best[0]), np.where(better[..., None], cand[1], best[1]),
                 np.where(better, cand[2], best[2]), np.where(better, cand[3], best[3]))
@@ -139,9 +139,26 @@ def _choose_weighted(w: Any, bits: int, group_size: int, importance: np.ndarray
     for s, b in grids:
         keep(s, b)
     for _ in range(2):  # refit to the best codes found so far
-        keep(*_least_squares(x, a, best[1]))
-    return (mx.array(best[1]), mx.array(best[2]).astype(mx.float16),
-            mx.array(best[3]).astype(mx.float16))
+        keep(*_least_squares(xg, a, best[1]))
+    return best[1], best[2], best[3]
+
+
+def mlx_grid(w: Any, bits: int, group_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """MLX's own scales and biases for a weight, as float32 NumPy arrays."""
+    import mlx.core as mx
+
+    _, s, b = mx.quantize(w.astype(mx.float32), group_size=group_size, bits=bits)
+    return np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32))
+
+
+def _choose_weighted(w: Any, bits: int, group_size: int, importance: np.ndarray
+                     ) -> tuple[Any, Any, Any]:
+    """`_choose` with the importance-weighted grid search of the module docstring."""
+    import mlx.core as mx
+
+    q, s, b = weighted_search(np.array(w.astype(mx.float32)), importance, bits, group_size,
+                              *mlx_grid(w, bits, group_size))
+    return mx.array(q), mx.array(s).astype(mx.float16), mx.array(b).astype(mx.float16)
 
 
 def _pick(w: Any, bits: int, group_size: int, importance: np.ndarray | None

@@ -12,9 +12,13 @@ chunk, then per tensor weighed; the cancel flag is checked between them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from engine.errors import Cancelled, StrataError
 from engine.quant.importance import Importance
@@ -26,7 +30,7 @@ from engine.quant.recipes import (
     effective_group,
     quantizable,
 )
-from engine.quant.rounding import quantize_dequantize
+from engine.quant.rounding import mlx_grid, quantize_dequantize, weighted_search
 
 Progress = Callable[[int, int], None]
 CancelFlag = Callable[[], bool]
@@ -113,19 +117,33 @@ def measure(model: Any, tokenizer: Any, text_path: Path, n_tokens: int = 2048,
     fisher = fisher_diagonal(model, tokens, chunk, progress, cancel)
     modules = dict(model.named_modules())
     errors: Errors = {}
-    # Weighing every format of every tensor takes minutes with importance: cancel and report
-    # between tensors too, not only between calibration chunks.
-    for i, (path, f) in enumerate(fisher.items()):
-        if cancel is not None and cancel():
-            raise Cancelled("sensitivity measurement")
-        if progress is not None:
-            progress(i, len(fisher))
-        w = modules[path].weight.astype(mx.float32)
-        errors[path] = {}
-        for fmt in candidates(w.shape[-1]):
+    # The weighted search is NumPy (it releases the GIL): the formats of a tensor run in
+    # threads, MLX stays on this thread. A few workers: each holds a tensor's temporaries.
+    with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:
+        # Weighing every format of every tensor takes minutes with importance: cancel and
+        # report between tensors too, not only between calibration chunks.
+        for i, (path, f) in enumerate(fisher.items()):
+            if cancel is not None and cancel():
+                raise Cancelled("sensitivity measurement")
+            if progress is not None:
+                progress(i, len(fisher))
+            w = modules[path].weight.astype(mx.float32)
             imp = importance.get(path) if importance is not None else None
-            deq = quantize_dequantize(w, fmt.bits, fmt.group_size, imp)
-            errors[path][fmt] = float((f * (w - deq) ** 2).sum().item())
+            fmts = candidates(w.shape[-1])
+            if imp is None:
+                deqs = {fmt: quantize_dequantize(w, fmt.bits, fmt.group_size) for fmt in fmts}
+            else:
+                w_np = np.array(w)
+                futs = {fmt: pool.submit(weighted_search, w_np, imp, fmt.bits, fmt.group_size,
+                                         *mlx_grid(w, fmt.bits, fmt.group_size))
+                        for fmt in fmts}
+                deqs = {}
+                for fmt, fut in futs.items():
+                    q, sc, bi = fut.result()
+                    deqs[fmt] = (mx.array(q) * mx.array(sc)[..., None]
+                                 + mx.array(bi)[..., None]).reshape(w.shape)
+            errors[path] = {fmt: float((f * (w - d) ** 2).sum().item())
+                            for fmt, d in deqs.items()}
     return errors
 
 

@@ -418,3 +418,30 @@ def test_auto_with_imatrix_can_be_cancelled_while_weighing(library: Any, tmp_pat
                  progress=lambda d, t: seen.append((d, t)), cancel=lambda: len(seen) >= 5)
     assert len(seen) == 5 and seen[-1][0] == 1  # stopped inside the weighing, after a tensor
     assert _library_state(library) == before
+
+
+def test_weighted_sensitivities_equal_the_rounding_they_price(tmp_path: Path) -> None:
+    """The threaded weighing gives exactly the error of what affine_quantize would store."""
+    import mlx.core as mx
+
+    from engine.quant.importance import activation_importance
+    from engine.quant.quantize import load_float
+    from engine.quant.rounding import quantize_dequantize
+    from engine.quant.sensitivity import candidates, fisher_diagonal, measure
+    from engine.runtime.tokenizer import Tokenizer
+    from tests.engine.hf_factory import write_hf_llama
+
+    write_hf_llama(tmp_path / "hf", layers=1, tie=True)
+    src = load_float("hf", tmp_path / "hf")
+    text = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+    tok = Tokenizer.load(src.folder)
+    ids = tok.encode(text.read_text()[:2000], add_bos=False)[:128]
+    imp = activation_importance(src.model, ids)
+    errors = measure(src.model, tok, text, n_tokens=128, importance=imp)
+    fisher = fisher_diagonal(src.model, ids)
+    modules = dict(src.model.named_modules())
+    path = "model.layers.0.mlp.down_proj"
+    w = modules[path].weight.astype(mx.float32)
+    for fmt in candidates(w.shape[-1]):
+        deq = quantize_dequantize(w, fmt.bits, fmt.group_size, imp[path])
+        assert errors[path][fmt] == float((fisher[path] * (w - deq) ** 2).sum().item())
