@@ -374,11 +374,9 @@ def quantize(
 
     job = prepare(library, source, recipe_spec, name, target_bpw, replace, calibration,
                   method)
-    from engine.quant.calibrated import CALIBRATED
+    from engine.quant.calibrated import CALIBRATED, run_child
 
     if method in CALIBRATED and not in_child:
-        from engine.quant.calibrated import run_child
-
         # The child runs elsewhere (cwd): paths travel resolved.
         recipe_file = Path(recipe_spec).expanduser()
         spec = {"home": str(library.home.resolve()),
