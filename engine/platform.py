@@ -12,7 +12,10 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import subprocess
 
 _BLAS_CANDIDATES = (
     "libopenblas.so.0",
@@ -214,6 +217,19 @@ def parameter_bytes(model: object) -> int:
 
     flat: Any = tree_flatten(model.parameters())  # type: ignore[attr-defined]
     return sum(int(leaf[1].nbytes) for leaf in flat)
+
+
+def stop_child(proc: subprocess.Popen[Any], sig: int, grace: float) -> None:
+    """Ask a child to stop with `sig` (so it can save or clean up), kill it after `grace` s."""
+    import subprocess  # here: this module is on the path to the first token
+
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def pid_alive(pid: int) -> bool:

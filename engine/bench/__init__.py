@@ -37,6 +37,7 @@ from engine.bench.stats import (
     write_json,
 )
 from engine.errors import StrataError
+from engine.platform import stop_child
 
 FILLER = (
     "The history of the city is long and full of change. Merchants came by river and by road, "
@@ -183,13 +184,7 @@ def run_subject(job: dict[str, Any], progress: Callable[[int, int, str], None],
             proc.wait()
         except KeyboardInterrupt:
             interrupted = True
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)  # it saves what it has and exits
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_child(proc, signal.SIGTERM, 60)  # it saves what it has and exits
     result: dict[str, Any] = {"subject": job["subject"], "status": "failed"}
     if out.is_file():
         result = json.loads(out.read_text())

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import Cancelled, StrataError
+from engine.platform import stop_child
 from engine.quant.recipes import Format, RecipeError
 
 Progress = Callable[[int, int], None]
@@ -117,7 +118,8 @@ def run_child(home: Path, job: dict[str, Any], progress: Progress | None = None,
                 result.update({k: v for k, v in msg.items() if k != "progress"})
             proc.wait()
         except BaseException:  # cancelled or Ctrl-C: stop the child, which cleans up
-            _stop(proc)
+            # SIGINT: the child raises KeyboardInterrupt and removes its temporary folder.
+            stop_child(proc, signal.SIGINT, 30)
             Library(home)  # sweeps a temporary folder the child could not remove
             raise
         if "error" in result:
@@ -130,16 +132,6 @@ def run_child(home: Path, job: dict[str, Any], progress: Progress | None = None,
             raise StrataError(f"calibrated quantization failed: {why}")
         manifest: dict[str, Any] = result["manifest"]
         return manifest
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)  # the child raises KeyboardInterrupt and cleans up
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 # -- the child side -------------------------------------------------------------------------
