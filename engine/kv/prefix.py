@@ -72,9 +72,8 @@ _BF16_CODE = 3
 PAGE_TOKENS = 128  # as the paged KV cache; 64 vs 256 not yet measured (docs/benchmarks.md)
 _IOV_MAX = 1024
 _STEP = 256  # mlx-lm KVCache grows in steps of 256 positions: restore with that headroom
-# Page reads in flight during a restore. The readers mostly wait on the disk, so more reads
-# than cores is faster (docs/benchmarks.md, prefix cache, third and fourth passes).
-_READERS = 8
+# Threads that check pages (and ask for readahead) while the restore's one reader reads on.
+_CHECKERS = 2
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
@@ -260,7 +259,7 @@ class PrefixCache:
         self.stats = PrefixStats()
         self._sweep_temp()
         self._q: queue.Queue[_Job | None] = queue.Queue()
-        self._pool = ThreadPoolExecutor(_READERS, thread_name_prefix="strata-prefix-read")
+        self._pool = ThreadPoolExecutor(_CHECKERS, thread_name_prefix="strata-prefix-check")
         self._thread = threading.Thread(target=self._run, name="strata-prefix-writer",
                                         daemon=True)
         self._thread.start()
@@ -371,8 +370,9 @@ class PrefixCache:
         # protocol), which are left unwritten until then: each byte of fresh memory is
         # touched once, by the read, and no copy follows.
         raw = mx.uint16 if self.dtype_name == "bfloat16" else getattr(mx, self.dtype_name)
-        mk = [_unfilled(shape, raw, self.np_dtype) for _ in range(self.n_layers)]
-        mv = [_unfilled(shape, raw, self.np_dtype) for _ in range(self.n_layers)]
+        both = _unfilled(2 * self.n_layers, shape, raw, self.np_dtype)
+        mk, mv = both[:self.n_layers], both[self.n_layers:]
+        both.clear()
         mx.eval(mk, mv)
         ks = [np.asarray(memoryview(cast(Any, a))) for a in mk]
         vs = [np.asarray(memoryview(cast(Any, a))) for a in mv]
@@ -440,22 +440,34 @@ class PrefixCache:
     def _read(self, opened: list[tuple[_Run, int, Future[None]]], plan: Plan, first: int,
               prompt: Sequence[int], ks: list[np.ndarray], vs: list[np.ndarray]) -> int:
         """Read and verify pages first..plan.hit_pages from the opened runs; closes them.
-        Cuts the run of the first page that fails, and sets plan.hit_pages before it."""
+        Cuts the run of the first page that fails, and sets plan.hit_pages before it.
+
+        One thread (this one) reads the pages in file order, as one sequential stream the
+        kernel's readahead keeps ahead of; the checks of each page run on the pool meanwhile.
+        Several readers at once were 20-40% slower here (docs/benchmarks.md, fifth pass)."""
+        checks: list[Future[bool]] = []
+        seen = 0  # checks known to have passed
         try:
             fds = {run.path: fd for run, fd, _ in opened}
-            futs = []
             for d in range(first, plan.hit_pages):
                 run, i = plan.where(d)
-                futs.append(self._pool.submit(
-                    self._read_page, fds[run.path], run.offset(i, self.page_bytes),
-                    plan.hashes[d], d, prompt, ks, vs, (d - first) * self.P))
-            ok = [f.result() for f in futs]  # all of them: no reader may outlive the buffers
+                bufs = self._fill_page(fds[run.path], run.offset(i, self.page_bytes), ks, vs,
+                                       (d - first) * self.P)
+                if bufs is None:
+                    break  # truncated since lookup: this page and those after it are not used
+                checks.append(self._pool.submit(self._check_page, bufs, plan.hashes[d], d,
+                                                prompt))
+                while seen < len(checks) and checks[seen].done() and checks[seen].result():
+                    seen += 1
+                if seen < len(checks) and checks[seen].done():
+                    break  # a page failed: reading on would be wasted
+            ok = [c.result() for c in checks]  # all of them: no check may outlive the buffers
         finally:
             for _, fd, advice in opened:
                 advice.result()  # the fd is closed only once nothing uses it
                 os.close(fd)
         good = ok.index(False) if False in ok else len(ok)
-        if good < len(ok):
+        if first + good < plan.hit_pages:
             self.stats.corrupt_pages += 1
             run, i = plan.where(first + good)
             self._cut(run, i)
@@ -477,30 +489,35 @@ class PrefixCache:
             finally:
                 os.close(fd)
 
-    def _read_page(self, fd: int, off: int, h: bytes, depth: int, prompt: Sequence[int],
-                   ks: list[np.ndarray], vs: list[np.ndarray], pos: int) -> bool:
-        """Read one page record at `off` straight into the layers' arrays at `pos`; verify it
-        all (False if any byte, the hash, the depth or the tokens are not as expected)."""
+    def _fill_page(self, fd: int, off: int, ks: list[np.ndarray], vs: list[np.ndarray],
+                   pos: int) -> list[Any] | None:
+        """Read one page record at `off` straight into the layers' arrays at `pos`; returns
+        the buffers it filled (page header first), or None if the file ends before it."""
         P = self.P
-        head = bytearray(self.page_head)
-        rec_heads = [bytearray(_HEADER.size) for _ in range(self.n_layers)]
-        crcs = [bytearray(_CRC.size) for _ in range(self.n_layers)]
-        bufs: list[Any] = [head]
+        bufs: list[Any] = [bytearray(self.page_head)]
         for layer in range(self.n_layers):
-            bufs.append(rec_heads[layer])
+            bufs.append(bytearray(_HEADER.size))
             for arr in (ks[layer], vs[layer]):
                 bufs.extend(arr[0, hh, pos:pos + P].data.cast("B")
                             for hh in range(self.kv_heads))
-            bufs.append(crcs[layer])
+            bufs.append(bytearray(_CRC.size))
         try:
             for i in range(0, len(bufs), _IOV_MAX):
                 chunk = bufs[i:i + _IOV_MAX]
                 want = sum(len(b) for b in chunk)
                 if os.preadv(fd, chunk, off) != want:
-                    return False  # truncated since lookup
+                    return None
                 off += want
         except OSError:
-            return False
+            return None
+        return bufs
+
+    def _check_page(self, bufs: list[Any], h: bytes, depth: int, prompt: Sequence[int]
+                    ) -> bool:
+        """Verify a page `_fill_page` read: False if any byte, the hash, the depth or the
+        tokens are not as expected."""
+        P = self.P
+        head = bufs[0]
         # Page header: magic, layout, hashes, digest, tokens, CRC.
         body = bytes(head[:-_CRC.size])
         if zlib.crc32(body) != _CRC.unpack(head[-_CRC.size:])[0]:
@@ -761,12 +778,12 @@ def _will_need(fd: int, offset: int, length: int) -> None:
 
 
 class _Unwritten(io.RawIOBase):
-    """A .npy stream whose data `mx.load` reads into its fresh buffer and leaves as it is."""
+    """A file whose header `mx.load` parses and whose data it reads into its fresh buffers,
+    which this stream leaves as they are."""
 
-    name = "kv.npy"
-
-    def __init__(self, header: bytes, nbytes: int) -> None:
+    def __init__(self, name: str, header: bytes, nbytes: int) -> None:
         super().__init__()
+        self.name = name  # mx.load may look at the suffix
         self._head, self._size, self._pos = header, len(header) + nbytes, 0
 
     def readable(self) -> bool:
@@ -791,23 +808,31 @@ class _Unwritten(io.RawIOBase):
         return n
 
 
-def _unfilled(shape: tuple[int, ...], dtype: Any, np_dtype: np.dtype) -> Any:
-    """An MLX array whose memory is allocated but not yet written: mx.zeros would touch (and
-    so fault in) every page first, which costs as much as reading the page from the disk.
+_ST_DTYPES = {"float32": "F32", "float16": "F16", "uint16": "U16"}
+
+
+def _unfilled(count: int, shape: tuple[int, ...], dtype: Any, np_dtype: np.dtype) -> list[Any]:
+    """`count` MLX arrays whose memory is allocated but not yet written: mx.zeros would touch
+    (and so fault in) every page first, which costs as much as reading the page from the disk.
+    One safetensors stream makes them all (a .npy load per array took about twice as long).
     Falls back to mx.zeros where this MLX cannot load from a file object."""
     import mlx.core as mx
 
-    head = io.BytesIO()
-    np.lib.format.write_array_header_1_0(head, {"descr": np_dtype.str, "fortran_order": False,
-                                                "shape": shape})
+    nbytes = int(np.prod(shape)) * np_dtype.itemsize
+    meta = {f"a{i}": {"dtype": _ST_DTYPES.get(np_dtype.name, "?"), "shape": list(shape),
+                      "data_offsets": [i * nbytes, (i + 1) * nbytes]} for i in range(count)}
+    head = json.dumps(meta).encode()
+    head += b" " * (-len(head) % 8)
     try:
-        src = cast(Any, _Unwritten(head.getvalue(), int(np.prod(shape)) * np_dtype.itemsize))
-        a = mx.load(src, format="npy")
-        if isinstance(a, mx.array) and tuple(a.shape) == tuple(shape) and a.dtype == dtype:
-            return a
-    except (ValueError, RuntimeError, TypeError):
+        src = cast(Any, _Unwritten("kv.safetensors", struct.pack("<Q", len(head)) + head,
+                                   count * nbytes))
+        loaded = mx.load(src, format="safetensors")
+        out = [loaded[f"a{i}"] for i in range(count)] if isinstance(loaded, dict) else []
+        if all(tuple(a.shape) == tuple(shape) and a.dtype == dtype for a in out) and out:
+            return out
+    except (ValueError, RuntimeError, TypeError, KeyError):
         pass
-    return mx.zeros(shape, dtype=dtype)
+    return [mx.zeros(shape, dtype=dtype) for _ in range(count)]
 
 
 def _is_kvcache(c: Any) -> bool:

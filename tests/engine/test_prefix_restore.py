@@ -41,13 +41,17 @@ def _first_token(lm: Any, ids: list[int]) -> Any:
 
 
 def test_unfilled_buffers_have_the_shape_and_take_writes(starter_lm: Any) -> None:
-    for dt, nd in ((mx.float32, np.dtype(np.float32)), (mx.uint16, np.dtype(np.uint16))):
-        a = _unfilled((1, 3, 64, 8), dt, nd)
-        mx.eval(a)
-        assert a.shape == (1, 3, 64, 8) and a.dtype == dt
-        view = np.asarray(memoryview(a))  # type: ignore[arg-type]
-        view[...] = 7
-        assert mx.all(a == 7).item()
+    for dt, nd in ((mx.float32, np.dtype(np.float32)), (mx.float16, np.dtype(np.float16)),
+                   (mx.uint16, np.dtype(np.uint16))):
+        arrs = _unfilled(3, (1, 3, 64, 8), dt, nd)
+        mx.eval(arrs)
+        assert len(arrs) == 3
+        for i, a in enumerate(arrs):
+            assert a.shape == (1, 3, 64, 8) and a.dtype == dt
+            view = np.asarray(memoryview(a))  # type: ignore[arg-type]
+            view[...] = 7 + i
+        for i, a in enumerate(arrs):  # separate buffers: no write lands in another array
+            assert mx.all(a == 7 + i).item()
 
 
 def test_restored_kv_equals_prefilled_kv_bit_for_bit(starter_lm: Any, prefix: PrefixCache
