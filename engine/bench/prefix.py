@@ -306,6 +306,12 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
             "disk_again_buffered_gbps_all": [d.get("buffered_gbps")
                                              for d in res.get("disk_again", [])],
             "restore_fraction_of_disk_again": (mb / 1e3 / restore) / again if again else None,
+            # Each restart against the probe read just before it, then the median: the
+            # yardstick swings 2x within minutes on a shared disk, a pair does not.
+            "restore_fraction_of_disk_paired": _median([
+                mb / 1e3 / h["restore_s"] / d["buffered_gbps"]
+                for h, d in zip(res["hit"], res.get("disk_again", []), strict=False)
+                if d.get("buffered_gbps") and h["restore_s"]] or [0.0]) or None,
             "files_read_gbps": floor or None,
             "files_read_gbps_all": [f["gbps"] for f in res.get("files_read", [])],
             "files_read_fraction_of_disk": floor / disk if disk and floor else None,

@@ -128,6 +128,8 @@ def test_summary_of_the_restore_part_compares_medians() -> None:
     assert out["restore_gbps"] == pytest.approx(1.0)
     assert out["restore_fraction_of_disk"] == pytest.approx(0.5)
     assert out["restore_fraction_of_disk_again"] == pytest.approx(1.0)
+    # Pairs (restart, probe just before it): 1.0/0.5, 0.5/2.0, 2.0/1.0 -> median 2.0.
+    assert out["restore_fraction_of_disk_paired"] == pytest.approx(2.0)
     assert out["files_read_gbps"] == 1.25
     assert out["restore_fraction_of_files_read"] == pytest.approx(0.8)
     assert out["tokens_compared"] == 2 and out["outputs_equal"] and out["restores_cold"]
