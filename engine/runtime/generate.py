@@ -21,7 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import StrataError
-from engine.platform import ComputeProfile, compute_profile
+from engine.platform import (
+    ComputeProfile,
+    compute_profile,
+    keep_freed_memory,
+    release_freed_memory,
+)
 from engine.runtime.sampling import Sampler, SamplingParams
 from engine.runtime.tokenizer import StreamingDetokenizer, Tokenizer
 from engine.telemetry import GenerationEvent, Timeline
@@ -48,6 +53,8 @@ class LoadedModel:
         self.kv_settings: Any = None
         # The SSD prefix cache (engine.kv.prefix.PrefixCache); None: off.
         self.prefix_cache: Any = None
+        # Free heap memory goes back to the OS once the first reply is done.
+        self.release_pending = True
 
     def enable_prefix_cache(self, settings: Any = None) -> Any:
         """Turn on the SSD prefix cache for this model (settings: PrefixSettings or None for
@@ -75,6 +82,9 @@ class LoadedModel:
             library = library or Library()
             manifest = library.get(str(name))
             path = Path(manifest["path"])
+        # What the load frees (staging, dequantization) serves the first restore and prefill
+        # instead of going back to the OS (engine.platform); released after the first reply.
+        keep_freed_memory()
         # The weight files stream into the page cache while the tokenizer loads.
         read_ahead(weight_files(path))
         with timeline.phase("imports"):
@@ -197,6 +207,9 @@ def generate(
     finally:
         if own:
             pc.close()  # a paged cache's threads and files go with the reply
+        if lm.release_pending:
+            lm.release_pending = False
+            release_freed_memory()  # what the load freed and this reply did not reuse
 
 
 def _generate(
