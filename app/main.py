@@ -363,6 +363,8 @@ class MainWindow(QMainWindow):
     def _on_error_occurred(self, job: int, what: str, message: str) -> None:
         if what == "settings":
             self.status_label.setText(message)
+        if what == "prefix clear":
+            self.chat.view.set_status(f"The prefix cache could not be cleared: {message}")
         if what in ("starter", "load"):
             self.progress.setVisible(False)
             self.status_label.setText(message)

@@ -81,6 +81,7 @@ class EngineWorker(QObject):
     memory_sampled = Signal(object)  # engine.platform.MemorySnapshot
     prefix_warmed = Signal(int, int, dict)  # job, chat, {tokens, cached, prefilled, seconds}
     settings_applied = Signal(dict)  # the engine settings now in force
+    prefix_cleared = Signal(int, dict)  # job, {"runs", "bytes"} removed from the disk
 
     def __init__(self, home: Path) -> None:
         super().__init__()
@@ -91,6 +92,7 @@ class EngineWorker(QObject):
         self._lm: Any = None
         self._kv_settings: Any = None  # engine.kv.KVSettings once settings are applied
         self._prefix_enabled = True
+        self._prefix_mb: float | None = None  # the prefix folder's budget; None: environment's
         self._prefix_reason = "no model loaded"
         self._server_models: ModelPool | None = None
         self._weights_bytes: int | None = None
@@ -147,7 +149,7 @@ class EngineWorker(QObject):
         from engine.kv.prefix import settings_from_env
 
         folder = None if os.environ.get("STRATA_PREFIX_DIR") else self.home / "prefix"
-        return settings_from_env(folder=folder)
+        return settings_from_env(folder=folder, budget_mb=self._prefix_mb)
 
     def _apply_to(self, lm: Any) -> None:
         """Give `lm` the KV settings and the prefix cache (or take it away)."""
@@ -158,7 +160,11 @@ class EngineWorker(QObject):
                 lm.prefix_cache = None
             self._prefix_reason = "prefix cache off in the settings"
             return
-        if lm.prefix_cache is None:
+        if lm.prefix_cache is not None:
+            budget = self._prefix_settings().budget_mb
+            if budget != lm.prefix_cache.settings.budget_mb:
+                lm.prefix_cache.set_budget(budget)  # evicts down to it in the background
+        else:
             try:
                 lm.enable_prefix_cache(self._prefix_settings())
             except StrataError as exc:  # an unwritable folder: the cache is optional
@@ -247,11 +253,14 @@ class EngineWorker(QObject):
         sessions are dropped (their next message restores or prefills again)."""
         try:
             kv = self._kv_from(settings)
+            mb = settings.get("prefix_mb")
+            prefix_mb = None if mb is None else max(0.0, float(mb))
         except (StrataError, ValueError, TypeError) as exc:
             self.error_occurred.emit(0, "settings", f"engine settings refused: {exc}")
             return
         self._kv_settings = kv
         self._prefix_enabled = bool(settings.get("prefix_cache", True))
+        self._prefix_mb = prefix_mb
         self._prefix_reason = ("no model loaded" if self._prefix_enabled
                                else "prefix cache off in the settings")
         if self._lm is not None:
@@ -259,6 +268,10 @@ class EngineWorker(QObject):
             self._apply_to(self._lm)
         self._sample(force=True)
         self.settings_applied.emit(dict(settings))
+
+    @Slot(int)
+    def _on_prefix_clear_requested(self, job: int) -> None:
+        self._run(job, "prefix clear", self._prefix_clear_steps(job))
 
     @Slot(object, object)
     def _on_server_job_requested(self, host: Host, job: Job) -> None:
@@ -509,6 +522,16 @@ class EngineWorker(QObject):
                                cancel=lambda: self._is_cancelled(job))
         yield self.import_finished, (job, manifest)
 
+    def _prefix_clear_steps(self, job: int) -> Iterator[Step]:
+        lm = self._lm
+        if lm is not None and lm.prefix_cache is not None:
+            runs, size = lm.prefix_cache.clear()  # queued runs are written, then go too
+        else:
+            from engine.kv.prefix import clear_folder
+
+            runs, size = clear_folder(self._prefix_settings().root())
+        yield self.prefix_cleared, (job, {"runs": runs, "bytes": size})
+
     def _remove_steps(self, job: int, name: str) -> Iterator[Step]:
         manifest = self.library.get(name)
         if self._lm is not None and self._lm.manifest["name"] == manifest["name"]:
@@ -542,6 +565,7 @@ class Engine(QObject):
     memory_sampled = Signal(object)
     prefix_warmed = Signal(int, int, dict)
     settings_applied = Signal(dict)
+    prefix_cleared = Signal(int, dict)
 
     starter_requested = Signal(int, bool)
     load_requested = Signal(int, str)
@@ -552,6 +576,7 @@ class Engine(QObject):
     chat_forgotten = Signal(int)
     prewarm_requested = Signal(int, int, str, str)
     settings_requested = Signal(dict)
+    prefix_clear_requested = Signal(int)
     server_job_requested = Signal(object, object)  # host, job (emitted from HTTP threads)
     shutdown_requested = Signal()
 
@@ -572,13 +597,14 @@ class Engine(QObject):
         self.chat_forgotten.connect(self.worker._on_chat_forgotten)
         self.prewarm_requested.connect(self.worker._on_prewarm_requested)
         self.settings_requested.connect(self.worker._on_settings_requested)
+        self.prefix_clear_requested.connect(self.worker._on_prefix_clear_requested)
         self.server_job_requested.connect(self.worker._on_server_job_requested)
         self.shutdown_requested.connect(self.worker._on_shutdown_requested)
         for name in ("busy_changed", "starter_progressed", "starter_ready", "model_loading",
                      "model_loaded", "reply_started", "reply_delta", "reply_finished",
                      "import_planned", "import_started", "import_progress", "import_finished",
                      "model_removed", "error_occurred", "memory_sampled", "prefix_warmed",
-                     "settings_applied"):
+                     "settings_applied", "prefix_cleared"):
             getattr(self.worker, name).connect(getattr(self, name))  # queued: GUI thread
         self.busy_changed.connect(self._on_busy_changed)
         self._busy = False
@@ -649,6 +675,12 @@ class Engine(QObject):
         """Engine settings (app.chat.store.EngineSettings.as_dict()) for the loaded model and
         every later one; `settings_applied` or an error_occurred('settings') answers."""
         self.settings_requested.emit(dict(settings))
+
+    def clear_prefix_cache(self) -> int:
+        """Remove every stored prefix from the disk; `prefix_cleared` answers."""
+        job = self._next()
+        self.prefix_clear_requested.emit(job)
+        return job
 
     def run_server_job(self, host: Host, job: Job) -> None:
         """Queue a server request on the engine thread (any thread may call this)."""

@@ -82,6 +82,28 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    """`strata cache`: where the prefix cache is and what it holds; --clear empties it."""
+    from engine.kv.prefix import clear_folder, folder_runs, settings_from_env
+
+    s = settings_from_env()
+    folder = s.root()
+    runs, size = folder_runs(folder)
+    info: dict[str, Any] = {"folder": str(folder), "runs": runs, "bytes": size,
+                            "budget_bytes": int(s.budget_mb * (1 << 20))}
+    if args.clear:
+        info["removed_runs"], info["removed_bytes"] = clear_folder(folder)
+    if args.json:
+        _print(info, True)
+    elif args.clear:
+        print(f"removed {info['removed_runs']} runs ({info['removed_bytes'] / 2**20:.1f} MB) "
+              f"from {folder}")
+    else:  # MB as the budget setting counts them (2^20 bytes)
+        print(f"prefix cache: {folder}: {runs} runs, {size / 2**20:.1f} MB of a "
+              f"{s.budget_mb:g} MB budget (STRATA_PREFIX_MB)")
+    return 0
+
+
 def cmd_import(args: argparse.Namespace) -> int:
     from engine.importers import import_path
     from engine.quant.cli import calibration_from_args, print_quantized
@@ -336,6 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("models", help="list the library")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("cache", help="show the prompt-prefix cache on the SSD, or --clear it")
+    p.add_argument("--clear", action="store_true", help="remove every stored prefix")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_cache)
 
     p = sub.add_parser("import", help="import a .gguf file, an MLX folder or a HF folder")
     p.add_argument("path")

@@ -78,12 +78,14 @@ class ChatController(QObject):
         v.system_prompt_edited.connect(self._on_system_prompt_edited)
         v.sampling_edited.connect(self._on_sampling_edited)
         v.engine_settings_edited.connect(self._on_engine_settings_edited)
+        v.prefix_clear_requested.connect(self._on_prefix_clear_requested)
         w = self.engine
         w.reply_delta.connect(self._on_reply_delta)
         w.reply_finished.connect(self._on_reply_finished)
         w.error_occurred.connect(self._on_error_occurred)
         w.model_loading.connect(self._on_model_loading)
         w.model_loaded.connect(self._on_model_loaded)
+        w.prefix_cleared.connect(self._on_prefix_cleared)
 
         self.engine_settings = EngineSettings.load(store)
         self.view.show_engine_settings(self.engine_settings)
@@ -249,6 +251,16 @@ class ChatController(QObject):
             self.current = self.store.chat(chat_id)
             self._show_current()
             self.prewarm_current()
+
+    @Slot()
+    def _on_prefix_clear_requested(self) -> None:
+        self.view.set_status("Clearing the prefix cache…")
+        self.engine.clear_prefix_cache()
+
+    @Slot(int, dict)
+    def _on_prefix_cleared(self, _job: int, info: dict[str, Any]) -> None:
+        self.view.set_status(f"Prefix cache cleared: {info['runs']} stored prefixes, "
+                             f"{info['bytes'] / 2**20:.1f} MB freed on the disk.")
 
     @Slot(object)
     def _on_engine_settings_edited(self, settings: EngineSettings) -> None:

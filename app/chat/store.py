@@ -79,7 +79,8 @@ class EngineSettings:
     (paged modes only; ignored with 'mlx'). kv_ram_mb: the paged cache's RAM budget, 0 for
     automatic (a quarter of RAM).
     kv_budget_tokens: sparse attention's budget per query. prefix_cache: keep prompt prefixes'
-    KV on disk (STRATA_HOME/prefix) so system prompts stay warm across restarts.
+    KV on disk (STRATA_HOME/prefix) so system prompts stay warm across restarts. prefix_mb: that
+    folder's disk budget in MB (2^20 bytes); least recently used prefixes leave past it.
     """
 
     kv_mode: str = "mlx"
@@ -87,6 +88,7 @@ class EngineSettings:
     kv_ram_mb: int = 0
     kv_budget_tokens: int = 2048
     prefix_cache: bool = True
+    prefix_mb: int = 4096
 
     @classmethod
     def load(cls, store: ChatStore) -> EngineSettings:
@@ -100,7 +102,9 @@ class EngineSettings:
                        kv_budget_tokens=int(store.setting("kv_budget_tokens",
                                                           str(base.kv_budget_tokens)) or 0)
                        or base.kv_budget_tokens,
-                       prefix_cache=store.setting("prefix_cache", "1") != "0")
+                       prefix_cache=store.setting("prefix_cache", "1") != "0",
+                       prefix_mb=max(0, int(store.setting("prefix_mb")
+                                            or str(base.prefix_mb))))
         except ValueError:
             return base
 
@@ -110,10 +114,12 @@ class EngineSettings:
         store.set_setting("kv_ram_mb", str(self.kv_ram_mb))
         store.set_setting("kv_budget_tokens", str(self.kv_budget_tokens))
         store.set_setting("prefix_cache", "1" if self.prefix_cache else "0")
+        store.set_setting("prefix_mb", str(self.prefix_mb))
 
     def as_dict(self) -> dict[str, Any]:
         return {"kv_mode": self.kv_mode, "kv_bits": self.kv_bits, "kv_ram_mb": self.kv_ram_mb,
-                "kv_budget_tokens": self.kv_budget_tokens, "prefix_cache": self.prefix_cache}
+                "kv_budget_tokens": self.kv_budget_tokens, "prefix_cache": self.prefix_cache,
+                "prefix_mb": self.prefix_mb}
 
 
 @dataclass(frozen=True)

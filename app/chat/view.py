@@ -201,6 +201,7 @@ class ChatView(QWidget):
     system_prompt_edited = Signal(str)
     sampling_edited = Signal(object)  # Sampling
     engine_settings_edited = Signal(object)  # EngineSettings
+    prefix_clear_requested = Signal()
 
     def __init__(self, chats: ChatListModel, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -352,6 +353,8 @@ class ChatView(QWidget):
         self.kv_ram_mb.editingFinished.connect(self._on_engine_setting_changed)
         self.kv_budget.editingFinished.connect(self._on_engine_setting_changed)
         self.prefix_cache.toggled.connect(self._on_engine_setting_changed)
+        self.prefix_mb.editingFinished.connect(self._on_engine_setting_changed)
+        self.prefix_clear.clicked.connect(self.prefix_clear_requested)
         for keys in ("Ctrl+Return", "Ctrl+Enter"):
             QShortcut(QKeySequence(keys), self, self._on_send_clicked,
                       context=Qt.ShortcutContext.WindowShortcut)
@@ -405,6 +408,20 @@ class ChatView(QWidget):
         self.prefix_cache.setAccessibleName("Prefix cache on disk")
         self.prefix_cache.setToolTip("Keep system prompts and conversation prefixes warm "
                                      "across restarts (STRATA_HOME/prefix)")
+        self.prefix_mb = QSpinBox()
+        self.prefix_mb.setAccessibleName("Prefix cache budget")
+        self.prefix_mb.setRange(0, 1 << 20)
+        self.prefix_mb.setSingleStep(512)
+        self.prefix_mb.setSuffix(" MB")
+        self.prefix_mb.setToolTip("Disk space for stored prefixes; the least recently used "
+                                  "leave past it")
+        self.prefix_clear = QPushButton("Clear")
+        self.prefix_clear.setAccessibleName("Clear prefix cache")
+        self.prefix_clear.setToolTip("Remove every stored prefix from the disk")
+        prefix_row = QHBoxLayout()
+        prefix_row.setContentsMargins(0, 0, 0, 0)
+        prefix_row.addWidget(self.prefix_mb, 1)
+        prefix_row.addWidget(self.prefix_clear)
         box = QGroupBox("Engine (all chats)")
         box.setAccessibleName("Engine settings")
         form = QFormLayout(box)
@@ -414,6 +431,7 @@ class ChatView(QWidget):
         form.addRow("KV RAM", self.kv_ram_mb)
         form.addRow("Sparse", self.kv_budget)
         form.addRow(self.prefix_cache)
+        form.addRow("Prefix disk", prefix_row)
         self.engine_box = box
         return box
 
@@ -429,6 +447,7 @@ class ChatView(QWidget):
             self.kv_ram_mb.setValue(settings.kv_ram_mb)
             self.kv_budget.setValue(settings.kv_budget_tokens)
             self.prefix_cache.setChecked(settings.prefix_cache)
+            self.prefix_mb.setValue(settings.prefix_mb)
             self._enable_engine_fields()
         finally:
             self._loading_settings = False
@@ -438,13 +457,15 @@ class ChatView(QWidget):
                               kv_bits=int(self.kv_bits.currentData()),
                               kv_ram_mb=self.kv_ram_mb.value(),
                               kv_budget_tokens=self.kv_budget.value(),
-                              prefix_cache=self.prefix_cache.isChecked())
+                              prefix_cache=self.prefix_cache.isChecked(),
+                              prefix_mb=self.prefix_mb.value())
 
     def _enable_engine_fields(self) -> None:
         mode = str(self.kv_mode.currentData())
         self.kv_ram_mb.setEnabled(mode != "mlx")
         self.kv_bits.setEnabled(mode != "mlx")
         self.kv_budget.setEnabled(mode == "sparse")
+        self.prefix_mb.setEnabled(self.prefix_cache.isChecked())
 
     def set_empty_text(self, text: str) -> None:
         self.empty_label.setText(text)

@@ -47,7 +47,7 @@ import weakref
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -697,6 +697,20 @@ class PrefixCache:
     def disk_bytes(self) -> int:
         return sum(size for _, size, _ in _scan(self.folder))
 
+    def set_budget(self, budget_mb: float) -> None:
+        """A new disk budget, in force from now: the writer evicts down to it next."""
+        if budget_mb < 0:
+            raise PrefixCacheError(f"prefix cache budget {budget_mb} MB is negative")
+        self.settings = replace(self.settings, budget_mb=float(budget_mb))
+        if not self._closed:
+            self._q.put(_Job([], [], [], 0))  # no pages: the writer only evicts
+
+    def clear(self) -> tuple[int, int]:
+        """Remove every stored run (queued runs are written first, then go too); returns the
+        files and bytes removed. Call from the thread that stores."""
+        self.flush()
+        return clear_folder(self.folder)
+
     def _evict(self) -> None:
         """Over budget: remove files this layout cannot use, then least recently used runs,
         each with the runs that continue it (their parent page is gone: unreachable)."""
@@ -761,6 +775,24 @@ def _scan(folder: Path) -> list[tuple[int, int, Path]]:
                     st = e.stat(follow_symlinks=False)
                     out.append((st.st_mtime_ns, st.st_size, Path(e.path)))
     return out
+
+
+def folder_runs(folder: Path) -> tuple[int, int]:
+    """How many run files a prefix folder holds and their bytes (0, 0 if it does not exist)."""
+    entries = _scan(folder)
+    return len(entries), sum(size for _, size, _ in entries)
+
+
+def clear_folder(folder: Path) -> tuple[int, int]:
+    """Remove the run files (and format 2's page files) in a prefix folder; (files, bytes).
+    A process restoring from one of them still reads it through its open descriptor."""
+    files = removed = 0
+    for _, size, path in _scan(folder):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            files += 1
+            removed += size
+    return files, removed
 
 
 def _close_at_exit(ref: weakref.ref[PrefixCache]) -> None:

@@ -95,3 +95,49 @@ def test_kv_settings_are_stored_and_reach_the_engine(
     # A restart reads the stored settings back into the view.
     again = make_window(db=window.store.path, preload=False, fetch_starter=False)
     assert again.chat.view.engine_settings().kv_mode == "sparse"
+
+
+def test_the_prefix_budget_and_clear_button_reach_the_disk(
+        make_window: WindowFactory, starter: dict[str, Any], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, qtbot: Any) -> None:
+    folder = tmp_path / "prefix"
+    monkeypatch.setenv("STRATA_PREFIX_DIR", str(folder))
+    db = tmp_path / "chats.sqlite3"
+    store = ChatStore(db)
+    store.create_chat(model=starter["name"], system_prompt=SYSTEM,
+                      sampling=Sampling(temperature=0.0, max_tokens=4))
+    store.close()
+
+    def runs() -> int:
+        return len(list(folder.glob("*.kvp")))
+
+    window = make_window(db=db)
+    _wait_warmed(window, qtbot)  # the system prompt's pages go to the disk
+    qtbot.waitUntil(lambda: runs() == 1, timeout=10_000)
+    view = window.chat.view
+    assert view.prefix_mb.accessibleName() == "Prefix cache budget"
+    assert view.prefix_mb.value() == 4096 and view.prefix_mb.isEnabled()
+    # A budget of 0 MB: the stored prefix leaves the disk.
+    with qtbot.waitSignal(window.engine.settings_applied, timeout=LOAD_TIMEOUT_MS) as applied:
+        view.prefix_mb.setValue(0)
+        view.prefix_mb.editingFinished.emit()
+    assert applied.args[0]["prefix_mb"] == 0
+    qtbot.waitUntil(lambda: runs() == 0, timeout=10_000)
+    assert EngineSettings.load(window.store).prefix_mb == 0
+    # Room again: the next reply stores its prompt's pages, and Clear removes them.
+    with qtbot.waitSignal(window.engine.settings_applied, timeout=LOAD_TIMEOUT_MS):
+        view.prefix_mb.setValue(2048)
+        view.prefix_mb.editingFinished.emit()
+    with qtbot.waitSignal(window.engine.reply_finished, timeout=REPLY_TIMEOUT_MS):
+        assert window.chat.send("Which beacon is first?") is not None
+    qtbot.waitUntil(lambda: runs() >= 1, timeout=10_000)
+    assert view.prefix_clear.accessibleName() == "Clear prefix cache"
+    with qtbot.waitSignal(window.engine.prefix_cleared, timeout=LOAD_TIMEOUT_MS) as cleared:
+        view.prefix_clear.click()
+    assert cleared.args[1]["runs"] >= 1 and cleared.args[1]["bytes"] > 0
+    assert runs() == 0
+    assert "Prefix cache cleared" in view.status_label.text()
+    qtbot.waitUntil(lambda: window.memory.value_text("prefix_disk") == "0 B", timeout=10_000)
+    # The budget is a stored setting: a restart shows it.
+    again = make_window(db=db, preload=False, fetch_starter=False)
+    assert again.chat.view.engine_settings().prefix_mb == 2048

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
-from engine.kv.prefix import PrefixCache, PrefixSettings, model_key
+from engine.kv.prefix import PrefixCache, PrefixCacheError, PrefixSettings, model_key
 from engine.platform import ComputeProfile
 from engine.runtime.generate import generate
 from engine.runtime.sampling import SamplingParams
@@ -66,6 +67,20 @@ def test_restart_reuses_the_prefix_and_output_is_unchanged(starter: Any, tmp_pat
     for phase in ("interpreter and imports", "weights", "tokenizer", "warm-up", "cache lookup",
                   "cache restore", "prefill", "first decode"):
         assert phase in timeline, phase
+    # `strata cache` shows the run; --clear removes it, and nothing is left to restore.
+    show = [sys.executable, "-m", "engine", "cache", "--json"]
+    r = subprocess.run(show, capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["runs"] == 1 and info["bytes"] > 0 and info["folder"] == str(tmp_path / "px")
+    r = subprocess.run([*show, "--clear"], capture_output=True, text=True, env=env, cwd=REPO,
+                       timeout=60)
+    assert json.loads(r.stdout)["removed_runs"] == 1
+    assert not list((tmp_path / "px").glob("*.kvp"))
+    bad = subprocess.run(show, capture_output=True, text=True, cwd=REPO, timeout=60,
+                         env={**env, "STRATA_PREFIX_MB": "lots"})
+    assert bad.returncode == 1 and "STRATA_PREFIX_MB" not in bad.stdout
+    assert bad.stderr.strip().count("\n") == 0 and "not a whole number" in bad.stderr
 
 
 # -- keys ----------------------------------------------------------------------------------
@@ -256,6 +271,26 @@ def test_eviction_under_a_tiny_budget_keeps_the_most_recent(starter_lm: Any,
     finally:
         starter_lm.prefix_cache = None
         pc.close()
+
+
+def test_a_new_budget_evicts_and_clear_empties_the_folder(starter_lm: Any,
+                                                          prefix: PrefixCache) -> None:
+    x, y = _ids(starter_lm, 70, salt="First. "), _ids(starter_lm, 70, salt="Second. ")
+    _run(starter_lm, x)
+    _run(starter_lm, y)
+    prefix.flush()
+    assert prefix.lookup(x).hit_pages == prefix.lookup(y).hit_pages == 2
+    one_run = prefix.disk_bytes() / 2 / (1 << 20)
+    prefix.set_budget(one_run * 1.5)  # room for one of the two runs: the older leaves
+    prefix.flush()
+    assert prefix.lookup(x).hit_pages == 0 and prefix.lookup(y).hit_pages == 2
+    assert prefix.settings.budget_mb == one_run * 1.5
+    with pytest.raises(PrefixCacheError, match="negative"):
+        prefix.set_budget(-1)
+    prefix.set_budget(4096)
+    _run(starter_lm, x)  # queued, then written by clear() before it removes everything
+    assert prefix.clear()[0] == 2
+    assert prefix.disk_bytes() == 0 and prefix.lookup(y).hit_pages == 0
 
 
 def test_eviction_removes_whole_runs_and_the_runs_that_continue_them(tmp_path: Path) -> None:
