@@ -34,6 +34,7 @@ from PySide6.QtCore import QObject, QThread, QTimer, Signal, SignalInstance, Slo
 
 import app.compat  # noqa: F401  (PySide6 work-around, see there)
 from engine.errors import Cancelled, StrataError
+from engine.platform import release_freed_memory
 
 if TYPE_CHECKING:
     from engine.server.host import Host, Job, ModelPool
@@ -114,6 +115,7 @@ class EngineWorker(QObject):
         if chat_id is None and self._server_models is not None:
             for pc in list(self._server_models.caches):
                 self._server_models.discard(pc)
+        release_freed_memory()  # what the dropped KV held goes back to the OS (glibc)
 
     def _unload(self) -> None:
         """Forget the loaded model: sessions closed, queued prefix pages written."""
@@ -122,6 +124,8 @@ class EngineWorker(QObject):
         if lm is not None and lm.prefix_cache is not None:
             lm.prefix_cache.close()  # flushes pages still queued for the disk
             lm.prefix_cache = None
+        del lm
+        release_freed_memory()
 
     def _prompt_caches(self) -> list[Any]:
         """Every PromptCache the worker holds: the chats' and the server's."""

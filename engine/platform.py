@@ -55,6 +55,7 @@ def preload_blas() -> str | None:
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _KEEP_MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for it on 64-bit
 _KEEP_TRIM_THRESHOLD = 512 << 20
+_STEADY_TRIM_THRESHOLD = 64 << 20  # glibc's own ceiling for its moving trim threshold
 _allocator: dict[str, bool] = {}
 
 
@@ -79,11 +80,11 @@ def keep_freed_memory() -> bool:
     zeroes 4 KB at a time: ~17,500 faults and 40 ms of CPU for a 94 MB restore here. With a
     fixed mmap threshold (32 MiB) and a trim threshold of 512 MiB they reuse the freed
     memory instead (docs/benchmarks.md, prefix cache, sixth pass). `release_freed_memory()`
-    gives back what is still unused after the first reply. glibc only (Linux); elsewhere a
-    no-op. Returns whether it applied; STRATA_KEEP_FREED=0 turns it off.
+    gives back what is still unused after the first reply and lowers the trim threshold to
+    64 MiB again, so later frees (a closed chat's KV) go back to the OS as by default. Applies
+    at every load. glibc only (Linux); elsewhere a no-op. Returns whether it applied;
+    STRATA_KEEP_FREED=0 turns it off.
     """
-    if "keep" in _allocator:
-        return _allocator["keep"]
     libc = None if os.environ.get("STRATA_KEEP_FREED") == "0" else _glibc()
     ok = bool(libc is not None
               and libc.mallopt(_M_MMAP_THRESHOLD, _KEEP_MMAP_THRESHOLD) == 1
@@ -93,9 +94,14 @@ def keep_freed_memory() -> bool:
 
 
 def release_freed_memory() -> bool:
-    """Return free heap memory to the OS (glibc's malloc_trim); True if any was returned."""
+    """Return free heap memory to the OS (glibc's malloc_trim) and trim the heap's top past
+    64 MiB from now on; True if any memory was returned."""
     libc = _glibc() if _allocator.get("keep") else None
-    return bool(libc is not None and libc.malloc_trim(0))
+    if libc is None:
+        return False
+    freed = bool(libc.malloc_trim(0))
+    libc.mallopt(_M_TRIM_THRESHOLD, _STEADY_TRIM_THRESHOLD)
+    return freed
 
 
 def blas_status() -> str:
