@@ -126,14 +126,20 @@ def _one_run(prefix: PrefixCache, ids: list[int], pages: int) -> Path:
     return plan.runs[0].path
 
 
+def _stored(lm: Any, prefix: PrefixCache, n: int, pages: int, salt: str = ""
+            ) -> tuple[list[int], list[int], Path]:
+    """n prompt tokens, their uncached greedy output, and the one run their pages went to."""
+    ids = _ids(lm, n, salt=salt)
+    want, last = _run(lm, ids, prefix_cache=False)
+    assert last.cached_tokens == 0
+    _run(lm, ids)
+    prefix.flush()
+    return ids, want, _one_run(prefix, ids, pages)
+
+
 def test_a_corrupt_page_inside_a_run_is_rejected_and_rebuilt(starter_lm: Any,
                                                              prefix: PrefixCache) -> None:
-    ids = _ids(starter_lm, 140)  # 4 full pages of 32, one run
-    want, last = _run(starter_lm, ids, prefix_cache=False)
-    assert last.cached_tokens == 0
-    _run(starter_lm, ids)
-    prefix.flush()
-    run = _one_run(prefix, ids, 4)
+    ids, want, run = _stored(starter_lm, prefix, 140, 4)  # 4 full pages of 32, one run
     head = prefix.run_head_bytes(4)
     data = bytearray(run.read_bytes())
     assert len(data) == head + 4 * prefix.page_bytes
@@ -156,11 +162,7 @@ def test_a_corrupt_page_inside_a_run_is_rejected_and_rebuilt(starter_lm: Any,
 
 def test_a_truncated_run_uses_only_its_whole_pages(starter_lm: Any, prefix: PrefixCache
                                                    ) -> None:
-    ids = _ids(starter_lm, 140, salt="Torn. ")
-    want, _ = _run(starter_lm, ids, prefix_cache=False)
-    _run(starter_lm, ids)
-    prefix.flush()
-    run = _one_run(prefix, ids, 4)
+    ids, want, run = _stored(starter_lm, prefix, 140, 4, salt="Torn. ")
     with open(run, "r+b") as f:  # a torn write: page 1 is half there
         f.truncate(prefix.run_head_bytes(4) + prefix.page_bytes + prefix.page_bytes // 2)
     assert prefix.lookup(ids).hit_pages == 1
@@ -174,11 +176,7 @@ def test_a_truncated_run_uses_only_its_whole_pages(starter_lm: Any, prefix: Pref
 
 def test_a_damaged_run_header_is_ignored_and_replaced(starter_lm: Any, prefix: PrefixCache
                                                       ) -> None:
-    ids = _ids(starter_lm, 100, salt="Header. ")
-    want, _ = _run(starter_lm, ids, prefix_cache=False)
-    _run(starter_lm, ids)
-    prefix.flush()
-    run = _one_run(prefix, ids, 3)
+    ids, want, run = _stored(starter_lm, prefix, 100, 3, salt="Header. ")
     data = bytearray(run.read_bytes())
     data[40] ^= 0x01  # inside the run header's list of page hashes
     run.write_bytes(bytes(data))
