@@ -1,7 +1,8 @@
-"""Strata's window: PySide6 widgets over the engine, reached through one worker thread.
+"""Strata's window and the `strata` command (floors 5 and 6 of docs/architecture.md).
 
-Nothing here holds model logic; `app.worker` is the only module that calls the engine's
-runtime, and it does so on its own thread.
+Floor 5, the window: PySide6 views, item models and controllers over the engine, reached only
+through one worker thread (`app.worker`); no engine policy lives here. Floor 6, the command:
+`app.cli` (and `python -m app`) is the composition root that may import any floor; it imports
+PySide6 only when the window opens, so `strata generate` and `strata serve` start without Qt.
+This package face imports nothing, so `import app.cli` stays Qt-free.
 """
-
-import app.compat  # noqa: F401  (PySide6 reference-count work-around, see there)

@@ -526,7 +526,7 @@ def run(screenshot: str | Path | None = None, view: str = "chat", demo: bool = F
 
 
 def main() -> int:
-    from engine.cli import main as cli_main
+    from app.cli import main as cli_main
 
     return cli_main([])
 

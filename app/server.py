@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from PySide6.QtCore import QObject, Signal
 
+import app.compat  # noqa: F401  (PySide6 work-around, see there)
+
 from engine.errors import StrataError
 
 if TYPE_CHECKING:

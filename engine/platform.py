@@ -2,18 +2,26 @@
 
 `preload_blas()` must run before the first `import mlx.core`; `engine/__init__` calls it.
 `keep_freed_memory()` (glibc) runs when a model starts loading: memory the load frees then
-serves the buffers that follow. Nothing here imports mlx at module level.
+serves the buffers that follow. `check_versions()` refuses, in one line, an mlx or mlx-lm
+outside the minor versions Strata was tested with (it reaches into their internals).
+`check_gpu()` refuses, on macOS, an MLX that cannot run Metal kernels (the packaged app's
+start-up check). Nothing here imports mlx at module level.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
+import threading
+from importlib import metadata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from engine.errors import StrataError
 
 if TYPE_CHECKING:
     import subprocess
@@ -163,8 +171,6 @@ def compute_profile(name: str | None = None) -> ComputeProfile:
     if name == "cpu-f32":
         return ComputeProfile("cpu-f32", dequantize=True, dtype="float32")
     if name:
-        from engine.errors import StrataError
-
         raise StrataError(f"unknown compute profile {name!r}: use 'native' or 'cpu-f32'")
     return compute_profile("cpu-f32" if backend() == "cpu" else "native")
 
@@ -317,3 +323,99 @@ def default_cache() -> Path:
         return Path.home() / "Library" / "Caches" / "Strata"
     xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(xdg) / "strata"
+
+
+# -- versions and the GPU ---------------------------------------------------------------
+# mlx and mlx-lm move monthly and Strata reaches into them (the bare mlx_lm package, the
+# attention hook in model modules, KVCache fields): the minor versions tested, per package.
+TESTED_VERSIONS = {"mlx": (0, 32), "mlx-lm": (0, 32)}
+
+
+def version_problem(package: str, version: str | None) -> str | None:
+    """Why `version` of `package` cannot run Strata (None: it can, or it is not pinned)."""
+    tested = TESTED_VERSIONS.get(package)
+    if tested is None:
+        return None
+    want = ".".join(map(str, tested))
+    if version is None:
+        return f"{package} is not installed (Strata needs {want}.x): reinstall Strata"
+    parts = version.split(".")
+    try:
+        minor = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        return f"{package} {version} is not a version Strata knows (it needs {want}.x)"
+    if minor != tested:
+        return (f"{package} {version} is installed but Strata is tested with {want}.x only: "
+                f"pip install '{package}=={want}.*'")
+    return None
+
+
+@functools.cache  # once per process; a failure is not cached, so it fails every time
+def check_versions() -> None:
+    """Raise StrataError, one line, if mlx or mlx-lm is outside the tested minor versions."""
+    for package in TESTED_VERSIONS:
+        try:
+            version: str | None = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            version = None
+        problem = version_problem(package, version)
+        if problem is not None:
+            raise StrataError(problem)
+
+
+def metallib_path() -> Path:
+    """Where MLX's wheel (and Strata's bundle) keeps mlx.metallib: next to libmlx."""
+    import mlx.core as mx
+
+    return Path(mx.__file__).resolve().parent / "lib" / "mlx.metallib"
+
+
+def _gpu_probe() -> str | None:
+    """Run one small kernel on the GPU; None if it ran, else the error's first line.
+
+    Runs on a throwaway thread: MLX streams belong to the thread that made them, and the
+    engine's own thread must be the one to create the streams it uses.
+    """
+    result: list[str | None] = ["the GPU probe did not finish"]
+
+    def probe() -> None:
+        try:
+            import mlx.core as mx
+
+            with mx.stream(mx.gpu):
+                out = mx.arange(8, dtype=mx.float32) * 2
+                mx.eval(out)
+            if out.tolist() != [float(2 * i) for i in range(8)]:
+                result[0] = f"wrong result from the GPU: {out.tolist()}"
+            else:
+                result[0] = None
+        except Exception as exc:  # noqa: BLE001  (any failure here is what we report)
+            result[0] = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+    t = threading.Thread(target=probe, name="strata-gpu-probe", daemon=True)
+    t.start()
+    t.join(60)
+    return result[0]
+
+
+def check_gpu() -> dict[str, Any]:
+    """On macOS, fail loudly unless MLX can run Metal kernels; a small report otherwise."""
+    if sys.platform != "darwin":
+        return {"gpu_check": "skipped (not macOS)"}
+    if os.environ.get("STRATA_DEVICE") == "cpu":
+        return {"gpu_check": "skipped (STRATA_DEVICE=cpu)"}
+    import mlx.core as mx
+
+    problem: str | None = None
+    if not mx.metal.is_available():
+        problem = "Metal is not available on this Mac, so MLX would run on the CPU"
+    elif not metallib_path().is_file():
+        # A bundle that missed mlx.metallib: MLX would fail at the first kernel.
+        problem = f"MLX's Metal library is missing ({metallib_path()})"
+    else:
+        error = _gpu_probe()
+        if error is not None:
+            problem = f"MLX cannot run Metal kernels from {metallib_path().name}: {error}"
+    if problem is None:
+        return {"gpu_check": "ok"}
+    raise StrataError(problem + "; set STRATA_DEVICE=cpu to run on the CPU anyway")

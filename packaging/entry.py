@@ -39,7 +39,7 @@ def main() -> int:
     from engine.errors import StrataError
 
     if sys.platform == "darwin" and "--help" not in argv and "-h" not in argv:
-        from engine.smoke import check_gpu
+        from engine.platform import check_gpu
 
         try:
             check_gpu()
@@ -48,7 +48,7 @@ def main() -> int:
             if not argv:
                 _alert(str(exc))
             return 1
-    from engine.cli import main as cli_main
+    from app.cli import main as cli_main
 
     return cli_main(argv)
 

@@ -1,7 +1,7 @@
 """Say whether MLX can compute on this Mac's GPU: the CI's first step, and a diagnosis aid.
 
 Contract: `python packaging/metal_check.py` prints the GPU, macOS and MLX versions and the
-metallib path, then one JSON line from engine.smoke.check_gpu() and exits 0; when Metal does
+metallib path, then one JSON line from engine.platform.check_gpu() and exits 0; when Metal does
 not work it prints `strata: error: ...` (one line, last) and exits 1.
 """
 
@@ -20,7 +20,7 @@ def main() -> int:
     import mlx.core as mx
 
     from engine.errors import StrataError
-    from engine.smoke import check_gpu, metallib_path
+    from engine.platform import check_gpu, metallib_path
 
     if sys.platform == "darwin":
         gpu = subprocess.run(["system_profiler", "SPDisplaysDataType"], capture_output=True,

@@ -24,5 +24,5 @@ def run_strata(*args: str, home: Path, timeout: float = 600,
             full.pop(key, None)
         else:
             full[key] = value
-    return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "app", *args], capture_output=True,
                           text=True, env=full, timeout=timeout, cwd=REPO, **kw)

@@ -1,6 +1,6 @@
 """Runs `strata bench` in a child process for the benchmark tab, and keeps its results.
 
-Contract: `BenchRunner.start(models, suite, options)` runs `python -m engine bench ... --json
+Contract: `BenchRunner.start(models, suite, options)` runs `python -m app bench ... --json
 STRATA_HOME/bench/<time>.json` in a QProcess (the bench already runs each subject in its own
 process, so the engine thread stays free for chat). It emits `progressed(percent, label)`
 from the bench's progress lines and `finished(path, result)` when the child ends, with the
@@ -43,7 +43,7 @@ def history(home: Path) -> list[tuple[Path, dict[str, Any]]]:
 def command_args(models: list[str], suite: str, out: Path, trials: int | None = None,
                  peers: list[str] | None = None, extra: list[str] | None = None) -> list[str]:
     """Arguments after `python`, the same as `strata bench` on the command line."""
-    args = ["-m", "engine", "bench", suite, "--model", ",".join(models), "--json", str(out)]
+    args = ["-m", "app", "bench", suite, "--model", ",".join(models), "--json", str(out)]
     if trials:
         args += ["--trials", str(trials)]
     args += ["--peers", ",".join(peers) if peers else "none"]

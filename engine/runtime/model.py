@@ -18,13 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import LoadFailed
-from engine.platform import ComputeProfile
+from engine.platform import ComputeProfile, check_versions
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 def _ensure_mlx_lm_package() -> None:
-    """Make `import mlx_lm.models.X` work without running mlx_lm/__init__.py."""
+    """Make `import mlx_lm.models.X` work without running mlx_lm/__init__.py.
+
+    First checks the mlx and mlx-lm versions: the bare package and the model modules' internals
+    are what changes between their minor versions."""
+    check_versions()
     if "mlx_lm" in sys.modules:
         return
     spec = importlib.util.find_spec("mlx_lm")

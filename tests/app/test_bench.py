@@ -85,7 +85,7 @@ def test_cancel_keeps_what_finished(qtbot: Any, starter: dict[str, Any],
 
 def test_the_tab_opens_on_the_last_result(make_window: WindowFactory, strata_home: Path,
                                           tmp_path: Path) -> None:
-    from engine.cli import build_parser
+    from app.cli import build_parser
 
     assert build_parser().parse_args(["--view", "benchmark"]).view == "benchmark"
     home = tmp_path / "home"

@@ -17,7 +17,7 @@ def test_screenshot_of_the_library_view(starter: dict[str, Any], strata_home: Pa
                                         tmp_path: Path) -> None:
     out = tmp_path / "library.png"
     env = dict(os.environ, STRATA_HOME=str(strata_home), QT_QPA_PLATFORM="offscreen")
-    proc = subprocess.run([sys.executable, "-m", "engine", "--screenshot", str(out),
+    proc = subprocess.run([sys.executable, "-m", "app", "--screenshot", str(out),
                            "--view", "library"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

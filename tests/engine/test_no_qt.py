@@ -40,8 +40,18 @@ def test_engine_modules_never_import_qt() -> None:
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert len(out["modules"]) >= 15  # the walk really visited the engine
-    assert "engine.cli" in out["modules"] and "engine.runtime.generate" in out["modules"]
+    assert "engine.server.api" in out["modules"] and "engine.runtime.generate" in out["modules"]
     assert out["qt"] == []
+
+
+def test_the_command_starts_without_qt() -> None:
+    """`strata generate` and `strata serve` build their parser without importing PySide6."""
+    code = ("import json, sys; from app.cli import build_parser; build_parser(); "
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('PySide6'))))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == []
 
 
 def test_no_engine_source_names_pyside() -> None:

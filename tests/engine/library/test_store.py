@@ -75,7 +75,7 @@ def test_killed_import_leaves_nothing_behind(tmp_path: Path) -> None:
     src = tmp_path / "copy.gguf"
     shutil.copy(starter_gguf(), src)
     env = dict(os.environ, STRATA_HOME=str(home))
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "import", str(src)], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "app", "import", str(src)], cwd=REPO,
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not list(lib.models_dir.glob(".tmp-*/*")):

@@ -21,7 +21,7 @@ from engine.kv.pagefile import PageCorrupt, RecordFile, codec_record_size
 from engine.kv.store import KVStore
 
 H, D, P, REP = 2, 64, 8, 3
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _settings(tmp_path: Path, **kw: Any) -> KVSettings:
@@ -324,7 +324,7 @@ def test_cli_generate_with_4_bit_pages(starter: Any) -> None:
     system = ("You are a helpful assistant who answers questions about geography briefly "
               "and accurately. " + "Always answer in one short sentence and name the place "
               "plainly. " * 12)
-    out = subprocess.run([sys.executable, "-m", "engine", "generate", "--system", system,
+    out = subprocess.run([sys.executable, "-m", "app", "generate", "--system", system,
                           "--prompt", "What is the capital of France?", "--kv-mode", "exact",
                           "--kv-bits", "4", "--max-tokens", "12", "--temp", "0", "--json"],
                          capture_output=True, text=True, cwd=REPO, timeout=300)
@@ -336,7 +336,7 @@ def test_cli_generate_with_4_bit_pages(starter: Any) -> None:
 
 def test_cli_refuses_bits_without_paged_mode(starter: Any) -> None:
     for extra in ([], ["--kv-mode", "mlx"]):
-        out = subprocess.run([sys.executable, "-m", "engine", "generate", "--prompt", "x",
+        out = subprocess.run([sys.executable, "-m", "app", "generate", "--prompt", "x",
                               "--kv-bits", "8", *extra], capture_output=True, text=True,
                              cwd=REPO, timeout=120)
         assert out.returncode == 1
@@ -357,7 +357,7 @@ def test_bench_kvbits_suite_runs(starter: Any, tmp_path: Path) -> None:
     out_json = tmp_path / "kvbits.json"
     text = tmp_path / "t.txt"
     text.write_text("The tide tables of the old harbour office were kept by year. " * 40)
-    out = subprocess.run([sys.executable, "-m", "engine", "bench", "kvbits",
+    out = subprocess.run([sys.executable, "-m", "app", "bench", "kvbits",
                           "--prefill-tokens", "40", "--decode-steps", "3", "--page-tokens",
                           "16", "--bits", "16,8", "--text", str(text), "--json",
                           str(out_json)], capture_output=True, text=True, cwd=REPO,

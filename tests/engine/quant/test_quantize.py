@@ -139,7 +139,7 @@ def test_allocation_meets_the_budget_and_prefers_sensitive_tensors() -> None:
 
 # -- on the starter model -------------------------------------------------------------------
 def _cli(*argv: str) -> int:
-    from engine.cli import main
+    from app.cli import main
 
     return main(list(argv))
 
@@ -388,7 +388,7 @@ def test_imatrix_beats_round_to_nearest_on_the_starter(library: Any, reference: 
     from engine.quant.evaluate import evaluate
     from engine.quant.quantize import quantize
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     rtn = library.find("t-q3-g128") or quantize(library, "starter", "q3-g128", "t-q3-g128")
     m = quantize(library, "starter", "q3-g128", "t-q3-g128-imatrix",
                  calibration=root / "docs" / "architecture.md", calibration_tokens=512,
@@ -408,7 +408,7 @@ def test_auto_with_imatrix_can_be_cancelled_while_weighing(library: Any, tmp_pat
     from tests.engine.hf_factory import write_hf_llama
 
     write_hf_llama(tmp_path / "hf", layers=2, tie=True)
-    text = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+    text = Path(__file__).resolve().parents[3] / "docs" / "architecture.md"
     before = _library_state(library)
     seen: list[tuple[int, int]] = []
     # Calls: 1 importance chunk, 2 Fisher chunks, then one per tensor weighed.
@@ -433,7 +433,7 @@ def test_weighted_sensitivities_equal_the_rounding_they_price(tmp_path: Path) ->
 
     write_hf_llama(tmp_path / "hf", layers=1, tie=True)
     src = load_float("hf", tmp_path / "hf")
-    text = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+    text = Path(__file__).resolve().parents[3] / "docs" / "architecture.md"
     tok = Tokenizer.load(src.folder)
     ids = tok.encode(text.read_text()[:2000], add_bos=False)[:128]
     imp = activation_importance(src.model, ids)

@@ -1,8 +1,8 @@
-"""`strata --smoke` in a checkout (one JSON line), and the macOS GPU check's verdicts."""
+"""engine.platform: the macOS GPU check's verdicts and the pinned mlx / mlx-lm versions."""
 
 from __future__ import annotations
 
-import json
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -10,20 +10,33 @@ from pathlib import Path
 import pytest
 
 from engine.errors import StrataError
-from tests.helpers import run_strata
+from engine.platform import check_versions, version_problem
+from tests.helpers import REPO
 
 
-def test_smoke_prints_one_json_line(starter: dict, strata_home: Path) -> None:  # type: ignore[type-arg]
-    proc = run_strata("--smoke", home=strata_home, env={"QT_QPA_PLATFORM": "offscreen"})
-    assert proc.returncode == 0, proc.stderr
-    (line,) = proc.stdout.strip().splitlines()
-    report = json.loads(line)
-    assert report["ok"] is True and report["frozen"] is False
-    assert report["model"] == starter["name"] and report["token"]
-    assert report["backend"] in ("cpu", "metal", "cuda", "gpu")
-    assert set(report["versions"]) >= {"strata", "mlx", "mlx_lm", "pyside6", "qt", "python"}
-    assert report["timings"]["fetch_import_s"] < 1  # the session's library has the starter
-    assert report["timings"]["load_s"] > 0 and report["timings"]["first_token_s"] > 0
+def test_installed_mlx_and_mlx_lm_are_the_tested_ones() -> None:
+    check_versions()  # the venv the README makes installs the pinned minor versions
+
+
+def test_a_version_outside_the_pin_is_one_line() -> None:
+    problem = version_problem("mlx-lm", "0.33.1")
+    assert problem is not None and "mlx-lm 0.33.1" in problem and "0.32.x" in problem
+    assert "\n" not in problem
+    assert version_problem("mlx", "0.32.9") is None
+    assert "not installed" in (version_problem("mlx", None) or "")
+
+
+def test_a_wrong_mlx_lm_fails_at_start_not_in_a_reply(tmp_path: Path) -> None:
+    """A fake mlx_lm 0.99 distribution first on the path: loading any model stops at once."""
+    dist = tmp_path / "mlx_lm-0.99.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mlx-lm\nVersion: 0.99.0\n")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from app.cli import main; "
+            "sys.exit(main(['generate', '--prompt', 'hi', '--max-tokens', '1']))")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith("strata: error: mlx-lm 0.99.0 is ")
 
 
 # -- the macOS GPU check, with MLX's Metal answers faked (no Mac here) --------------------
@@ -41,7 +54,7 @@ def fake_mac(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):  # noqa: ANN201
     import mlx
     import mlx.core
 
-    from engine import smoke
+    from engine import platform as smoke
 
     fake = types.SimpleNamespace(metal=_FakeMetal(True), __file__=mlx.core.__file__)
     monkeypatch.setattr(sys, "platform", "darwin")

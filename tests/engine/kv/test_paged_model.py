@@ -125,7 +125,7 @@ def test_hook_is_idempotent_and_falls_through(starter_lm: Any) -> None:
 
 
 def test_cli_kv_options(tmp_path: Path) -> None:
-    from engine.cli import _kv_settings, build_parser, main
+    from app.cli import _kv_settings, build_parser, main
 
     args = build_parser().parse_args(["generate", "--prompt", "x", "--kv-mode", "sparse",
                                       "--kv-ram-mb", "256", "--kv-budget", "1024"])

@@ -1,8 +1,10 @@
-"""The `strata` command line (also `python -m engine`). Headless subcommands never import Qt.
+"""The `strata` command (also `python -m app`): the composition root, floor 6.
 
 Contract: each subcommand prints its result on stdout (JSON with --json) and progress on
 stderr. A user error (engine.errors.StrataError) prints one line, `strata: error: ...`, and
-exits 1; Ctrl-C exits 130. `strata` with no subcommand opens the window.
+exits 1; Ctrl-C exits 130. `strata` with no subcommand opens the window. This module may import
+every floor below it; it imports PySide6 (through app.main) only when the window opens, so
+headless subcommands (generate, serve, bench, ...) start without Qt.
 """
 
 from __future__ import annotations
@@ -292,10 +294,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_window(args: argparse.Namespace) -> int:
     """Open the desktop window (or render it to a PNG with --screenshot)."""
-    import importlib
-
     try:
-        app_main = importlib.import_module("app.main")  # PySide6 only when the window opens
+        from app import main as app_main  # PySide6 loads only when the window opens
     except ImportError as exc:
         raise StrataError(f"the desktop window needs PySide6 ({exc}); "
                           "use `strata chat` in the terminal") from exc
@@ -308,10 +308,12 @@ def cmd_window(args: argparse.Namespace) -> int:
 
 
 def cmd_smoke(args: argparse.Namespace) -> int:
-    """`strata --smoke`: one JSON line on stdout (see engine/smoke.py)."""
-    from engine.smoke import run_smoke
+    """`strata --smoke`: one JSON line on stdout (engine/bench/smoke.py, Qt's half in
+    app/smoke.py)."""
+    from app.smoke import qt_probe  # PySide6 is imported by the probe itself, when it runs
+    from engine.bench.smoke import run_smoke
 
-    print(json.dumps(run_smoke(), sort_keys=True), flush=True)
+    print(json.dumps(run_smoke(qt_probe=qt_probe), sort_keys=True), flush=True)
     return 0
 
 

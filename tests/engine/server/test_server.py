@@ -34,7 +34,7 @@ def server(starter: Any, strata_home: Path, tmp_path_factory: pytest.TempPathFac
     env = dict(os.environ, STRATA_HOME=str(strata_home))
     with open(log, "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "engine", "serve", "--port", "0", "--api-key", KEY],
+            [sys.executable, "-m", "app", "serve", "--port", "0", "--api-key", KEY],
             stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=REPO)
     assert proc.stdout is not None
     try:

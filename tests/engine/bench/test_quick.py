@@ -24,7 +24,7 @@ from engine.bench.stats import (
     write_csv,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TINY = ["--trials", "1", "--load-trials", "1", "--depths", "0,32", "--prompt-tokens", "16",
         "--max-tokens", "4", "--prefix-tokens", "24", "--suffix-tokens", "8"]
 
@@ -95,7 +95,7 @@ def test_the_validator_finds_schema_violations() -> None:
 
 def test_a_tiny_quick_run_writes_a_complete_valid_result(starter: dict[str, Any],
                                                          tmp_path: Path) -> None:
-    from engine.cli import main
+    from app.cli import main
 
     out, table = tmp_path / "b.json", tmp_path / "b.csv"
     rc = main(["bench", "quick", "--peers", "mlx-lm,llama.cpp", *TINY, "--json", str(out),
@@ -129,7 +129,7 @@ def test_a_tiny_quick_run_writes_a_complete_valid_result(starter: dict[str, Any]
 def test_ctrl_c_keeps_what_finished(starter: dict[str, Any], tmp_path: Path) -> None:
     out = tmp_path / "partial.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine", "bench", "quick", "--peers", "mlx-lm", *TINY,
+        [sys.executable, "-m", "app", "bench", "quick", "--peers", "mlx-lm", *TINY,
          "--json", str(out)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, env=dict(os.environ), start_new_session=True,
         # As from a terminal, even when the suite runs with SIGINT ignored (a background job).
@@ -151,7 +151,7 @@ def test_ctrl_c_keeps_what_finished(starter: dict[str, Any], tmp_path: Path) -> 
 
 def test_a_paged_setting_reports_kv_per_tier_and_disk_traffic(starter: dict[str, Any],
                                                                tmp_path: Path) -> None:
-    from engine.cli import main
+    from app.cli import main
 
     out = tmp_path / "b.json"
     tiny = [*TINY[:4], "--depths", "0,300", *TINY[6:]]  # 300 tokens: two full 128-token pages

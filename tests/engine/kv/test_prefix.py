@@ -21,7 +21,7 @@ from engine.platform import ComputeProfile
 from engine.runtime.generate import generate
 from engine.runtime.sampling import SamplingParams
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 GREEDY = SamplingParams(temperature=0)
 SYSTEM = ("You are the archivist of a small maritime museum. " + "The archive keeps letters, "
           "maps, tide tables and ledgers from the old harbour office, sorted by year. " * 40)
@@ -49,7 +49,7 @@ def _ids(lm: Any, n: int, salt: str = "") -> list[int]:
 def test_restart_reuses_the_prefix_and_output_is_unchanged(starter: Any, tmp_path: Path
                                                            ) -> None:
     env = dict(os.environ, STRATA_PREFIX_DIR=str(tmp_path / "px"))
-    cmd = [sys.executable, "-m", "engine", "generate", "--model", starter["name"],
+    cmd = [sys.executable, "-m", "app", "generate", "--model", starter["name"],
            "--system", SYSTEM, "--prompt", "What does the archive keep?", "--temp", "0",
            "--max-tokens", "8", "--json", "--timeline"]
 
@@ -68,7 +68,7 @@ def test_restart_reuses_the_prefix_and_output_is_unchanged(starter: Any, tmp_pat
                   "cache restore", "prefill", "first decode"):
         assert phase in timeline, phase
     # `strata cache` shows the run; --clear removes it, and nothing is left to restore.
-    show = [sys.executable, "-m", "engine", "cache", "--json"]
+    show = [sys.executable, "-m", "app", "cache", "--json"]
     r = subprocess.run(show, capture_output=True, text=True, env=env, cwd=REPO, timeout=60)
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)

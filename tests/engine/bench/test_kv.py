@@ -102,7 +102,7 @@ def test_long_run_synthetic_and_end_to_end(starter_lm: Any, tmp_path: Path) -> N
 
 
 def test_bench_kv_output_shape(starter: Any, tmp_path: Path, capsys: Any) -> None:
-    from engine.cli import main
+    from app.cli import main
 
     out = tmp_path / "kv.json"
     assert main(["bench", "kv", "--contexts", "512", "--synthetic-fill", "256", "--gen", "3",

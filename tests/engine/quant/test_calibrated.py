@@ -14,7 +14,7 @@ import pytest
 
 from engine.errors import Cancelled, StrataError
 from engine.quant.recipes import Format, RecipeError
-from tests.engine.test_quant import _cli, _library_state, _read_back
+from tests.engine.quant.test_quantize import _cli, _library_state, _read_back
 
 # Mostly float16 so that calibration stays quick; the quantized layers cover GPTQ's own
 # packer (4-bit), Strata's packer for widths mlx-lm's lacks (3-bit), and two group sizes.
@@ -212,7 +212,7 @@ def test_ctrl_c_in_the_cli_leaves_the_library_as_it_was(library: Any, starter: A
 
     before = _library_state(library)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine", "quantize", "starter", "--recipe", "q4-g64",
+        [sys.executable, "-m", "app", "quantize", "starter", "--recipe", "q4-g64",
          "--method", "gptq", "--calibration-tokens", "256", "--name", "t-interrupted",
          "--calibration", str(_calibration_text(tmp_path))],
         stderr=subprocess.PIPE, text=True, start_new_session=True,

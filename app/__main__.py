@@ -1,0 +1,5 @@
+"""`python -m app` is the `strata` command line (app.cli)."""
+
+from app.cli import main
+
+raise SystemExit(main())
