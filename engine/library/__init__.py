@@ -1,6 +1,6 @@
 """The model library: one folder per model under STRATA_HOME/models, each with a manifest.
 
-See engine.library.store for the contract; engine.library.starter fetches the default model.
+See engine.library.store for the contract; engine.importers.starter fetches the default model.
 """
 
 from engine.library.store import Library, Manifest

@@ -47,7 +47,7 @@ def _drop_and_import(window: MainWindow, qtbot: Any, path: Path, recipe: str = "
 
 def test_dropping_a_gguf_imports_it(make_window: WindowFactory, tmp_path: Path,
                                     qtbot: Any) -> None:
-    from engine.library.starter import starter_gguf
+    from engine.importers.starter import starter_gguf
 
     home = tmp_path / "home"
     window = make_window(home=home, fetch_starter=False, preload=False)

@@ -17,7 +17,7 @@ from tests.app.test_library import _drop, _library_state
 def test_import_dialog_offers_recipes_with_sizes_and_imports_the_choice(
         make_window: WindowFactory, tmp_path: Path, qtbot: Any) -> None:
     from engine.library import Library
-    from engine.library.starter import starter_gguf
+    from engine.importers.starter import starter_gguf
     from engine.quant.quantize import expected_sizes
     from engine.quant.recipes import builtin_names
 
@@ -60,7 +60,7 @@ def test_import_dialog_offers_recipes_with_sizes_and_imports_the_choice(
 
 def test_closing_the_dialog_before_import_writes_nothing(
         make_window: WindowFactory, tmp_path: Path, qtbot: Any) -> None:
-    from engine.library.starter import starter_gguf
+    from engine.importers.starter import starter_gguf
 
     home = tmp_path / "home"
     window = make_window(home=home, fetch_starter=False, preload=False)

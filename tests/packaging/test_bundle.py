@@ -42,7 +42,7 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_packaged_smoke_loads_the_starter_and_generates(
         bundle: Path, tmp_path: Path) -> None:
-    from engine.library.starter import starter_gguf
+    from engine.importers.starter import starter_gguf
 
     starter_gguf()  # in the machine cache, so the bundle imports it without the network
     env = dict(os.environ, STRATA_HOME=str(tmp_path / "home"), QT_QPA_PLATFORM="offscreen")

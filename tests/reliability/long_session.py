@@ -31,7 +31,7 @@ def main() -> None:
 
     from app.chat.store import ChatStore
     from engine.library import Library
-    from engine.library.starter import ensure_starter
+    from engine.importers.starter import ensure_starter
     from engine.runtime.generate import ChatSession, LoadedModel
     from engine.runtime.sampling import SamplingParams
 

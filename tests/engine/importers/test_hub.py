@@ -414,7 +414,7 @@ def test_existing_name_fails_before_downloading(pulled: dict[str, dict[str, Any]
 def test_bad_repo_ids_fail_in_one_line(text: str, tmp_path: Path) -> None:
     from engine.errors import FetchFailed
     from engine.library import Library
-    from engine.library.hub import pull_hub
+    from engine.importers.hub import pull_hub
 
     lib = Library(tmp_path)
     with pytest.raises(FetchFailed) as info:
@@ -463,7 +463,7 @@ import json, sys
 from pathlib import Path
 from engine.errors import Cancelled
 from engine.library import Library
-from engine.library.hub import pull_hub
+from engine.importers.hub import pull_hub
 
 lib = Library(Path(sys.argv[1]))
 calls = []
@@ -512,7 +512,7 @@ def test_progress_and_cancel(repos: dict[str, dict[str, bytes]], tmp_path: Path)
 def test_staging_refuses_names_that_leave_the_folder(tmp_path: Path) -> None:
     """A shard index naming '../x' or 'a/b' never places a link outside the staging folder."""
     from engine.errors import FetchFailed
-    from engine.library.hub import _stage
+    from engine.importers.hub import _stage
 
     snapshot = tmp_path / "snapshot"
     snapshot.mkdir()

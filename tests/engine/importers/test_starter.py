@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from engine.library.starter import SHA256, starter_gguf
+from engine.importers.starter import SHA256, starter_gguf
 from tests.helpers import REPO, run_strata
 
 QUESTION = "What is the capital of France?"

@@ -15,7 +15,7 @@ import pytest
 
 from engine.errors import ImportFailed, ModelNotFound
 from engine.library import Library
-from engine.library.starter import starter_gguf
+from engine.importers.starter import starter_gguf
 from tests.helpers import REPO
 
 

@@ -148,7 +148,7 @@ def test_check_method_without_a_model() -> None:
 # -- recipes on import, and the sizes the import dialog shows -------------------------------
 def test_import_with_a_recipe_is_quantize(library: Any, starter: Any) -> None:
     from engine.importers import import_path
-    from engine.library.starter import starter_gguf
+    from engine.importers.starter import starter_gguf
     from engine.quant.quantize import expected_sizes
 
     gguf = starter_gguf()
@@ -177,7 +177,7 @@ def test_expected_sizes_match_what_quantize_writes(library: Any, starter: Any) -
 
 
 def test_import_options_list_every_recipe_with_its_size(library: Any, starter: Any) -> None:
-    from engine.library.starter import starter_gguf
+    from engine.importers.starter import starter_gguf
     from engine.quant.quantize import import_options
     from engine.quant.recipes import builtin_names
 
