@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,7 +39,7 @@ def _progress_printer(label: str) -> Callable[[int, int], None]:
 
 
 def _library() -> Any:
-    from engine.library import Library
+    from engine.library import Library  # each command imports only what it runs (start-up)
 
     return Library()
 
@@ -86,7 +87,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_cache(args: argparse.Namespace) -> int:
     """`strata cache`: where the prefix cache is and what it holds; --clear empties it."""
-    from engine.kv.prefix import clear_folder, folder_runs, settings_from_env
+    from engine.kv.prefix import clear_folder, folder_runs, settings_from_env  # start-up
 
     s = settings_from_env()
     folder = s.root()
@@ -131,7 +132,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def _sampling(args: argparse.Namespace) -> Any:
-    from engine.runtime.sampling import SamplingParams
+    from engine.runtime.sampling import SamplingParams  # start-up: only when generating
 
     return SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
                           min_p=args.min_p, repetition_penalty=args.repeat_penalty,
@@ -140,7 +141,7 @@ def _sampling(args: argparse.Namespace) -> Any:
 
 def _kv_settings(args: argparse.Namespace) -> Any:
     """KVSettings from --kv-* options (None: mlx-lm's in-memory KVCache)."""
-    from engine.kv import settings_from_env
+    from engine.kv import settings_from_env  # start-up: MLX loads only when generating
 
     settings = settings_from_env(mode=args.kv_mode, ram_mb=args.kv_ram_mb, bits=args.kv_bits,
                                  budget_tokens=args.kv_budget)
@@ -159,7 +160,9 @@ def _add_kv(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine.runtime.generate import LoadedModel, generate
+    # Start-up: the runtime (and MLX with it) loads only for the commands that generate.
+    from engine.runtime.generate import generate
+    from engine.runtime.pool import ModelPool, PoolSettings
     from engine.telemetry import PROCESS_START, Timeline
 
     if args.prompt_file is not None:
@@ -172,11 +175,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling(args)
     timeline = Timeline()
     timeline.add("interpreter and imports", PROCESS_START)
-    kv = _kv_settings(args)  # bad KV options fail before the model loads
-    lm = LoadedModel.load(args.model, timeline=timeline)
-    lm.kv_settings = kv
-    if args.prefix_cache:
-        lm.enable_prefix_cache()
+    # Bad KV or prefix-cache options fail before the model loads.
+    pool = ModelPool(_library(), PoolSettings(kv=_kv_settings(args),
+                                              prefix_cache=args.prefix_cache))
+    lm = pool.get(args.model, timeline=timeline)
     messages = ([{"role": "system", "content": args.system}] if args.system else [])
     messages.append({"role": "user", "content": prompt_text})
     ids = (lm.tokenizer.encode(prompt_text) if args.raw else lm.tokenizer.encode_chat(messages))
@@ -193,11 +195,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print()
     if args.timeline:
         print("timeline (s since process start):", file=sys.stderr)
-        from engine.telemetry import PROCESS_START as t0
-
         for phase, start, end in timeline.marks:
-            print(f"  {phase:26} {start - t0:8.3f} -> {end - t0:8.3f}  ({end - start:.3f})",
-                  file=sys.stderr)
+            print(f"  {phase:26} {start - PROCESS_START:8.3f} -> "
+                  f"{end - PROCESS_START:8.3f}  ({end - start:.3f})", file=sys.stderr)
     if args.json:
         out = {
             "model": lm.manifest["name"],
@@ -218,13 +218,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from engine.runtime.generate import ChatSession, LoadedModel
+    from engine.runtime.pool import ModelPool, PoolSettings  # start-up: MLX loads only here
 
     params = _sampling(args)
-    lm = LoadedModel.load(args.model)
-    if args.prefix_cache:
-        lm.enable_prefix_cache()
-    session = ChatSession(lm, system=args.system)
+    pool = ModelPool(_library(), PoolSettings(prefix_cache=args.prefix_cache))
+    lm = pool.get(args.model)
+
+    def new_session() -> Any:
+        pool.forget(0)
+        session = pool.session(0)
+        if args.system:
+            session.messages.append({"role": "system", "content": args.system})
+        return session
+
+    session = new_session()
     tty = sys.stdin.isatty()
     print(f"chatting with {lm.manifest['name']} ({lm.profile.name}); /reset, /exit",
           file=sys.stderr)
@@ -240,7 +247,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if text in ("/exit", "/quit", "/bye"):
             break
         if text == "/reset":
-            session = ChatSession(lm, system=args.system)
+            session = new_session()
             continue
         stopped = [False]
         last = None
@@ -280,9 +287,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import os
-
-    from engine.server.api import serve  # Starlette and uvicorn load only here
+    from engine.server.api import serve  # start-up: Starlette and uvicorn load only here
 
     def announce(line: str) -> None:
         print(line, flush=True)  # the first stdout line: scripts and tests read the address
@@ -311,7 +316,7 @@ def cmd_smoke(args: argparse.Namespace) -> int:
     """`strata --smoke`: one JSON line on stdout (engine/bench/smoke.py, Qt's half in
     app/smoke.py)."""
     from app.smoke import qt_probe  # PySide6 is imported by the probe itself, when it runs
-    from engine.bench.smoke import run_smoke
+    from engine.bench.smoke import run_smoke  # start-up: loads the runtime and MLX
 
     print(json.dumps(run_smoke(qt_probe=qt_probe), sort_keys=True), flush=True)
     return 0

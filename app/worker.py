@@ -8,13 +8,12 @@ superqt's generator workers. The GUI thread never waits on the engine, except in
 `Engine.shutdown()` when the window closes. `Engine` re-emits the worker's events on the
 GUI thread; the rest of the app connects to those, never to the worker itself.
 
-Caches: every model the worker loads gets the app's engine settings (`apply_settings`: the KV
-mode and budgets as `lm.kv_settings`, for sessions made after them) and, unless turned off,
-the SSD prefix cache under STRATA_HOME/prefix, so prompt prefixes stay warm across restarts.
-`prewarm(chat, model, system)` prefills a chat's system prompt (with the chat template's
-preamble) into that chat's session, restoring it from the prefix cache where it is stored,
-so the chat's first message prefills only its own tokens. Server jobs (app/server.py) run on
-the same thread between chat jobs, over the same model and prefix cache.
+The worker holds no engine policy: the loaded model, its KV settings and prefix cache, the
+chats' sessions and their LRU, the prewarm of a system prompt and the memory figures are
+engine.runtime.pool.ModelPool's. `apply_settings` hands the window's engine settings to the
+pool (for sessions made after them); `prewarm(chat, model, system)` asks it to prefill a chat's
+system prompt. Server jobs (app/server.py) run on the same thread between chat jobs, over the
+same pool, so they share the model and the prefix cache.
 """
 
 from __future__ import annotations
@@ -24,25 +23,25 @@ import logging
 import threading
 import time
 import traceback
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from PySide6.QtCore import QObject, QThread, QTimer, Signal, SignalInstance, Slot
 
 import app.compat  # noqa: F401  (PySide6 work-around, see there)
 from engine.errors import Cancelled, StrataError
-from engine.platform import release_freed_memory
-
-if TYPE_CHECKING:
-    from engine.server.host import Host, Job, ModelPool
+from engine.importers.starter import ensure_starter
+from engine.library import Library
+from engine.runtime.pool import ModelPool, settings_from_options
+from engine.runtime.sampling import SamplingParams
+from engine.server.host import Host, Job
+from engine.telemetry import Timeline
 
 log = logging.getLogger(__name__)
 
 Step = tuple[SignalInstance, tuple[Any, ...]]
-MAX_SESSIONS = 8  # chats whose KV stays in RAM; older ones prefill again when reopened
 MEMORY_INTERVAL_S = 1.0
 
 
@@ -62,8 +61,16 @@ class ReplyRequest:
 
 
 # -- the worker (lives on the engine thread) ----------------------------------------------
+class ServerHost(Host, Protocol):
+    """The app's server host (app.server.AppHost) as the worker sees it."""
+
+    def job_started(self, job: Job) -> None: ...
+
+    def job_finished(self, job: Job) -> None: ...
+
+
 class EngineWorker(QObject):
-    """Owns the library, the loaded model and the chat sessions. Lives on the engine thread."""
+    """Runs the app's engine jobs on the engine thread over one ModelPool; no policy here."""
 
     busy_changed = Signal(bool)
     starter_progressed = Signal(str, int, int)  # message, done, total (0: no measure)
@@ -73,7 +80,7 @@ class EngineWorker(QObject):
     reply_started = Signal(int)
     reply_delta = Signal(int, str)
     reply_finished = Signal(int, dict)  # job, stats
-    import_planned = Signal(int, dict)  # job, engine.quant.quantize.import_options(...)
+    import_planned = Signal(int, dict)  # job, the import plan (kind, recipes, sizes)
     import_started = Signal(int, dict)  # job, {"path", "kind"}
     import_progress = Signal(int, int, int)  # job, done, total
     import_finished = Signal(int, dict)  # job, manifest
@@ -86,101 +93,17 @@ class EngineWorker(QObject):
 
     def __init__(self, home: Path) -> None:
         super().__init__()
-        from engine.library import Library
-
         self.library = Library(home)
         self.home = Path(self.library.home)
-        self._lm: Any = None
-        self._kv_settings: Any = None  # engine.kv.KVSettings once settings are applied
-        self._prefix_enabled = True
-        self._prefix_mb: float | None = None  # the prefix folder's budget; None: environment's
-        self._prefix_reason = "no model loaded"
-        self._server_models: ModelPool | None = None
-        self._weights_bytes: int | None = None
-        self._sessions: OrderedDict[int, Any] = OrderedDict()
+        # The environment's settings (STRATA_KV_*, STRATA_PREFIX_*) until the window's apply.
+        self.pool = ModelPool(self.library, settings_from_options({}, self.home))
+        self.pool.on_loading = self.model_loading.emit
+        self.pool.on_loaded = self.model_loaded.emit
         self._cancelled: set[int] = set()
         self._cancel_all = False
         self._lock = threading.Lock()
         self._last_sample = 0.0
         self._timer: QTimer | None = None
-
-    def _close_sessions(self, chat_id: int | None = None) -> None:
-        """Drop one chat's session (or all), releasing what its KV cache holds."""
-        ids = list(self._sessions) if chat_id is None else [chat_id]
-        for key in ids:
-            session = self._sessions.pop(key, None)
-            close = getattr(getattr(session, "cache", None), "close", None)
-            if close is not None:
-                close()  # a paged cache's threads and files; nothing for mlx-lm's
-        if chat_id is None and self._server_models is not None:
-            for pc in list(self._server_models.caches):
-                self._server_models.discard(pc)
-        release_freed_memory()  # what the dropped KV held goes back to the OS (glibc)
-
-    def _unload(self) -> None:
-        """Forget the loaded model: sessions closed, queued prefix pages written."""
-        self._close_sessions()
-        lm, self._lm, self._weights_bytes = self._lm, None, None
-        if lm is not None and lm.prefix_cache is not None:
-            lm.prefix_cache.close()  # flushes pages still queued for the disk
-            lm.prefix_cache = None
-        del lm
-        release_freed_memory()
-
-    def _prompt_caches(self) -> list[Any]:
-        """Every PromptCache the worker holds: the chats' and the server's."""
-        caches = [s.cache for s in self._sessions.values()]
-        if self._server_models is not None:
-            caches += list(self._server_models.caches)
-        return caches
-
-    # -- engine settings (engine thread) -------------------------------------------------
-    def _kv_from(self, settings: dict[str, Any]) -> Any:
-        from engine.kv import settings_from_env
-
-        ram = int(settings.get("kv_ram_mb") or 0)
-        mode = str(settings.get("kv_mode") or "mlx")
-        # KV bits apply to the paged cache only; mlx-lm's in-memory cache stays 16-bit.
-        bits = int(settings.get("kv_bits") or 16) if mode != "mlx" else 16
-        return settings_from_env(mode=mode, bits=bits,
-                                 ram_mb=ram if ram > 0 else None,
-                                 budget_tokens=int(settings.get("kv_budget_tokens") or 2048),
-                                 ssd_dir=self.home / "kv")
-
-    def _prefix_settings(self) -> Any:
-        import os
-
-        from engine.kv.prefix import settings_from_env
-
-        folder = None if os.environ.get("STRATA_PREFIX_DIR") else self.home / "prefix"
-        return settings_from_env(folder=folder, budget_mb=self._prefix_mb)
-
-    def _apply_to(self, lm: Any) -> None:
-        """Give `lm` the KV settings and the prefix cache (or take it away)."""
-        lm.kv_settings = self._kv_settings
-        if not self._prefix_enabled:
-            if lm.prefix_cache is not None:
-                lm.prefix_cache.close()
-                lm.prefix_cache = None
-            self._prefix_reason = "prefix cache off in the settings"
-            return
-        if lm.prefix_cache is not None:
-            budget = self._prefix_settings().budget_mb
-            if budget != lm.prefix_cache.settings.budget_mb:
-                lm.prefix_cache.set_budget(budget)  # evicts down to it in the background
-        else:
-            try:
-                lm.enable_prefix_cache(self._prefix_settings())
-            except StrataError as exc:  # an unwritable folder: the cache is optional
-                log.warning("prefix cache off: %s", exc)
-                self._prefix_reason = f"prefix cache unavailable: {exc}"
-
-    def ensure_model(self, name: str) -> Any:
-        """Load `name` unless it is loaded (emitting model_loading/model_loaded); the model.
-        Engine thread only: server jobs call it through their `Models`."""
-        for signal, args in self._load_steps(name):
-            signal.emit(*args)
-        return self._lm
 
     # -- called from any thread --------------------------------------------------------
     def cancel(self, job: int) -> None:
@@ -213,7 +136,7 @@ class EngineWorker(QObject):
     def _on_shutdown_requested(self) -> None:
         if self._timer is not None:
             self._timer.stop()
-        self._unload()
+        self.pool.close()
         thread = self.thread()
         if thread is not None:
             thread.quit()
@@ -244,7 +167,7 @@ class EngineWorker(QObject):
 
     @Slot(int)
     def _on_chat_forgotten(self, chat_id: int) -> None:
-        self._close_sessions(chat_id)
+        self.pool.forget(chat_id)
         self._sample(force=True)
 
     @Slot(int, int, str, str)
@@ -256,20 +179,10 @@ class EngineWorker(QObject):
         """New engine settings: they apply to sessions made from now on, so the open chats'
         sessions are dropped (their next message restores or prefills again)."""
         try:
-            kv = self._kv_from(settings)
-            mb = settings.get("prefix_mb")
-            prefix_mb = None if mb is None else max(0.0, float(mb))
+            self.pool.configure(settings_from_options(settings, self.home))
         except (StrataError, ValueError, TypeError) as exc:
             self.error_occurred.emit(0, "settings", f"engine settings refused: {exc}")
             return
-        self._kv_settings = kv
-        self._prefix_enabled = bool(settings.get("prefix_cache", True))
-        self._prefix_mb = prefix_mb
-        self._prefix_reason = ("no model loaded" if self._prefix_enabled
-                               else "prefix cache off in the settings")
-        if self._lm is not None:
-            self._close_sessions()
-            self._apply_to(self._lm)
         self._sample(force=True)
         self.settings_applied.emit(dict(settings))
 
@@ -278,38 +191,18 @@ class EngineWorker(QObject):
         self._run(job, "prefix clear", self._prefix_clear_steps(job))
 
     @Slot(object, object)
-    def _on_server_job_requested(self, host: Host, job: Job) -> None:
-        """One request of the app's local server (app/server.py), run here like a chat job."""
-        from engine.server.host import ModelPool
-
-        worker = self
-
-        class _WorkerModels(ModelPool):
-            """The server's `Models` over this worker: its loaded model, its own caches."""
-
-            def get(self, name: str) -> Any:
-                lm = worker.ensure_model(name)
-                if self.lm is not lm:
-                    for pc in list(self.caches):
-                        self.discard(pc)
-                    self.lm = lm
-                return lm
-
-        if self._server_models is None:
-            self._server_models = _WorkerModels(self.library, caches_per_model=4)
-        started = getattr(host, "job_started", None)
-        finished = getattr(host, "job_finished", None)
-        if started is not None:
-            started(job)
+    def _on_server_job_requested(self, host: ServerHost, job: Job) -> None:
+        """One request of the app's local server (app/server.py), run here like a chat job,
+        over the same model pool (a load it needs is heard as model_loading/model_loaded)."""
+        host.job_started(job)
         self.busy_changed.emit(True)
         try:
             if not job.cancelled and not self._cancel_all:
-                job.run(self._server_models)
+                job.run(self.pool)
         except Exception:  # jobs report their own errors; this is a last resort
             log.error("server job failed:\n%s", traceback.format_exc())
         finally:
-            if finished is not None:
-                finished(job)
+            host.job_finished(job)
             self._sample(force=True)
             self.busy_changed.emit(False)
 
@@ -341,37 +234,10 @@ class EngineWorker(QObject):
         if not force and now - self._last_sample < MEMORY_INTERVAL_S:
             return
         self._last_sample = now
-        from engine.platform import memory_snapshot
+        self.memory_sampled.emit(self.pool.memory())
 
-        caches = self._prompt_caches()
-        kv = sum(int(pc.nbytes) for pc in caches) if self._lm else None
-        kv_ssd, kv_reason = None, "paged KV off"
-        settings = self._kv_settings
-        if settings is not None and settings.mode != "mlx":
-            if not settings.ssd:
-                kv_reason = "SSD tier off"
-            else:
-                stores = {id(c.store): c.store for pc in caches for c in pc.cache
-                          if hasattr(c, "store")}
-                kv_ssd = sum(int(st.stats()["bytes_ssd"]) for st in stores.values())
-        prefix, prefix_reason = None, self._prefix_reason
-        lm = self._lm
-        if lm is not None and lm.prefix_cache is not None:
-            prefix = lm.prefix_cache.disk_bytes()
-        elif lm is None and self._prefix_enabled:
-            from engine.kv.prefix import prefix_folder_bytes
-
-            try:
-                prefix = prefix_folder_bytes(self._prefix_settings())  # earlier runs' pages
-            except StrataError as exc:  # a bad STRATA_PREFIX_* value
-                prefix_reason = f"prefix cache unavailable: {exc}"
-        self.memory_sampled.emit(memory_snapshot(self._weights_bytes, kv, kv_ssd, prefix,
-                                                 kv_reason, prefix_reason))
-
-    # -- jobs --------------------------------------------------------------------------
+    # -- jobs: each a generator of (signal, args) steps ---------------------------------
     def _starter_steps(self, job: int, load: bool) -> Iterator[Step]:
-        from engine.importers.starter import ensure_starter
-
         last = [-1]
 
         def on_message(text: str) -> None:
@@ -389,44 +255,17 @@ class EngineWorker(QObject):
             yield from self._load_steps(manifest["name"])
 
     def _load_steps(self, name: str) -> Iterator[Step]:
-        """Make `name` the loaded model (unloading another); no-op if it already is."""
-        from engine.platform import parameter_bytes
-        from engine.runtime.generate import LoadedModel
-        from engine.telemetry import Timeline
-
-        manifest = self.library.get(name)
-        if self._lm is not None and self._lm.manifest["name"] == manifest["name"]:
-            return
-        yield self.model_loading, (manifest["name"],)
-        self._unload()
-        timeline = Timeline()
-        lm = LoadedModel.load(manifest["name"], library=self.library, timeline=timeline)
-        if self._kv_settings is None:
-            self._kv_settings = self._kv_from({})  # the environment's (STRATA_KV_*)
-        self._apply_to(lm)
-        self._lm = lm
-        self._weights_bytes = parameter_bytes(lm.model)
-        info = {"name": manifest["name"], "path": manifest["path"],
-                "weights_bytes": self._weights_bytes, "profile": lm.profile.name,
-                "phases": timeline.durations()}
-        self._sample(force=True)
-        yield self.model_loaded, (info,)
+        """Make `name` the loaded model; the pool's callbacks emit model_loading/loaded."""
+        self.pool.get(name)
+        return
+        yield  # a generator with no steps of its own
 
     def _reply_steps(self, job: int, req: ReplyRequest) -> Iterator[Step]:
-        from engine.runtime.sampling import SamplingParams
-        from engine.telemetry import Timeline
-
         params = SamplingParams(temperature=req.temperature, top_p=req.top_p,
                                 seed=req.seed).validate()
-        loaded_before = self._lm
-        load_s = 0.0
-        for step in self._load_steps(req.model):
-            if step[0] is self.model_loaded:
-                load_s = sum(step[1][0]["phases"].values())
-            yield step
-        lm = self._lm
-        assert lm is not None
-        session = self._session_for(req.chat_id, lm)
+        loaded_before = self.pool.lm
+        lm = self.pool.get(req.model)
+        session = self.pool.session(req.chat_id)
         session.messages = ([{"role": "system", "content": req.system}] if req.system else [])
         session.messages += [dict(m) for m in req.history]
         yield self.reply_started, (job,)
@@ -438,6 +277,8 @@ class EngineWorker(QObject):
             if ev.text:
                 yield self.reply_delta, (job, ev.text)
         assert last is not None
+        load = self.pool.last_load
+        load_s = sum(load.phases.values()) if load is not None else 0.0
         phases = {"load": load_s} if loaded_before is not lm and load_s else {}
         phases.update(timeline.durations())
         stats = {
@@ -449,59 +290,11 @@ class EngineWorker(QObject):
         }
         yield self.reply_finished, (job, stats)
 
-    def _session_for(self, chat_id: int, lm: Any) -> Any:
-        """The chat's session on `lm` (a new one if none), most recently used last."""
-        from engine.runtime.generate import ChatSession
-
-        session = self._sessions.pop(chat_id, None)
-        if session is None or session.lm is not lm:
-            if session is not None:
-                session.cache.close()
-            session = ChatSession(lm)
-        self._sessions[chat_id] = session
-        while len(self._sessions) > MAX_SESSIONS:
-            self._close_sessions(next(iter(self._sessions)))  # least recently used
-        return session
-
     def _prewarm_steps(self, job: int, chat_id: int, model: str, system: str
                        ) -> Iterator[Step]:
-        """Prefill the chat template's preamble and `system` into the chat's session (or
-        restore them from the prefix cache); only if `model` is the one loaded."""
-        from engine.runtime.generate import generate
-        from engine.runtime.sampling import SamplingParams
-        from engine.server.host import shared_prefix
-        from engine.telemetry import Timeline
-
-        lm = self._lm
-        if lm is None or lm.manifest["name"] != model or not system.strip():
-            return
-        # What every first message of this chat starts with: the tokens two different user
-        # messages share after the system prompt (preamble, system prompt, user header).
-        a, b = ({"role": "user", "content": c} for c in ("a", "b"))
-        sys_msg = {"role": "system", "content": system}
-        ids_a = lm.tokenizer.encode_chat([sys_msg, a])
-        prefix = ids_a[:shared_prefix(ids_a, lm.tokenizer.encode_chat([sys_msg, b]))]
-        if len(prefix) < 2:
-            return
-        session = self._session_for(chat_id, lm)
-        held = shared_prefix(session.cache.tokens, prefix)
-        info: dict[str, Any] = {"model": model, "tokens": len(prefix), "cached": held,
-                                "prefilled": 0, "seconds": 0.0, "phases": {}}
-        if held < len(prefix) - 1:
-            timeline = Timeline()
-            t0 = time.perf_counter()
-            last = None
-            for ev in generate(lm, prefix, SamplingParams(temperature=0.0), max_tokens=1,
-                               cancel=lambda: self._is_cancelled(job),
-                               prompt_cache=session.cache, timeline=timeline):
-                last = ev
-            if last is not None and last.finish_reason == "cancelled":
-                session.cache.clear()
-                raise Cancelled("prewarm cancelled")
-            cached = last.cached_tokens if last is not None else 0
-            info.update(cached=cached, prefilled=len(prefix) - cached,
-                        seconds=time.perf_counter() - t0, phases=timeline.durations())
-        yield self.prefix_warmed, (job, chat_id, info)
+        info = self.pool.prewarm(chat_id, model, system, cancel=lambda: self._is_cancelled(job))
+        if info is not None:
+            yield self.prefix_warmed, (job, chat_id, info)
 
     def _plan_steps(self, job: int, path: Path) -> Iterator[Step]:
         from engine.quant.quantize import import_options
@@ -527,19 +320,13 @@ class EngineWorker(QObject):
         yield self.import_finished, (job, manifest)
 
     def _prefix_clear_steps(self, job: int) -> Iterator[Step]:
-        lm = self._lm
-        if lm is not None and lm.prefix_cache is not None:
-            runs, size = lm.prefix_cache.clear()  # queued runs are written, then go too
-        else:
-            from engine.kv.prefix import clear_folder
-
-            runs, size = clear_folder(self._prefix_settings().root())
+        runs, size = self.pool.clear_prefix()
         yield self.prefix_cleared, (job, {"runs": runs, "bytes": size})
 
     def _remove_steps(self, job: int, name: str) -> Iterator[Step]:
         manifest = self.library.get(name)
-        if self._lm is not None and self._lm.manifest["name"] == manifest["name"]:
-            self._unload()
+        if self.pool.lm is not None and self.pool.lm.manifest["name"] == manifest["name"]:
+            self.pool.unload()
         self.library.remove(manifest["name"])
         yield self.model_removed, (job, manifest["name"])
 

@@ -1,135 +1,68 @@
-"""Paged KV cache: pages in a RAM tier and an SSD tier, exact and sparse attention over them.
+"""The KV layer (floor 1): paged KV in a RAM tier and an SSD tier, exact and sparse attention
+over the pages, and the SSD prefix cache.
 
-Contract: `KVSettings` says how (mode, budgets, page size); `make_paged_cache(model, settings)`
-returns one duck-typed mlx-lm cache per layer, and installs the attention hook in the model's
-module so that its `scaled_dot_product_attention` reads the pages. Nothing here imports Qt.
+What lives here: settings.py (KVSettings, KVGeometry), table.py (page metadata), codec.py
+(page encodings: 16, 8, 4 bits), pagefile.py (the SSD tier's records), store.py (the tiers),
+cache.py (the per-layer cache mlx-lm's models take, and the LayerCache protocol),
+attention.py (the hook that reads pages), prefix.py (prompt prefixes on the SSD).
+May import only the leaves (errors, telemetry, platform), MLX and numpy: it receives a
+geometry and the model's key bytes, never a LoadedModel. No measurement here (engine/bench).
+
+Contract of this face: `make_paged_cache(model, settings, geometry)` returns one cache per
+layer over a fresh store and installs the attention hook in the mlx-lm model's modules, so
+that their `scaled_dot_product_attention` reads the pages.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from engine.errors import StrataError
+from engine.kv.attention import install_hook
+from engine.kv.cache import LayerCache, PagedLayerCache, close_caches, ssd_bytes
+from engine.kv.settings import (
+    BITS,
+    DEFAULT_GROUP,
+    GROUP_SIZES,
+    MODES,
+    KVGeometry,
+    KVSettings,
+    settings_from_env,
+)
+from engine.kv.store import KVStore
 
-MODES = ("mlx", "exact", "sparse")
-BITS = (16, 8, 4)  # KV precision: 16 keeps the compute dtype, 8 and 4 quantize pages
-GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
-# Group size by bits when not set (docs/benchmarks.md, KV bits): at 8 bits the group hardly
-# changes KL on the starter model, so the larger one (fewer scale bytes); at 4 bits group 32
-# cuts KL about in half for 20% more bytes than group 64.
-DEFAULT_GROUP = {16: 64, 8: 64, 4: 32}
-
-
-@dataclass(frozen=True)
-class KVSettings:
-    """How the KV cache is kept. mode 'mlx' is mlx-lm's own in-memory KVCache.
-
-    ram_mb: RAM tier budget (None: a quarter of system memory). ssd_mb: SSD tier budget.
-    budget_tokens: sparse mode's attention budget per query (sinks and window included).
-    bits: 16 keeps the compute dtype (no KV quantization); 8 and 4 quantize every full page
-    group-wise along head_dim, `group_size` values per scale and bias (None: by bits,
-    DEFAULT_GROUP); the partial page at the end stays as computed until it fills. Paged
-    modes only.
-    """
-
-    mode: str = "mlx"
-    page_tokens: int = 128
-    ram_mb: int | None = None
-    ssd: bool = True
-    ssd_dir: Path | None = None
-    ssd_mb: int = 64 * 1024
-    bits: int = 16
-    group_size: int | None = None
-    budget_tokens: int = 2048
-    sink_tokens: int = 128
-    window_tokens: int = 512
-    prefetch_depth: int = 4
-    writer_queue: int = 64
-    keep_files: bool = False
-
-    def validate(self) -> KVSettings:
-        if self.mode not in MODES:
-            raise StrataError(f"KV mode {self.mode!r} is unknown: use one of {', '.join(MODES)}")
-        if self.page_tokens < 8 or self.page_tokens & (self.page_tokens - 1):
-            raise StrataError(f"KV page size {self.page_tokens} must be a power of two >= 8")
-        if self.bits not in BITS:
-            raise StrataError(f"KV bits {self.bits} are not supported: use 16, 8 or 4")
-        if self.bits != 16 and self.mode == "mlx":
-            raise StrataError(f"KV bits {self.bits} need the paged KV cache (KV mode exact "
-                              "or sparse, --kv-mode): mode 'mlx' is 16-bit only")
-        if self.group_size is not None and self.group_size not in GROUP_SIZES:
-            raise StrataError(f"KV quantization group {self.group_size} is not supported: "
-                              f"use {', '.join(map(str, GROUP_SIZES))}")
-        if self.ram_mb is not None and self.ram_mb < 1:
-            raise StrataError(f"KV RAM budget {self.ram_mb} MB is too small")
-        if self.budget_tokens < self.sink_tokens + self.window_tokens + self.page_tokens:
-            least = self.sink_tokens + self.window_tokens + self.page_tokens
-            raise StrataError(f"KV budget of {self.budget_tokens} tokens is below sinks + "
-                              f"window + one page ({least})")
-        return self
-
-    def group(self) -> int:
-        """The quantization group size in effect."""
-        return self.group_size or DEFAULT_GROUP.get(self.bits, 64)
-
-    def with_(self, **kw: Any) -> KVSettings:
-        return replace(self, **kw)
-
-    def ram_bytes(self) -> int:
-        if self.ram_mb is not None:
-            return self.ram_mb << 20
-        import psutil
-
-        return max(512 << 20, int(psutil.virtual_memory().total) // 4)
-
-    def folder(self) -> Path:
-        if self.ssd_dir is not None:
-            return Path(self.ssd_dir)
-        from engine.platform import default_home
-
-        return default_home() / "kv"
+__all__ = ["BITS", "DEFAULT_GROUP", "GROUP_SIZES", "MODES", "KVGeometry", "KVSettings",
+           "LayerCache", "PagedLayerCache", "close_caches", "geometry_of", "make_paged_cache",
+           "settings_from_env", "ssd_bytes"]
 
 
-def settings_from_env(**overrides: Any) -> KVSettings:
-    """KVSettings from STRATA_KV_MODE / STRATA_KV_RAM_MB / STRATA_KV_BUDGET plus overrides."""
-    env: dict[str, Any] = {}
-    if os.environ.get("STRATA_KV_MODE"):
-        env["mode"] = os.environ["STRATA_KV_MODE"]
-    if os.environ.get("STRATA_KV_RAM_MB"):
-        env["ram_mb"] = int(os.environ["STRATA_KV_RAM_MB"])
-    if os.environ.get("STRATA_KV_BUDGET"):
-        env["budget_tokens"] = int(os.environ["STRATA_KV_BUDGET"])
-    env.update({k: v for k, v in overrides.items() if v is not None})
-    return KVSettings(**env).validate()
-
-
-def make_paged_cache(model: Any, settings: KVSettings) -> list[Any]:
-    """One PagedLayerCache per layer over a fresh store; installs the attention hook."""
-    from engine.kv.attention import install_hook
-    from engine.kv.cache import PagedLayerCache
-    from engine.kv.store import KVStore
-
+def geometry_of(model: Any, dtype: str | None = None) -> KVGeometry:
+    """The KV geometry of an mlx-lm model; `dtype` (the compute dtype) unless read from the
+    key projection's weights."""
     layers = list(model.layers)
     attn = layers[0].self_attn
-    args = getattr(model, "args", None)
+    kv_heads = int(attn.n_kv_heads)
+    head_dim = int(getattr(attn, "head_dim", 0) or attn.k_proj.weight.shape[0] // kv_heads)
+    return KVGeometry(len(layers), kv_heads, head_dim, dtype or _dtype_name(model))
+
+
+def make_paged_cache(model: Any, settings: KVSettings, geometry: KVGeometry | None = None
+                     ) -> list[LayerCache]:
+    """One PagedLayerCache per layer over a fresh store; installs the attention hook."""
+    args = getattr(model, "args", None)  # an mlx-lm module's ModelArgs, where it has one
     if args is not None and any(t != "full_attention"
                                 for t in (getattr(args, "layer_types", None) or [])):
         raise StrataError("paged KV cache: sliding-window layers are not supported; "
                           "use --kv-mode mlx")
-    head_dim = int(getattr(attn, "head_dim", 0) or attn.k_proj.weight.shape[0] //
-                   attn.n_kv_heads)
-    dtype = _dtype_name(model)
-    store = KVStore(settings, n_layers=len(layers), kv_heads=int(attn.n_kv_heads),
-                    head_dim=head_dim, dtype=dtype)
+    g = geometry or geometry_of(model)
+    store = KVStore(settings, n_layers=g.layers, kv_heads=g.kv_heads, head_dim=g.head_dim,
+                    dtype=g.dtype)
     install_hook(model)
-    return [PagedLayerCache(store, i) for i in range(len(layers))]
+    return [PagedLayerCache(store, i) for i in range(g.layers)]
 
 
 def _dtype_name(model: Any) -> str:
-    import mlx.core as mx
+    import mlx.core as mx  # heavy third-party: loaded when a cache is made, after the BLAS shim
 
     w = model.layers[0].self_attn.k_proj.weight
     return "float16" if w.dtype == mx.float16 else "float32"

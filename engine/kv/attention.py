@@ -14,7 +14,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
+
+from engine.kv.cache import PagedLayerCache
 
 # A score block of page group x heads x queries x page tokens stays under this many floats.
 SCORE_ELEMENTS = 1 << 23
@@ -35,8 +38,6 @@ _Partial = tuple[Any, Any, Any]  # running max (H, R), sum (H, R), output (H, R,
 
 def _partial_pages(qg: Any, k: Any, v: Any) -> _Partial:
     """Softmax statistics of queries qg (H, R, D) over pages k, v (n, H, P, D)."""
-    import mlx.core as mx
-
     s = qg[None] @ k.swapaxes(-1, -2)                     # (n, H, R, P)
     m = s.max(axis=(0, 3))
     p = mx.exp(s - m[None, :, :, None])
@@ -52,8 +53,6 @@ def _partial_gathered(qg: Any, k: Any, v: Any) -> _Partial:
 
 def _partial_flat(qg: Any, kk: Any, vv: Any) -> _Partial:
     """Over per-head keys and values kk, vv (H, T, D), no mask."""
-    import mlx.core as mx
-
     s = qg @ kk.swapaxes(-1, -2)                          # (H, R, T)
     m = s.max(axis=-1)
     p = mx.exp(s - m[..., None])
@@ -62,8 +61,6 @@ def _partial_flat(qg: Any, kk: Any, vv: Any) -> _Partial:
 
 def _partial_recent(qg: Any, k: Any, v: Any, L: int) -> _Partial:
     """Over the recent block k, v (H, T, D) whose last L tokens are the queries' own chunk."""
-    import mlx.core as mx
-
     h, r, _ = qg.shape
     t = k.shape[1]
     s = qg @ k.swapaxes(-1, -2)                           # (H, rep*L, T)
@@ -78,8 +75,6 @@ def _partial_recent(qg: Any, k: Any, v: Any, L: int) -> _Partial:
 
 
 def _merge(a: _Partial | None, b: _Partial) -> _Partial:
-    import mlx.core as mx
-
     if a is None:
         return b
     m = mx.maximum(a[0], b[0])
@@ -89,8 +84,6 @@ def _merge(a: _Partial | None, b: _Partial) -> _Partial:
 
 def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float) -> Any:
     """Paged attention for one layer; see the module docstring."""
-    import mlx.core as mx
-
     store, layer = cache.store, cache.layer
     n_pages, tail_k, tail_v = cache.view
     b, hq, L, d = queries.shape
@@ -121,8 +114,6 @@ def _fused(queries: Any, keys: Any, values: Any, tail_k: Any, tail_v: Any,
            view: tuple[Any, Any], scale: float) -> Any:
     """Prefill chunk over a short, all-resident past: one contiguous copy, then MLX's fused
     attention (faster than page-wise online softmax for hundreds of queries)."""
-    import mlx.core as mx
-
     _, h, L, d = keys.shape
     ks, vs = [], []
     if view[0] is not None:
@@ -155,8 +146,6 @@ def _exact(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial | None) 
             v = codec.decode(tuple(a[i:i + group] for a in vp))
             acc = _merge(acc, _partial_pages(qg, k, v))
         return acc  # type: ignore[return-value]
-    import mlx.core as mx
-
     for k, v in store.stream(layer, np.arange(n_pages), min(group, STREAM_PAGES)):
         acc = _merge(acc, _partial_pages(qg, k, v))
         mx.eval(acc)  # frees the group's pages: a lazy pass would hold every page it read
@@ -165,8 +154,6 @@ def _exact(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial | None) 
 
 def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial | None) -> _Partial:
     """Quest: per KV head, the pages whose upper bound on q.k is highest, within the budget."""
-    import mlx.core as mx
-
     table = store.tables[layer]
     sink, win = min(table.sink_pages, n_pages), table.window_pages
     k_sel = store.settings.budget_tokens // store.P - table.sink_pages - win
@@ -207,8 +194,6 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial | None)
 
 # -- the hook -----------------------------------------------------------------------------
 def _make_hook(original: Any) -> Any:
-    from engine.kv.cache import PagedLayerCache
-
     def scaled_dot_product_attention(queries: Any, keys: Any, values: Any, cache: Any = None,
                                      scale: float = 1.0, mask: Any = None, sinks: Any = None,
                                      **kw: Any) -> Any:

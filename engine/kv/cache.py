@@ -1,16 +1,39 @@
 """The per-layer cache object that mlx-lm's models take: full pages in the store, a tail here.
 
-Contract: duck-typed like mlx_lm.models.cache.KVCache (offset, update_and_fetch, state,
-meta_state, trim, is_trimmable, size, empty, nbytes, make_mask). `update_and_fetch` commits
-every page the chunk completes and returns the chunk itself; the hooked attention then reads
-what the cache held before the chunk (`view`) plus the chunk, so nothing is gathered twice.
+Contract: `LayerCache` is the vocabulary both mlx_lm.models.cache.KVCache and
+`PagedLayerCache` speak (offset, update_and_fetch, state, trim, is_trimmable, nbytes): the
+typed seam between the runtime and any layer cache. `update_and_fetch` commits every page the
+chunk completes and returns the chunk itself; the hooked attention then reads what the cache
+held before the chunk (`view`) plus the chunk, so nothing is gathered twice.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import mlx.core as mx
 
 from engine.kv.store import KVStore
+
+
+@runtime_checkable
+class LayerCache(Protocol):
+    """One layer's KV as mlx-lm's attention uses it (mlx-lm's caches satisfy it as they are)."""
+
+    offset: int
+
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]: ...
+
+    @property
+    def state(self) -> Any: ...
+
+    def is_trimmable(self) -> bool: ...
+
+    def trim(self, n: int) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
 
 
 class PagedLayerCache:
@@ -26,8 +49,6 @@ class PagedLayerCache:
 
     # -- the KVCache vocabulary -----------------------------------------------------------
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
-        import mlx.core as mx
-
         table = self.store.tables[self.layer]
         self.view = (table.n_pages, self.tail_k, self.tail_v)
         if self.tail_k is None:
@@ -73,8 +94,6 @@ class PagedLayerCache:
 
     def trim(self, n: int) -> int:
         """Forget the last n positions; a page that becomes partial moves back to the tail."""
-        import mlx.core as mx
-
         n = min(self.offset, n)
         if n == 0:
             return 0
@@ -115,8 +134,14 @@ class PagedLayerCache:
         return table.n_resident * self.store.page_bytes + tail
 
 
-def close_caches(caches: list[Any]) -> None:
+def close_caches(caches: Sequence[LayerCache]) -> None:
     """Stop the store's threads and remove its session files (unless kept)."""
     stores = {id(c.store): c.store for c in caches if isinstance(c, PagedLayerCache)}
     for s in stores.values():
         s.close()
+
+
+def ssd_bytes(caches: Iterable[LayerCache]) -> int:
+    """Bytes the SSD tier holds for these caches (each store counted once; mlx-lm's: 0)."""
+    stores = {id(c.store): c.store for c in caches if isinstance(c, PagedLayerCache)}
+    return sum(int(s.stats()["bytes_ssd"]) for s in stores.values())

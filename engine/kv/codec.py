@@ -13,9 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
-from engine.kv import BITS
+from engine.errors import StrataError
+from engine.kv.settings import BITS
 
 Parts = tuple[Any, ...]  # one page's (or many pages') encoded tensor: MLX or numpy arrays
 
@@ -49,8 +51,6 @@ class PageCodec:
         return f"{self.bits}-bit" + (f" (group {self.group})" if self.quantized else "")
 
     def encode(self, x: Any) -> Parts:
-        import mlx.core as mx
-
         if not self.quantized:
             return (x,)
         return tuple(mx.quantize(x, group_size=self.group, bits=self.bits))
@@ -60,8 +60,6 @@ class PageCodec:
         element-wise ops is 1.8-3.6x faster than mx.dequantize on MLX's CPU backend (4k
         tokens of starter-model-shaped pages, docs/benchmarks.md) and gives the same
         numbers."""
-        import mlx.core as mx
-
         if not self.quantized:
             return parts[0]
         codes, scales, biases = parts
@@ -76,8 +74,6 @@ class PageCodec:
 
 def codec_for(bits: int, group: int, dtype: str, head_dim: int) -> PageCodec:
     """The codec a store uses; `group` falls back to 32 when it does not divide head_dim."""
-    from engine.errors import StrataError
-
     if bits not in BITS:
         raise StrataError(f"KV bits {bits} are not supported: use 16, 8 or 4")
     if bits != 16 and head_dim % group:

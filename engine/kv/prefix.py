@@ -45,18 +45,20 @@ import threading
 import time
 import weakref
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
+import mlx.core as mx
 import numpy as np
 import xxhash
 
 from engine.errors import StrataError
 from engine.kv.pagefile import _CRC, _HEADER, DTYPE_CODES, FORMAT_VERSION, MAGIC, PageHeader
-from engine.platform import pid_alive
+from engine.kv.settings import KVGeometry
+from engine.platform import default_home, pid_alive
 
 PREFIX_MAGIC = b"STRATAPX"
 RUN_MAGIC = b"STRATARN"
@@ -93,8 +95,6 @@ class PrefixSettings:
     def root(self) -> Path:
         if self.folder is not None:
             return Path(self.folder)
-        from engine.platform import default_home
-
         return default_home() / "prefix"
 
 
@@ -120,38 +120,12 @@ def settings_from_env(**overrides: Any) -> PrefixSettings:
 
 
 # -- keys ---------------------------------------------------------------------------------
-def model_key(lm: Any, kv_bits: int = 16) -> bytes:
-    """What must match for a stored KV page to be valid: weights, config, profile, KV format."""
-    manifest = getattr(lm, "manifest", {}) or {}
-    weights = manifest.get("fingerprint") or _folder_fingerprint(manifest.get("path"))
-    facts = {
-        "format": [PREFIX_VERSION, FORMAT_VERSION],
-        "weights": weights,
-        # The whole config: architecture, RoPE (theta, scaling, traditional), quantization.
-        "config": lm.config,
-        "profile": [lm.profile.name, lm.profile.dtype, lm.profile.dequantize],
-        "kv": [kv_dtype(lm), kv_bits],
-    }
+def model_key(identity: Mapping[str, Any]) -> bytes:
+    """The key bytes every page hash carries: the model's identity (weights fingerprint,
+    config, compute profile, KV dtype and bits: what must match for a stored page to be
+    valid; the runtime builds it) and this format's versions."""
+    facts = {"format": [PREFIX_VERSION, FORMAT_VERSION], **identity}
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).digest()
-
-
-def _folder_fingerprint(path: str | None) -> str:
-    """A bare folder: its manifest's fingerprint, else weight names, sizes and mtimes."""
-    if not path:
-        return "unknown"
-    folder = Path(path)
-    with contextlib.suppress(OSError, ValueError):
-        fp = json.loads((folder / "manifest.json").read_text()).get("fingerprint")
-        if fp:
-            return str(fp)
-    parts = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}"
-             for f in sorted(folder.glob("*.safetensors"))]
-    return "stat:" + hashlib.sha256("|".join(parts).encode()).hexdigest()
-
-
-def kv_dtype(lm: Any) -> str:
-    """The dtype keys and values are computed in: the compute profile's."""
-    return str(lm.profile.dtype)
 
 
 def chain_hashes(tokens: Sequence[int], page_tokens: int, key: bytes, n_pages: int
@@ -269,13 +243,10 @@ class PrefixCache:
         atexit.register(_close_at_exit, weakref.ref(self))
 
     @classmethod
-    def for_model(cls, lm: Any, settings: PrefixSettings | None = None) -> PrefixCache:
-        attn = lm.model.layers[0].self_attn
-        kv_heads = int(attn.n_kv_heads)
-        head_dim = int(getattr(attn, "head_dim", 0) or attn.k_proj.weight.shape[0] // kv_heads)
-        kv = getattr(lm, "kv_settings", None)
-        bits = int(getattr(kv, "bits", 16) or 16)
-        return cls(model_key(lm, bits), len(lm.model.layers), kv_heads, head_dim, kv_dtype(lm),
+    def for_geometry(cls, geometry: KVGeometry, key: bytes,
+                     settings: PrefixSettings | None = None) -> PrefixCache:
+        """The prefix cache of a model with this KV geometry and key (`model_key`)."""
+        return cls(key, geometry.layers, geometry.kv_heads, geometry.head_dim, geometry.dtype,
                    settings)
 
     def path(self, h: bytes) -> Path:
@@ -353,8 +324,6 @@ class PrefixCache:
                 ) -> int:
         """Fill `caches` (which hold `cached` tokens) with stored pages up to plan.hit_pages;
         returns the tokens the caches hold now. Only pages that verify are used."""
-        import mlx.core as mx
-
         first = cached // self.P
         if plan.hit_pages <= first:
             return cached
@@ -561,8 +530,6 @@ class PrefixCache:
     def store(self, caches: list[Any], prompt: Sequence[int], plan: Plan) -> int:
         """Queue the prompt's full pages that are not on disk, as one run; returns pages
         queued. Runs on the generating thread (MLX arrays belong to it): copies them out."""
-        import mlx.core as mx
-
         if self._closed or not all(_is_kvcache(c) and c.keys is not None for c in caches):
             return 0
         n = len(plan.hashes)
@@ -848,8 +815,6 @@ def _unfilled(count: int, shape: tuple[int, ...], dtype: Any, np_dtype: np.dtype
     (and so fault in) every page first, which costs as much as reading the page from the disk.
     One safetensors stream makes them all (a .npy load per array took about twice as long).
     Falls back to mx.zeros where this MLX cannot load from a file object."""
-    import mlx.core as mx
-
     nbytes = int(np.prod(shape)) * np_dtype.itemsize
     meta = {f"a{i}": {"dtype": _ST_DTYPES.get(np_dtype.name, "?"), "shape": list(shape),
                       "data_offsets": [i * nbytes, (i + 1) * nbytes]} for i in range(count)}

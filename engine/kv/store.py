@@ -24,9 +24,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
-from engine.kv import KVSettings
 from engine.kv.codec import Parts, codec_for
 from engine.kv.pagefile import (
     KVStoreError,
@@ -36,6 +36,7 @@ from engine.kv.pagefile import (
     check_writable,
     codec_record_size,
 )
+from engine.kv.settings import KVSettings
 from engine.kv.table import LayerTable
 from engine.platform import pid_alive
 
@@ -51,8 +52,6 @@ class KVStore:
 
     def __init__(self, settings: KVSettings, n_layers: int, kv_heads: int, head_dim: int,
                  dtype: str = "float32", session: str | None = None) -> None:
-        import mlx.core as mx
-
         self.settings = settings
         self.n_layers, self.kv_heads, self.head_dim = n_layers, kv_heads, head_dim
         self.P = settings.page_tokens
@@ -124,8 +123,6 @@ class KVStore:
     # -- RAM tier -------------------------------------------------------------------------
     def _slot(self, layer: int) -> int:
         """A free slot in the layer's pool: a freed one, a new one, or an evicted page's."""
-        import mlx.core as mx
-
         free = self._free[layer]
         if free:
             return heapq.heappop(free)
@@ -174,8 +171,6 @@ class KVStore:
 
     def commit(self, layer: int, k: Any, v: Any) -> int:
         """Store a full page (k, v: (kv_heads, P, head_dim) MLX arrays); returns its index."""
-        import mlx.core as mx
-
         table = self.tables[layer]
         slot = self._slot(layer)
         kp, vp = self.codec.encode(k), self.codec.encode(v)
@@ -209,8 +204,6 @@ class KVStore:
 
     def page_np(self, layer: int, page: int) -> tuple[Any, Any]:
         """One page's (k, v) as MLX arrays (kv_heads, P, head_dim), from either tier."""
-        import mlx.core as mx
-
         slot = int(self.tables[layer].slot_of[page])
         pk, pv = self.pool_k[layer], self.pool_v[layer]
         if slot >= 0 and pk is not None and pv is not None:
@@ -223,8 +216,6 @@ class KVStore:
     def resident_parts(self, layer: int, n_pages: int) -> tuple[Parts, Parts] | None:
         """Encoded keys and values of pages [0, n_pages) if all are in RAM, else None (no
         copy if slots are in page order). Decode with `self.codec.decode`."""
-        import mlx.core as mx
-
         table = self.tables[layer]
         pk, pv = self.pool_k[layer], self.pool_v[layer]
         if n_pages == 0 or pk is None or pv is None or not table.all_resident(n_pages):
@@ -254,8 +245,6 @@ class KVStore:
         """Yield decoded (k, v) groups of at most `group` pages, in page order between groups;
         within a group the resident pages come first, then the cold ones, which are read
         ahead through the prefetch queue and not kept in RAM (a full pass would thrash it)."""
-        import mlx.core as mx
-
         table = self.tables[layer]
         res = table.resident(pages)
         dec = self.codec.decode
@@ -286,8 +275,6 @@ class KVStore:
         """Bring `pages` (distinct) into RAM, evicting LRU pages outside them; returns their
         slots, or None (nothing read) if RAM cannot hold them all at once: loading one would
         then evict another that the caller is about to read."""
-        import mlx.core as mx
-
         table = self.tables[layer]
         table.touch(pages)  # requested pages go to the young end: evicted last
         cold = pages[~table.resident(pages)]
@@ -353,8 +340,6 @@ class KVStore:
     def adopt(self, layer: int, n_pages: int) -> None:
         """Register pages [0, n_pages) found on disk (after a restart) as cold pages; their
         summaries are rebuilt from the verified records (decoded keys, if quantized)."""
-        import mlx.core as mx
-
         table = self.tables[layer]
         for p in range(n_pages):
             k, _ = self._read_np(layer, p)

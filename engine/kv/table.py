@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 
@@ -133,14 +134,10 @@ class LayerTable:
         """Append one page's (1, kv_heads, head_dim) key min and max."""
         self._pending.append((kmin, kmax))
         if len(self._pending) % 64 == 0:
-            import mlx.core as mx
-
             # Materialize the small summaries so the lazy graph lets go of the page tensors.
             mx.eval(self._pending[-64:])
 
     def _join(self) -> None:
-        import mlx.core as mx
-
         head = [] if self._kmin is None else [self._kmin]
         self._kmin = mx.concatenate(head + [a for a, _ in self._pending])
         head = [] if self._kmax is None else [self._kmax]

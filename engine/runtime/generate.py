@@ -20,13 +20,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+
 from engine.errors import StrataError
+from engine.kv import KVGeometry, KVSettings, LayerCache, close_caches, make_paged_cache
+from engine.kv.prefix import PrefixCache, PrefixSettings, model_key
+from engine.library import Library, Manifest
 from engine.platform import (
     ComputeProfile,
     compute_profile,
     keep_freed_memory,
     release_freed_memory,
 )
+from engine.runtime.model import (
+    cache_module,
+    load_weights_into_model,
+    model_identity,
+    weight_files,
+)
+from engine.runtime.readahead import read_ahead
 from engine.runtime.sampling import Sampler, SamplingParams
 from engine.runtime.tokenizer import StreamingDetokenizer, Tokenizer
 from engine.telemetry import GenerationEvent, Timeline
@@ -38,7 +50,7 @@ class LoadedModel:
     """A model ready to generate: mlx-lm module, config, tokenizer, manifest, profile."""
 
     def __init__(self, model: Any, config: dict[str, Any], tokenizer: Tokenizer,
-                 manifest: dict[str, Any], profile: ComputeProfile, timeline: Timeline) -> None:
+                 manifest: Manifest, profile: ComputeProfile, timeline: Timeline) -> None:
         self.model = model
         self.config = config
         self.tokenizer = tokenizer
@@ -50,34 +62,58 @@ class LoadedModel:
         self.eos_ids = tokenizer.eos_ids(extra_ids)
         self.context_length = int(config.get("max_position_embeddings") or 4096)
         # None or mode 'mlx': mlx-lm's KVCache; otherwise engine.kv's paged cache.
-        self.kv_settings: Any = None
-        # The SSD prefix cache (engine.kv.prefix.PrefixCache); None: off.
-        self.prefix_cache: Any = None
+        self.kv_settings: KVSettings | None = None
+        # The SSD prefix cache; None: off.
+        self.prefix_cache: PrefixCache | None = None
         # Free heap memory goes back to the OS once the first reply is done.
         self.release_pending = True
 
-    def enable_prefix_cache(self, settings: Any = None) -> Any:
+    @property
+    def paged(self) -> bool:
+        """Whether prompt caches are engine.kv's paged caches (else mlx-lm's KVCache)."""
+        return self.kv_settings is not None and self.kv_settings.mode != "mlx"
+
+    @property
+    def kv_geometry(self) -> KVGeometry:
+        """The KV layer's view of this model: layers, KV heads, head dim, compute dtype."""
+        attn = self.model.layers[0].self_attn
+        kv_heads = int(attn.n_kv_heads)
+        head_dim = int(getattr(attn, "head_dim", 0)  # mlx-lm's attention, where it has one
+                       or attn.k_proj.weight.shape[0] // kv_heads)
+        return KVGeometry(len(self.model.layers), kv_heads, head_dim, self.profile.dtype)
+
+    def prefix_key(self) -> bytes:
+        """The key of this model's pages in the prefix cache (its KV bits included)."""
+        bits = self.kv_settings.bits if self.kv_settings is not None else 16
+        return model_key(model_identity(self.manifest, self.config, self.profile, bits))
+
+    def new_prefix_cache(self, settings: PrefixSettings | None = None) -> PrefixCache:
+        """A prefix cache for this model (settings None: the environment's), not installed."""
+        return PrefixCache.for_geometry(self.kv_geometry, self.prefix_key(), settings)
+
+    def enable_prefix_cache(self, settings: PrefixSettings | None = None) -> PrefixCache:
         """Turn on the SSD prefix cache for this model (settings: PrefixSettings or None for
         the environment's); returns it. Call after setting `kv_settings` (its bits key it)."""
-        from engine.kv.prefix import PrefixCache
-
         if self.prefix_cache is not None:
             self.prefix_cache.close()
-        self.prefix_cache = PrefixCache.for_model(self, settings)
+        self.prefix_cache = self.new_prefix_cache(settings)
         return self.prefix_cache
 
-    @classmethod
-    def load(cls, name: str | Path, library: Any = None, profile: ComputeProfile | None = None,
-             timeline: Timeline | None = None, warm_up: bool = True) -> LoadedModel:
-        """Load by library name or alias, or from an MLX folder path."""
-        from engine.library import Library
-        from engine.runtime.model import load_weights_into_model, weight_files
-        from engine.runtime.readahead import read_ahead
+    def disable_prefix_cache(self) -> None:
+        """Turn the prefix cache off; pages still queued for the disk are written first."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.close()
+            self.prefix_cache = None
 
+    @classmethod
+    def load(cls, name: str | Path, library: Library | None = None,
+             profile: ComputeProfile | None = None, timeline: Timeline | None = None,
+             warm_up: bool = True) -> LoadedModel:
+        """Load by library name or alias, or from an MLX folder path."""
         timeline = timeline or Timeline()
         path = Path(name)
         if path.is_dir() and (path / "config.json").is_file():
-            manifest: dict[str, Any] = {"name": path.name, "path": str(path)}
+            manifest: Manifest = {"name": path.name, "path": str(path)}
         else:
             library = library or Library()
             manifest = library.get(str(name))
@@ -87,8 +123,6 @@ class LoadedModel:
         keep_freed_memory()
         # The weight files stream into the page cache while the tokenizer loads.
         read_ahead(weight_files(path))
-        with timeline.phase("imports"):
-            import mlx.core  # noqa: F401  (timed: the first import costs on a cold start)
         profile = profile or compute_profile()
         with timeline.phase("tokenizer"):
             tokenizer = Tokenizer.load(path)
@@ -102,8 +136,6 @@ class LoadedModel:
 
     def warm_up(self) -> None:
         """One short forward pass, so the first real token pays no first-call costs."""
-        import mlx.core as mx
-
         cache = self.new_cache()
         out = self.model(mx.array([[self.tokenizer.bos_id or 0] * 4]), cache=cache.cache)
         mx.eval(out)
@@ -117,7 +149,7 @@ class PromptCache:
     """KV cache plus the token ids whose keys and values it holds, in order."""
 
     lm: LoadedModel
-    cache: list[Any] = field(default_factory=list)
+    cache: list[LayerCache] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -147,23 +179,16 @@ class PromptCache:
 
     def close(self) -> None:
         """Release a paged cache's threads and session files (mlx-lm caches: nothing)."""
-        from engine.kv.cache import close_caches
-
         close_caches(self.cache)
 
     @property
     def nbytes(self) -> int:
-        return sum(int(getattr(c, "nbytes", 0)) for c in self.cache)
+        return sum(int(c.nbytes) for c in self.cache)
 
 
-def _make_cache(lm: LoadedModel) -> list[Any]:
-    settings = getattr(lm, "kv_settings", None)
-    if settings is not None and settings.mode != "mlx":
-        from engine.kv import make_paged_cache
-
-        return make_paged_cache(lm.model, settings)
-    from engine.runtime.model import cache_module
-
+def _make_cache(lm: LoadedModel) -> list[LayerCache]:
+    if lm.kv_settings is not None and lm.paged:
+        return make_paged_cache(lm.model, lm.kv_settings, lm.kv_geometry)
     return list(cache_module().make_prompt_cache(lm.model))
 
 
@@ -199,9 +224,9 @@ def generate(
     """
     own = prompt_cache is None
     pc = prompt_cache or lm.new_cache()
-    if prefix_cache and getattr(lm, "prefix_cache", None) is None:
+    if prefix_cache and lm.prefix_cache is None:
         lm.enable_prefix_cache()
-    prefix = getattr(lm, "prefix_cache", None) if prefix_cache is not False else None
+    prefix = lm.prefix_cache if prefix_cache is not False else None
     try:
         yield from _generate(lm, prompt, params, max_tokens, stop, cancel, pc, timeline, prefix)
     finally:
@@ -221,15 +246,12 @@ def _generate(
     cancel: Callable[[], bool] | None = None,
     prompt_cache: PromptCache | None = None,
     timeline: Timeline | None = None,
-    prefix: Any = None,
+    prefix: PrefixCache | None = None,
 ) -> Iterator[GenerationEvent]:
-    import mlx.core as mx
-
     params = params or SamplingParams()
     if not prompt:
         raise StrataError("empty prompt: nothing to generate from")
-    kv = getattr(lm, "kv_settings", None)
-    paged = kv is not None and kv.mode != "mlx"  # pages lift the in-memory length guard
+    paged = lm.paged  # pages lift the in-memory length guard
     if not paged and len(prompt) + max_tokens > lm.context_length * 4:
         raise StrataError(f"prompt of {len(prompt)} tokens is too long for {lm.manifest['name']} "
                           f"(context {lm.context_length})")
@@ -249,7 +271,7 @@ def _generate(
         cached = pc.reuse(prompt)
         if prefix is not None:
             plan = prefix.lookup(prompt)
-    if plan is not None and plan.hit_tokens > cached:
+    if prefix is not None and plan is not None and plan.hit_tokens > cached:
         with timeline.phase("cache restore"):
             restored = prefix.restore(pc.cache, prompt, plan, cached)
         if restored != cached:
@@ -293,7 +315,7 @@ def _generate(
 
     def save_prefix() -> None:
         # After the first token is out: copying new pages for the SSD never delays it.
-        if not saved[0]:
+        if not saved[0] and prefix is not None and plan is not None:
             saved[0] = True
             prefix.store(pc.cache, prompt, plan)
 
@@ -305,14 +327,12 @@ def _generate(
         save_prefix()
 
 
-def _decode(lm: LoadedModel, model: Any, cache: list[Any], pc: PromptCache, sampler: Sampler,
+def _decode(lm: LoadedModel, model: Any, cache: list[LayerCache], pc: PromptCache, sampler: Sampler,
             y: Any, history: list[int], detok: StreamingDetokenizer, stop: Sequence[str],
             cancel: Callable[[], bool], max_tokens: int, pipelined: bool,
             event: Callable[..., GenerationEvent], timeline: Timeline, t_first_decode: float,
             prefill_s: float, after_first: Callable[[], None]) -> Iterator[GenerationEvent]:
     """The decode loop: one event per token; `after_first` runs once the first is out."""
-    import mlx.core as mx
-
     pending = ""
     n = 0
     t_first = 0.0

@@ -8,14 +8,22 @@ in transformers (about 0.65 s); we register a bare package module instead so tha
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib
 import importlib.util
 import json
 import os
 import sys
 import types
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import psutil
+from mlx.utils import tree_map, tree_unflatten
 
 from engine.errors import LoadFailed
 from engine.platform import ComputeProfile, check_versions
@@ -58,6 +66,36 @@ def cache_module() -> types.ModuleType:
     return importlib.import_module("mlx_lm.models.cache")
 
 
+def weights_fingerprint(manifest: Mapping[str, Any]) -> str:
+    """The manifest's fingerprint; a bare folder's: weight names, sizes and mtimes."""
+    if manifest.get("fingerprint"):
+        return str(manifest["fingerprint"])
+    path = manifest.get("path")
+    if not path:
+        return "unknown"
+    folder = Path(path)
+    with contextlib.suppress(OSError, ValueError):
+        fp = json.loads((folder / "manifest.json").read_text()).get("fingerprint")
+        if fp:
+            return str(fp)
+    parts = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}"
+             for f in sorted(folder.glob("*.safetensors"))]
+    return "stat:" + hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+def model_identity(manifest: Mapping[str, Any], config: Mapping[str, Any],
+                   profile: ComputeProfile, kv_bits: int = 16) -> dict[str, Any]:
+    """What must match for stored KV to be valid for a model: weights, the whole config
+    (architecture, RoPE: theta, scaling, traditional; quantization), compute profile, KV
+    dtype and bits. engine.kv.prefix.model_key hashes it into the pages' key."""
+    return {
+        "weights": weights_fingerprint(manifest),
+        "config": dict(config),
+        "profile": [profile.name, profile.dtype, profile.dequantize],
+        "kv": [profile.dtype, kv_bits],
+    }
+
+
 def read_config(folder: Path) -> dict[str, Any]:
     path = folder / "config.json"
     try:
@@ -79,8 +117,6 @@ def build_model(config: dict[str, Any], weights: dict[str, Any] | None = None) -
     As in mlx-lm: a path named in config["quantization"] takes its own settings; any other
     quantizable layer whose `.scales` are among `weights` takes the default ones.
     """
-    import mlx.nn as nn
-
     module = model_module(config.get("model_type", ""))
     args = module.ModelArgs.from_dict(config)
     model = module.Model(args)
@@ -105,8 +141,6 @@ def build_model(config: dict[str, Any], weights: dict[str, Any] | None = None) -
 
 def load_weights_into_model(folder: Path, profile: ComputeProfile) -> tuple[Any, dict[str, Any]]:
     """Load weights (memory-mapped by mx.load) and apply the compute profile."""
-    import mlx.core as mx
-
     config = read_config(folder)
     files = weight_files(folder)
     if not files:
@@ -133,10 +167,6 @@ def load_weights_into_model(folder: Path, profile: ComputeProfile) -> tuple[Any,
 
 def apply_profile(model: Any, profile: ComputeProfile) -> None:
     """Dequantize and/or cast parameters as the profile says, in place."""
-    import mlx.core as mx
-    import mlx.nn as nn
-    from mlx.utils import tree_map
-
     dtype = getattr(mx, profile.dtype)
     if profile.dequantize:
         replacements = []
@@ -171,8 +201,6 @@ def apply_profile(model: Any, profile: ComputeProfile) -> None:
 
 
 def _unflatten(pairs: list[tuple[str, Any]]) -> Any:
-    from mlx.utils import tree_unflatten
-
     return tree_unflatten(pairs)
 
 
@@ -204,8 +232,6 @@ def memory_needed(config: dict[str, Any], weights: dict[str, Any], profile: Comp
 
 def memory_available() -> int:
     """Bytes Strata may use: what the system has available, capped by STRATA_MAX_MEMORY_MB."""
-    import psutil
-
     available = int(psutil.virtual_memory().available)
     cap = os.environ.get("STRATA_MAX_MEMORY_MB")
     if cap:

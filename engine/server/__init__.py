@@ -1,6 +1,7 @@
-"""A local OpenAI-compatible HTTP server over the engine (`strata serve`).
+"""The server (floor 3): OpenAI's chat and completions API over one engine thread.
 
-Contract: `host` is the engine side (one thread owns MLX and runs queued jobs in FIFO order;
-no HTTP here); `api` is the HTTP side (Starlette on uvicorn), imported only when a server
-starts, so that neither the CLI nor the app pays for it at start-up.
+What lives here: host.py (the job queue, generation jobs, the `Host` and `Models` seams; the
+engine thread's models are an engine.runtime.pool.ModelPool) and api.py (Starlette routes,
+request validation, streaming; Starlette and uvicorn load only when serving). May import the
+runtime, the KV layer, the library and the leaves; never the importers, quant, bench or app.
 """

@@ -5,10 +5,11 @@ state belongs to the thread that made it): it loads `model`, then runs queued jo
 `stop()`. `submit(job)` queues a job from any thread (FIFO, one runs at a time); its
 `run(models)` executes on the engine thread and reports through the job's own `emit`
 callback. `cancel(job)` drops a queued job or sets a running job's flag, which generation
-checks between prefill chunks and between decode steps. `ModelPool` keeps the loaded model
-and a few `PromptCache`s for it, so requests that share a prefix (a long system prompt)
-prefill only what is new. No HTTP here: the app can serve the same API over its own engine
-thread by implementing `Host` (queueing) and `Models` (its loaded model and caches).
+checks between prefill chunks and between decode steps. The engine thread's
+engine.runtime.pool.ModelPool is the jobs' `Models`: the loaded model and a few prompt caches
+for it, so requests that share a prefix (a long system prompt) prefill only what is new. No
+HTTP here: another owner of an engine thread (the window's worker) serves the same API by
+implementing `Host` (queueing) over its own ModelPool.
 """
 
 from __future__ import annotations
@@ -18,22 +19,17 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from engine.errors import StrataError
+from engine.library import Library
+from engine.runtime.generate import LoadedModel, PromptCache, generate
+from engine.runtime.pool import ModelPool
+from engine.runtime.sampling import SamplingParams
+from engine.runtime.tokenizer import Tokenizer
 from engine.telemetry import GenerationEvent
 
-if TYPE_CHECKING:
-    from engine.library import Library
-    from engine.runtime.generate import LoadedModel, PromptCache
-    from engine.runtime.sampling import SamplingParams
-    from engine.runtime.tokenizer import Tokenizer
-
 log = logging.getLogger(__name__)
-
-# A cache is reused for a prompt that shares at least this many tokens with it (or extends
-# it); below that, a fresh cache is taken so one request cannot trim another's warm prefix.
-MIN_SHARED = 32
 
 
 class RequestError(StrataError):
@@ -125,8 +121,6 @@ class GenerationJob:
         self.emit(error)
 
     def run(self, models: Models) -> None:
-        from engine.runtime.generate import generate
-
         if self.cancelled:
             return
         pc = None
@@ -159,73 +153,6 @@ class GenerationJob:
             self.emit(RequestError(f"internal error: {exc}", status=500, kind="server_error"))
 
 
-# -- the model pool (engine thread only) -----------------------------------------------------
-def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n, limit = 0, min(len(a), len(b))
-    while n < limit and a[n] == b[n]:
-        n += 1
-    return n
-
-
-def _close(cache: PromptCache) -> None:
-    close = getattr(cache, "close", None)  # paged caches hold threads and files
-    if close is not None:
-        close()
-
-
-class ModelPool:
-    """One loaded model at a time (two may not fit in memory) and an LRU of prompt caches."""
-
-    def __init__(self, library: Library | None = None, caches_per_model: int = 4) -> None:
-        self.library = library
-        self.caches_per_model = max(1, caches_per_model)
-        self.lm: LoadedModel | None = None
-        self.caches: list[PromptCache] = []  # least recently used first
-
-    def get(self, name: str) -> LoadedModel:
-        from engine.runtime.generate import LoadedModel
-
-        if self.lm is not None and self.lm.manifest["name"] == name:
-            return self.lm
-        for pc in self.caches:  # free the old weights and KV before loading
-            _close(pc)
-        self.lm, self.caches = None, []
-        lm = LoadedModel.load(name, library=self.library)
-        # The same SSD prefix cache as the CLI and the app: a long system prompt stays warm
-        # across server restarts and is shared with them.
-        lm.enable_prefix_cache()
-        self.lm = lm
-        return lm
-
-    def cache_for(self, lm: LoadedModel, prompt: Sequence[int]) -> PromptCache:
-        best, best_len = None, -1
-        for pc in self.caches:
-            n = shared_prefix(pc.tokens, prompt)
-            if n > best_len:
-                best, best_len = pc, n
-        if best is None or (best_len < MIN_SHARED and best_len < len(best.tokens)):
-            if len(self.caches) < self.caches_per_model:
-                best = lm.new_cache()
-                self.caches.append(best)
-            else:
-                best = self.caches[0]  # evict the least recently used (reuse() trims it)
-        self.caches.remove(best)
-        self.caches.append(best)
-        return best
-
-    def discard(self, cache: PromptCache) -> None:
-        if cache in self.caches:
-            self.caches.remove(cache)
-        _close(cache)
-
-    def status(self) -> dict[str, Any]:
-        return {
-            "model": self.lm.manifest["name"] if self.lm is not None else None,
-            "prompt_caches": [{"tokens": len(pc.tokens), "bytes": pc.nbytes}
-                              for pc in reversed(self.caches)],
-        }
-
-
 # -- the host: a FIFO queue and the engine thread -----------------------------------------
 class EngineHost:
     """The standalone `Host`: a queue, and a model pool driven by `run()` on the engine thread.
@@ -235,11 +162,7 @@ class EngineHost:
     """
 
     def __init__(self, library: Library | None = None, caches_per_model: int = 4) -> None:
-        if library is None:
-            from engine.library import Library
-
-            library = Library()
-        self.library = library
+        self.library = library or Library()
         self.default_model = ""
         self._caches_per_model = caches_per_model
         self._queue: deque[Job] = deque()
@@ -301,7 +224,7 @@ class EngineHost:
     def run(self, preload: str | None = None, ready: Callable[[], None] | None = None) -> None:
         """Process jobs on this thread until `stop()`. Loads `preload` first (raising what
         loading raises), then calls `ready()`."""
-        pool = ModelPool(self.library, self._caches_per_model)
+        pool = ModelPool(self.library, caches=self._caches_per_model)
         try:
             if preload is not None:
                 self.default_model = pool.get(str(self.library.get(preload)["name"])) \
@@ -311,8 +234,7 @@ class EngineHost:
                 ready()
             self._loop(pool)
         finally:
-            for pc in pool.caches:
-                _close(pc)
+            pool.close()
 
     def _loop(self, pool: ModelPool) -> None:
         while True:

@@ -38,10 +38,10 @@ def test_kv_bits_are_offered_stored_and_applied(make_window: WindowFactory, qtbo
         window.chat.send("What is the capital of France?")
     assert done.args[1]["generated_tokens"] > 0
     worker = window.engine.worker
-    lm = worker._lm
+    lm = worker.pool.lm
     assert lm is not None and (lm.kv_settings.mode, lm.kv_settings.bits) == ("exact", 8)
     # The chat's pages are stored at 8 bits, and RAM is counted at that size.
-    session = worker._sessions[chat.id]
+    session = worker.pool.sessions[chat.id]
     cache = session.cache
     store = cache.cache[0].store
     assert store.codec.bits == 8 and store.tables[0].n_pages >= 1

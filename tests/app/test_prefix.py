@@ -90,7 +90,7 @@ def test_kv_settings_are_stored_and_reach_the_engine(
     with qtbot.waitSignal(window.engine.reply_finished, timeout=REPLY_TIMEOUT_MS) as done:
         window.chat.send("What is the capital of France?")
     assert done.args[1]["generated_tokens"] > 0
-    lm = window.engine.worker._lm
+    lm = window.engine.worker.pool.lm
     assert lm is not None and lm.kv_settings.mode == "sparse"
     # A restart reads the stored settings back into the view.
     again = make_window(db=window.store.path, preload=False, fetch_starter=False)

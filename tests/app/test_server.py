@@ -28,7 +28,7 @@ def test_the_local_server_shares_the_apps_engine(
     window = make_window(db=db)
     with qtbot.waitSignal(window.engine.prefix_warmed, timeout=LOAD_TIMEOUT_MS):
         pass  # the chat's system prompt went to the SSD prefix cache
-    lm = window.engine.worker._lm
+    lm = window.engine.worker.pool.lm
     assert lm is not None and lm.prefix_cache is not None
     assert lm.prefix_cache.flush(30)
 

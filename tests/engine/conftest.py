@@ -14,8 +14,7 @@ from engine.kv.prefix import PrefixCache, PrefixSettings
 @pytest.fixture
 def prefix(starter_lm: Any, tmp_path: Path) -> Iterator[PrefixCache]:
     """A prefix cache with 32-token pages in a fresh folder, installed on the shared model."""
-    pc = PrefixCache.for_model(starter_lm, PrefixSettings(folder=tmp_path / "px",
-                                                          page_tokens=32))
+    pc = starter_lm.new_prefix_cache(PrefixSettings(folder=tmp_path / "px", page_tokens=32))
     starter_lm.prefix_cache = pc
     try:
         yield pc

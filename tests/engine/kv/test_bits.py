@@ -345,9 +345,15 @@ def test_cli_refuses_bits_without_paged_mode(starter: Any) -> None:
 
 
 def test_prefix_cache_key_includes_kv_bits(starter_lm: Any) -> None:
-    from engine.kv.prefix import model_key
+    from engine.kv import KVSettings
 
-    keys = {model_key(starter_lm, b) for b in (16, 8, 4)}
+    keys = set()
+    try:
+        for b in (16, 8, 4):
+            starter_lm.kv_settings = KVSettings(mode="exact", bits=b)
+            keys.add(starter_lm.prefix_key())
+    finally:
+        starter_lm.kv_settings = None
     assert len(keys) == 3
 
 

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import time
-import types
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import pytest
 from engine.kv.prefix import PrefixCache, PrefixCacheError, PrefixSettings, model_key
 from engine.platform import ComputeProfile
 from engine.runtime.generate import generate
+from engine.runtime.model import model_identity
 from engine.runtime.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[3]
@@ -85,21 +85,24 @@ def test_restart_reuses_the_prefix_and_output_is_unchanged(starter: Any, tmp_pat
 
 # -- keys ----------------------------------------------------------------------------------
 def test_any_change_of_model_or_setting_changes_the_key(starter_lm: Any) -> None:
-    base = model_key(starter_lm)
-    fake = types.SimpleNamespace(manifest=dict(starter_lm.manifest), config=starter_lm.config,
-                                 profile=starter_lm.profile)
-    assert model_key(fake) == base
+    def key(manifest: Any = None, config: Any = None, profile: Any = None, bits: int = 16
+            ) -> bytes:
+        return model_key(model_identity(manifest or starter_lm.manifest,
+                                        config or starter_lm.config,
+                                        profile or starter_lm.profile, bits))
+
+    base = key()
+    assert starter_lm.prefix_key() == base  # the loaded model keys its pages the same way
     variants: list[dict[str, Any]] = [
         {"manifest": {**starter_lm.manifest, "fingerprint": "sha256:other"}},
         {"config": {**starter_lm.config, "rope_theta": 10000.0}},
         {"config": {**starter_lm.config, "quantization": {"group_size": 64, "bits": 8}}},
         {"profile": ComputeProfile("native", dequantize=False, dtype="float32")},
         {"profile": replace(starter_lm.profile, dtype="float16")},
+        {"bits": 8},
     ]
     for v in variants:
-        other = types.SimpleNamespace(**{**vars(fake), **v})
-        assert model_key(other) != base, v
-    assert model_key(starter_lm, kv_bits=8) != base
+        assert key(**v) != base, v
 
 
 def test_a_different_model_key_never_reuses(starter_lm: Any, prefix: PrefixCache) -> None:
@@ -247,11 +250,11 @@ def test_a_second_prompt_reuses_the_shared_pages_without_copying_them(
 # -- eviction ------------------------------------------------------------------------------
 def test_eviction_under_a_tiny_budget_keeps_the_most_recent(starter_lm: Any,
                                                             tmp_path: Path) -> None:
-    probe = PrefixCache.for_model(starter_lm, PrefixSettings(folder=tmp_path / "e",
+    probe = starter_lm.new_prefix_cache(PrefixSettings(folder=tmp_path / "e",
                                                              page_tokens=32))
     budget = (2.5 * probe.page_bytes + 2 * probe.run_head_bytes(2)) / (1 << 20)  # one run
     probe.close()
-    pc = PrefixCache.for_model(starter_lm, PrefixSettings(folder=tmp_path / "e",
+    pc = starter_lm.new_prefix_cache(PrefixSettings(folder=tmp_path / "e",
                                                           page_tokens=32, budget_mb=budget))
     starter_lm.prefix_cache = pc
     try:

@@ -237,28 +237,3 @@ def test_loopback_detection() -> None:
 
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("") and not is_loopback("10.0.0.2")
-
-
-def test_prompt_caches_are_picked_by_shared_prefix() -> None:
-    from engine.server.host import MIN_SHARED, ModelPool
-
-    class Cache:
-        def __init__(self) -> None:
-            self.tokens: list[int] = []
-
-    class FakeModel:
-        def new_cache(self) -> Cache:
-            return Cache()
-
-    pool = ModelPool(caches_per_model=2)
-    lm: Any = FakeModel()
-    a = list(range(100))
-    b = [7] * 100
-    ca = pool.cache_for(lm, a)
-    ca.tokens = a[:]
-    cb = pool.cache_for(lm, b)  # shares nothing with `a`: a cache of its own
-    cb.tokens = b[:]
-    assert cb is not ca
-    assert pool.cache_for(lm, a[:MIN_SHARED + 5] + [999]) is ca  # a long shared prefix
-    # Full: a stranger takes the least recently used cache (b's), not a's warm prefix.
-    assert pool.cache_for(lm, [5] * 50) is cb

@@ -1,0 +1,121 @@
+"""How the KV cache is kept, and the shape of what it keeps: `KVSettings` and `KVGeometry`.
+
+Contract: `KVSettings` (mode, budgets, page size, bits) is validated by `validate()` with one
+line naming the bad value; `settings_from_env(**overrides)` reads STRATA_KV_*. `KVGeometry` is
+all the KV layer knows of a model: layers, KV heads, head dim and the dtype keys and values are
+computed in; the runtime derives it from the loaded model, so kv never sees a LoadedModel.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from engine.errors import StrataError
+from engine.platform import default_home
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """The shape of one model's KV: per layer, `kv_heads` heads of `head_dim` in `dtype`."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str  # "float32", "float16" or "bfloat16": the compute dtype
+
+    def bytes_per_token(self) -> int:
+        width = 4 if self.dtype == "float32" else 2
+        return 2 * self.layers * self.kv_heads * self.head_dim * width
+
+
+MODES = ("mlx", "exact", "sparse")
+BITS = (16, 8, 4)  # KV precision: 16 keeps the compute dtype, 8 and 4 quantize pages
+GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
+# Group size by bits when not set (docs/benchmarks.md, KV bits): at 8 bits the group hardly
+# changes KL on the starter model, so the larger one (fewer scale bytes); at 4 bits group 32
+# cuts KL about in half for 20% more bytes than group 64.
+DEFAULT_GROUP = {16: 64, 8: 64, 4: 32}
+
+
+@dataclass(frozen=True)
+class KVSettings:
+    """How the KV cache is kept. mode 'mlx' is mlx-lm's own in-memory KVCache.
+
+    ram_mb: RAM tier budget (None: a quarter of system memory). ssd_mb: SSD tier budget.
+    budget_tokens: sparse mode's attention budget per query (sinks and window included).
+    bits: 16 keeps the compute dtype (no KV quantization); 8 and 4 quantize every full page
+    group-wise along head_dim, `group_size` values per scale and bias (None: by bits,
+    DEFAULT_GROUP); the partial page at the end stays as computed until it fills. Paged
+    modes only.
+    """
+
+    mode: str = "mlx"
+    page_tokens: int = 128
+    ram_mb: int | None = None
+    ssd: bool = True
+    ssd_dir: Path | None = None
+    ssd_mb: int = 64 * 1024
+    bits: int = 16
+    group_size: int | None = None
+    budget_tokens: int = 2048
+    sink_tokens: int = 128
+    window_tokens: int = 512
+    prefetch_depth: int = 4
+    writer_queue: int = 64
+    keep_files: bool = False
+
+    def validate(self) -> KVSettings:
+        if self.mode not in MODES:
+            raise StrataError(f"KV mode {self.mode!r} is unknown: use one of {', '.join(MODES)}")
+        if self.page_tokens < 8 or self.page_tokens & (self.page_tokens - 1):
+            raise StrataError(f"KV page size {self.page_tokens} must be a power of two >= 8")
+        if self.bits not in BITS:
+            raise StrataError(f"KV bits {self.bits} are not supported: use 16, 8 or 4")
+        if self.bits != 16 and self.mode == "mlx":
+            raise StrataError(f"KV bits {self.bits} need the paged KV cache (KV mode exact "
+                              "or sparse, --kv-mode): mode 'mlx' is 16-bit only")
+        if self.group_size is not None and self.group_size not in GROUP_SIZES:
+            raise StrataError(f"KV quantization group {self.group_size} is not supported: "
+                              f"use {', '.join(map(str, GROUP_SIZES))}")
+        if self.ram_mb is not None and self.ram_mb < 1:
+            raise StrataError(f"KV RAM budget {self.ram_mb} MB is too small")
+        if self.budget_tokens < self.sink_tokens + self.window_tokens + self.page_tokens:
+            least = self.sink_tokens + self.window_tokens + self.page_tokens
+            raise StrataError(f"KV budget of {self.budget_tokens} tokens is below sinks + "
+                              f"window + one page ({least})")
+        return self
+
+    def group(self) -> int:
+        """The quantization group size in effect."""
+        return self.group_size or DEFAULT_GROUP.get(self.bits, 64)
+
+    def with_(self, **kw: Any) -> KVSettings:
+        return replace(self, **kw)
+
+    def ram_bytes(self) -> int:
+        if self.ram_mb is not None:
+            return self.ram_mb << 20
+        import psutil  # third-party; only a default budget needs the machine's memory
+
+        return max(512 << 20, int(psutil.virtual_memory().total) // 4)
+
+    def folder(self) -> Path:
+        if self.ssd_dir is not None:
+            return Path(self.ssd_dir)
+        return default_home() / "kv"
+
+
+def settings_from_env(**overrides: Any) -> KVSettings:
+    """KVSettings from STRATA_KV_MODE / STRATA_KV_RAM_MB / STRATA_KV_BUDGET plus overrides."""
+    env: dict[str, Any] = {}
+    if os.environ.get("STRATA_KV_MODE"):
+        env["mode"] = os.environ["STRATA_KV_MODE"]
+    if os.environ.get("STRATA_KV_RAM_MB"):
+        env["ram_mb"] = int(os.environ["STRATA_KV_RAM_MB"])
+    if os.environ.get("STRATA_KV_BUDGET"):
+        env["budget_tokens"] = int(os.environ["STRATA_KV_BUDGET"])
+    env.update({k: v for k, v in overrides.items() if v is not None})
+    return KVSettings(**env).validate()

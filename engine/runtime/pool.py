@@ -1,0 +1,334 @@
+"""One owner of the loaded model: its KV settings and prefix cache, its prompt caches with
+their LRU, the prewarm of a system prompt, and the memory figures the panel shows.
+
+Contract: engine thread only (MLX state belongs to the thread that made it). `get(name)`
+makes `name` the loaded model (one at a time: two may not fit in memory), closing the old one
+with every cache of it, and gives it the pool's `PoolSettings`; `on_loading(name)` and
+`on_loaded(info)` hear of each load. Prompt caches come two ways, under one owner:
+`session(key)` is a chat's own ChatSession (the `sessions` most recently used stay; older
+ones prefill again), and `cache_for(lm, prompt)` picks among `caches` prompt caches by shared
+prefix (the server's requests). `configure(settings)` applies new settings: KV settings shape
+caches made from then on, so every session and cache is dropped; the prefix budget applies at
+once. `prewarm(key, system)` prefills the chat template's preamble and a system prompt into a
+chat's session (restored from the prefix cache where stored). `memory()` is the panel's
+MemorySnapshot. The `strata` command, the server host and the window's worker all use it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.errors import Cancelled, StrataError
+from engine.kv import KVSettings, ssd_bytes
+from engine.kv import settings_from_env as kv_settings_from_env
+from engine.kv.prefix import PrefixSettings, clear_folder, prefix_folder_bytes
+from engine.kv.prefix import settings_from_env as prefix_settings_from_env
+from engine.library import Library, Manifest
+from engine.platform import (
+    MemorySnapshot,
+    memory_snapshot,
+    parameter_bytes,
+    release_freed_memory,
+)
+from engine.runtime.generate import ChatSession, LoadedModel, PromptCache, generate
+from engine.runtime.sampling import SamplingParams
+from engine.telemetry import Timeline
+
+log = logging.getLogger(__name__)
+
+# A cache is reused for a prompt that shares at least this many tokens with it (or extends
+# it); below that, a fresh cache is taken so one request cannot trim another's warm prefix.
+MIN_SHARED = 32
+SESSIONS = 8  # chats whose KV stays in RAM; older ones prefill again when reopened
+CACHES = 4  # the server's prompt caches per model
+
+
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids `a` and `b` share."""
+    n, limit = 0, min(len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """How the pool's models keep their KV. kv None: mlx-lm's in-memory KVCache. prefix_mb
+    None: the environment's budget (STRATA_PREFIX_MB); prefix_dir None: STRATA_PREFIX_DIR, else
+    the library's home/prefix."""
+
+    kv: KVSettings | None = None
+    prefix_cache: bool = True
+    prefix_mb: float | None = None
+    prefix_dir: Path | None = None
+
+
+def settings_from_options(options: Mapping[str, Any], home: Path) -> PoolSettings:
+    """The window's engine settings (kv_mode, kv_ram_mb, kv_bits, kv_budget_tokens,
+    prefix_cache, prefix_mb; missing keys: defaults and STRATA_KV_*) as PoolSettings, the
+    paged KV's session files under `home`/kv. Raises StrataError or ValueError on bad values."""
+    ram = int(options.get("kv_ram_mb") or 0)
+    mode = str(options.get("kv_mode") or "mlx")
+    # KV bits apply to the paged cache only; mlx-lm's in-memory cache stays 16-bit.
+    bits = int(options.get("kv_bits") or 16) if mode != "mlx" else 16
+    kv = kv_settings_from_env(mode=mode, bits=bits, ram_mb=ram if ram > 0 else None,
+                              budget_tokens=int(options.get("kv_budget_tokens") or 2048),
+                              ssd_dir=home / "kv")
+    mb = options.get("prefix_mb")
+    return PoolSettings(kv=kv, prefix_cache=bool(options.get("prefix_cache", True)),
+                        prefix_mb=None if mb is None else max(0.0, float(mb)))
+
+
+@dataclass
+class _Load:
+    """What the last load cost, for whoever asked for the model."""
+
+    name: str
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+class ModelPool:
+    """The loaded model and every prompt cache of it (see the module docstring)."""
+
+    def __init__(self, library: Library | None = None, settings: PoolSettings | None = None,
+                 sessions: int = SESSIONS, caches: int = CACHES) -> None:
+        self.library = library or Library()
+        self.settings = settings or PoolSettings()
+        self.prefix_settings()  # a bad STRATA_PREFIX_* value fails here, in one line
+        self.max_sessions = max(1, sessions)
+        self.max_caches = max(1, caches)
+        self.lm: LoadedModel | None = None
+        self.sessions: OrderedDict[int, ChatSession] = OrderedDict()  # least recent first
+        self.caches: list[PromptCache] = []  # the server's, least recently used first
+        self.weights_bytes: int | None = None
+        self.last_load: _Load | None = None
+        self.on_loading: Callable[[str], None] | None = None
+        self.on_loaded: Callable[[dict[str, Any]], None] | None = None
+        self._prefix_reason = ("no model loaded" if self.settings.prefix_cache
+                               else "prefix cache off in the settings")
+
+    # -- settings -------------------------------------------------------------------------
+    def prefix_settings(self) -> PrefixSettings:
+        """Where the prefix cache lives and its budget, under these settings."""
+        s = self.settings
+        folder = s.prefix_dir
+        if folder is None and not os.environ.get("STRATA_PREFIX_DIR"):
+            folder = Path(self.library.home) / "prefix"
+        return prefix_settings_from_env(folder=folder, budget_mb=s.prefix_mb)
+
+    def configure(self, settings: PoolSettings) -> None:
+        """New settings, for the loaded model and every later one. Caches made under the old
+        KV settings go (their next prompt restores or prefills again)."""
+        old, self.settings = self.settings, settings
+        try:
+            self.prefix_settings()
+        except StrataError:
+            self.settings = old
+            raise
+        self._prefix_reason = ("no model loaded" if settings.prefix_cache
+                               else "prefix cache off in the settings")
+        if self.lm is not None:
+            self.forget()
+            self._apply(self.lm)
+
+    def _apply(self, lm: LoadedModel) -> None:
+        """Give `lm` the KV settings and the prefix cache (or take it away)."""
+        lm.kv_settings = self.settings.kv
+        if not self.settings.prefix_cache:
+            lm.disable_prefix_cache()
+            self._prefix_reason = "prefix cache off in the settings"
+            return
+        try:
+            wanted = self.prefix_settings()
+            if lm.prefix_cache is None:
+                lm.enable_prefix_cache(wanted)
+            elif wanted.budget_mb != lm.prefix_cache.settings.budget_mb:
+                lm.prefix_cache.set_budget(wanted.budget_mb)  # evicts in the background
+        except StrataError as exc:  # an unwritable folder: the prefix cache is optional
+            log.warning("prefix cache off: %s", exc)
+            self._prefix_reason = f"prefix cache unavailable: {exc}"
+
+    # -- the model ------------------------------------------------------------------------
+    def get(self, name: str, timeline: Timeline | None = None) -> LoadedModel:
+        """The model `name` (a library name or alias, or an MLX folder), loaded unless it is
+        the loaded one."""
+        folder = Path(name)
+        if folder.is_dir() and (folder / "config.json").is_file():
+            manifest: Manifest = {"name": folder.name, "path": str(folder)}
+            source = str(folder)
+        else:
+            manifest = self.library.get(name)
+            source = manifest["name"]
+        if self.lm is not None and self.lm.manifest["name"] == manifest["name"]:
+            return self.lm
+        if self.on_loading is not None:
+            self.on_loading(manifest["name"])
+        self.unload()
+        timeline = timeline or Timeline()
+        lm = LoadedModel.load(source, library=self.library, timeline=timeline)
+        self._apply(lm)
+        self.lm = lm
+        self.weights_bytes = parameter_bytes(lm.model)
+        self.last_load = _Load(manifest["name"], timeline.durations())
+        if self.on_loaded is not None:
+            self.on_loaded({"name": manifest["name"], "path": manifest["path"],
+                            "weights_bytes": self.weights_bytes, "profile": lm.profile.name,
+                            "phases": dict(self.last_load.phases)})
+        return lm
+
+    def unload(self) -> None:
+        """Forget the loaded model: caches closed, pages queued for the prefix cache written,
+        freed memory given back to the OS."""
+        self.forget()
+        lm, self.lm, self.weights_bytes = self.lm, None, None
+        if lm is not None:
+            lm.disable_prefix_cache()  # flushes pages still queued for the disk
+        del lm
+        release_freed_memory()
+
+    def close(self) -> None:
+        self.unload()
+
+    # -- prompt caches --------------------------------------------------------------------
+    def session(self, key: int) -> ChatSession:
+        """Chat `key`'s session on the loaded model (a new one if none), most recent last."""
+        lm = self.lm
+        if lm is None:
+            raise StrataError("no model is loaded")
+        session = self.sessions.pop(key, None)
+        if session is None or session.lm is not lm:
+            if session is not None:
+                session.cache.close()
+            session = ChatSession(lm)
+        self.sessions[key] = session
+        while len(self.sessions) > self.max_sessions:
+            self.forget(next(iter(self.sessions)))  # the least recently used
+        return session
+
+    def forget(self, key: int | None = None) -> None:
+        """Drop chat `key`'s session (None: every session and every server cache), with what
+        its KV holds (a paged cache's threads and files; the memory goes back to the OS)."""
+        keys = list(self.sessions) if key is None else [key]
+        for k in keys:
+            session = self.sessions.pop(k, None)
+            if session is not None:
+                session.cache.close()
+        if key is None:
+            for pc in self.caches:
+                pc.close()
+            self.caches = []
+        release_freed_memory()
+
+    def cache_for(self, lm: LoadedModel, prompt: Sequence[int]) -> PromptCache:
+        """The server's prompt cache for `prompt`: the one sharing the longest prefix with it
+        (MIN_SHARED tokens at least), else a new one (or the least recently used, trimmed)."""
+        if lm is not self.lm:
+            raise StrataError(f"{lm.manifest['name']} is not the loaded model")
+        best, best_len = None, -1
+        for pc in self.caches:
+            n = shared_prefix(pc.tokens, prompt)
+            if n > best_len:
+                best, best_len = pc, n
+        if best is None or (best_len < MIN_SHARED and best_len < len(best.tokens)):
+            if len(self.caches) < self.max_caches:
+                best = lm.new_cache()
+                self.caches.append(best)
+            else:
+                best = self.caches[0]  # the least recently used (reuse() trims it)
+        self.caches.remove(best)
+        self.caches.append(best)
+        return best
+
+    def discard(self, cache: PromptCache) -> None:
+        """Drop a server cache whose KV may no longer match its tokens."""
+        if cache in self.caches:
+            self.caches.remove(cache)
+        cache.close()
+
+    def prompt_caches(self) -> list[PromptCache]:
+        """Every prompt cache the pool holds: the chats' and the server's."""
+        return [s.cache for s in self.sessions.values()] + list(self.caches)
+
+    # -- prewarm --------------------------------------------------------------------------
+    def prewarm(self, key: int, model: str, system: str,
+                cancel: Callable[[], bool] | None = None) -> dict[str, Any] | None:
+        """Prefill the chat template's preamble and `system` into chat `key`'s session (or
+        restore them from the prefix cache), if `model` is the loaded one; what it did, or
+        None when there was nothing to do. Raises Cancelled if `cancel` stops it."""
+        lm = self.lm
+        if lm is None or lm.manifest["name"] != model or not system.strip():
+            return None
+        # What every first message of this chat starts with: the tokens two different user
+        # messages share after the system prompt (preamble, system prompt, user header).
+        a, b = ({"role": "user", "content": c} for c in ("a", "b"))
+        sys_msg = {"role": "system", "content": system}
+        ids_a = lm.tokenizer.encode_chat([sys_msg, a])
+        prefix = ids_a[:shared_prefix(ids_a, lm.tokenizer.encode_chat([sys_msg, b]))]
+        if len(prefix) < 2:
+            return None
+        session = self.session(key)
+        held = shared_prefix(session.cache.tokens, prefix)
+        info: dict[str, Any] = {"model": model, "tokens": len(prefix), "cached": held,
+                                "prefilled": 0, "seconds": 0.0, "phases": {}}
+        if held < len(prefix) - 1:
+            timeline = Timeline()
+            t0 = time.perf_counter()
+            last = None
+            for ev in generate(lm, prefix, SamplingParams(temperature=0.0), max_tokens=1,
+                               cancel=cancel, prompt_cache=session.cache, timeline=timeline):
+                last = ev
+            if last is not None and last.finish_reason == "cancelled":
+                session.cache.clear()
+                raise Cancelled("prewarm cancelled")
+            cached = last.cached_tokens if last is not None else 0
+            info.update(cached=cached, prefilled=len(prefix) - cached,
+                        seconds=time.perf_counter() - t0, phases=timeline.durations())
+        return info
+
+    # -- the prefix cache on disk ---------------------------------------------------------
+    def clear_prefix(self) -> tuple[int, int]:
+        """Remove every stored prefix from the disk (queued runs are written, then go too);
+        the files and bytes removed."""
+        if self.lm is not None and self.lm.prefix_cache is not None:
+            return self.lm.prefix_cache.clear()
+        return clear_folder(self.prefix_settings().root())
+
+    # -- figures --------------------------------------------------------------------------
+    def memory(self) -> MemorySnapshot:
+        """Where the bytes are: weights, KV in RAM and on the SSD, the prefix cache on disk;
+        a figure that does not exist now comes with the reason."""
+        caches = self.prompt_caches()
+        kv = sum(int(pc.nbytes) for pc in caches) if self.lm is not None else None
+        kv_ssd, kv_reason = None, "paged KV off"
+        settings = self.settings.kv
+        if settings is not None and settings.mode != "mlx":
+            if not settings.ssd:
+                kv_reason = "SSD tier off"
+            else:
+                kv_ssd = ssd_bytes(c for pc in caches for c in pc.cache)
+        prefix, prefix_reason = None, self._prefix_reason
+        lm = self.lm
+        if lm is not None and lm.prefix_cache is not None:
+            prefix = lm.prefix_cache.disk_bytes()
+        elif lm is None and self.settings.prefix_cache:
+            try:
+                prefix = prefix_folder_bytes(self.prefix_settings())  # earlier runs' pages
+            except StrataError as exc:  # a bad STRATA_PREFIX_* value
+                prefix_reason = f"prefix cache unavailable: {exc}"
+        return memory_snapshot(self.weights_bytes, kv, kv_ssd, prefix, kv_reason,
+                               prefix_reason)
+
+    def status(self) -> dict[str, Any]:
+        """The loaded model and the server's prompt caches (most recent first)."""
+        return {
+            "model": self.lm.manifest["name"] if self.lm is not None else None,
+            "prompt_caches": [{"tokens": len(pc.tokens), "bytes": pc.nbytes}
+                              for pc in reversed(self.caches)],
+        }
