@@ -523,13 +523,3 @@ def run(screenshot: str | Path | None = None, view: str = "chat", demo: bool = F
     rc = app.exec()
     window.shutdown()
     return code[0] or rc
-
-
-def main() -> int:
-    from app.cli import main as cli_main
-
-    return cli_main([])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

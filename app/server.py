@@ -20,12 +20,11 @@ from typing import TYPE_CHECKING, Any
 from PySide6.QtCore import QObject, Signal
 
 import app.compat  # noqa: F401  (PySide6 work-around, see there)
-
 from engine.errors import StrataError
+from engine.server.host import Job, RequestError
 
 if TYPE_CHECKING:
     from app.worker import Engine
-    from engine.server.host import Job
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 8765
@@ -54,8 +53,6 @@ class AppHost(QObject):
         return self.engine.manifests()
 
     def resolve(self, name: str | None) -> dict[str, Any]:
-        from engine.server.host import RequestError
-
         m = self.engine.worker.library.find(name or self.default_model)
         if m is None:
             raise RequestError(f"model {name!r} is not in the library", status=404,
@@ -63,8 +60,6 @@ class AppHost(QObject):
         return dict(m)
 
     def submit(self, job: Job) -> int:
-        from engine.server.host import RequestError
-
         with self._lock:
             if self._closed:
                 raise RequestError("the server is shutting down", status=503,
@@ -103,8 +98,6 @@ class AppHost(QObject):
     # -- life cycle (GUI thread) -----------------------------------------------------------
     def stop(self) -> None:
         """Refuse new requests, fail the queued ones and cancel the running one."""
-        from engine.server.host import RequestError
-
         with self._lock:
             self._closed = True
             dropped, self._waiting = list(self._waiting), []
@@ -149,12 +142,12 @@ class LocalServer(QObject):
             return self.address
         import uvicorn
 
-        from engine.server.api import _bind, create_app, is_loopback  # Starlette, uvicorn
+        from engine.server.api import bind, create_app, is_loopback  # Starlette, uvicorn
 
         if not is_loopback(host) and not api_key:
             raise StrataError(f"serving on {host or 'all interfaces'} exposes the model to the "
                               "network: set an API key first")
-        sock = _bind(host, port)
+        sock = bind(host, port)
         app_host = AppHost(self.engine, default_model, self)
         app_host.queue_depth_changed.connect(self.queue_depth_changed)
         config = uvicorn.Config(create_app(app_host, api_key), log_level="warning",

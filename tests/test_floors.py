@@ -82,11 +82,17 @@ class _Visitor(ast.NodeVisitor):
         self.depth = 0
 
     def _local_reason(self, node: ast.stmt) -> bool:
-        """A comment on the import's own lines or on the line just above it."""
+        """A comment on the import's own lines, or on the line above the run of imports it
+        belongs to (one reason may cover a few imports that load together)."""
         first, last = node.lineno - 1, (node.end_lineno or node.lineno) - 1
-        text = self.lines[first:last + 1]
-        above = self.lines[first - 1].strip() if first > 0 else ""
-        return any("#" in t for t in text) or above.startswith("#")
+        if any("#" in t for t in self.lines[first:last + 1]):
+            return True
+        i = first - 1
+        while i >= 0 and self.lines[i].strip().startswith(("from ", "import ", ")")):
+            if "#" in self.lines[i]:
+                return True
+            i -= 1
+        return i >= 0 and self.lines[i].strip().startswith("#")
 
     def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
         self.depth += 1

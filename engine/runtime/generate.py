@@ -23,7 +23,14 @@ from typing import Any
 import mlx.core as mx
 
 from engine.errors import StrataError
-from engine.kv import KVGeometry, KVSettings, LayerCache, close_caches, make_paged_cache
+from engine.kv import (
+    KVGeometry,
+    KVSettings,
+    LayerCache,
+    close_caches,
+    geometry_of,
+    make_paged_cache,
+)
 from engine.kv.prefix import PrefixCache, PrefixSettings, model_key
 from engine.library import Library, Manifest
 from engine.platform import (
@@ -76,11 +83,7 @@ class LoadedModel:
     @property
     def kv_geometry(self) -> KVGeometry:
         """The KV layer's view of this model: layers, KV heads, head dim, compute dtype."""
-        attn = self.model.layers[0].self_attn
-        kv_heads = int(attn.n_kv_heads)
-        head_dim = int(getattr(attn, "head_dim", 0)  # mlx-lm's attention, where it has one
-                       or attn.k_proj.weight.shape[0] // kv_heads)
-        return KVGeometry(len(self.model.layers), kv_heads, head_dim, self.profile.dtype)
+        return geometry_of(self.model, self.profile.dtype)
 
     def prefix_key(self) -> bytes:
         """The key of this model's pages in the prefix cache (its KV bits included)."""

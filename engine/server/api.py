@@ -443,7 +443,7 @@ def create_app(host: Host, api_key: str | None = None) -> Starlette:
 
 
 # -- serving -------------------------------------------------------------------------------
-def _bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int) -> socket.socket:
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(
             host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
@@ -470,7 +470,7 @@ def serve(host: str = "127.0.0.1", port: int = DEFAULT_PORT, model: str = "start
                           "network: set --api-key or STRATA_API_KEY")
     engine = EngineHost(caches_per_model=caches_per_model)
     name = str(engine.library.get(model)["name"])  # an unknown model fails before binding
-    sock = _bind(host, port)
+    sock = bind(host, port)
     config = uvicorn.Config(create_app(engine, api_key), log_level="warning", access_log=False,
                             lifespan="off", loop="asyncio", http="h11", ws="none",
                             timeout_graceful_shutdown=3)
