@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from engine import __version__
 from engine.errors import ImportFailed, ModelNotFound
 from engine.platform import default_home, pid_alive
 
@@ -177,8 +178,6 @@ class Library:
             fingerprint=fingerprint(tmp),
             created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         )
-        from engine import __version__
-
         manifest["strata_version"] = __version__
         _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
         with self._locked():

@@ -1,0 +1,80 @@
+"""What a manifest says about a model's weights: the fields every import and quantization writes.
+
+Contract: `weight_stats(arrays, config)` reads per-class formats, bits per weight and the
+parameter count from the arrays as saved (MLX affine triples counted at their bits, anything
+else at its dtype); `manifest_fields(...)` is the dict an importer or the quantizer returns
+from its Library.install builder (the library adds name, aliases, bytes, fingerprint, dates).
+Plain data only: no MLX import (the arrays' nbytes, size and dtype are all it reads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from engine.library.store import Manifest
+
+# Substring of a parameter path (Hugging Face / mlx-lm names) -> its class in the manifest.
+_CLASSES = (
+    ("embed_tokens", "embedding"),
+    ("lm_head", "output"),
+    ("self_attn", "attention"),
+    ("mlp", "mlp"),
+    ("norm", "norm"),
+)
+
+
+def weight_class(name: str) -> str:
+    """The manifest's class of a parameter path: embedding, output, attention, mlp, norm, other."""
+    for key, cls in _CLASSES:
+        if key in name:
+            return cls
+    return "other"
+
+
+def weight_stats(arrays: Mapping[str, Any], config: Mapping[str, Any]
+                 ) -> tuple[dict[str, list[str]], float, int]:
+    """(formats per class, bits per weight, parameter count) of arrays as saved with `config`."""
+    quant = config.get("quantization") or {}
+    default = {"bits": quant.get("bits", 4), "group_size": quant.get("group_size", 64)}
+    formats: dict[str, set[str]] = {}
+    params = 0
+    bits_total = 0
+    for key, arr in arrays.items():
+        bits_total += arr.nbytes * 8
+        if key.endswith((".scales", ".biases")):
+            continue
+        module = key.rsplit(".", 1)[0]
+        q = quant.get(module)
+        if not isinstance(q, dict) and f"{module}.scales" in arrays:
+            q = default  # quantized with the folder-wide settings (uniform MLX models)
+        if isinstance(q, dict) and key.endswith(".weight"):
+            params += arr.size * 32 // q["bits"]
+            fmt = f"affine {q['bits']}-bit g{q['group_size']}"
+        else:
+            params += arr.size
+            fmt = str(arr.dtype).split(".")[-1]
+        formats.setdefault(weight_class(key), set()).add(fmt)
+    return {k: sorted(v) for k, v in sorted(formats.items())}, bits_total / max(params, 1), params
+
+
+def manifest_fields(
+    config: Mapping[str, Any],
+    fmt: str,
+    source: str,
+    formats: dict[str, list[str]],
+    bpw: float,
+    params: int,
+    tokenizer: dict[str, Any],
+) -> Manifest:
+    """The manifest entries every import and quantization writes (the library adds the rest)."""
+    return {
+        "source": source,
+        "source_format": fmt,
+        "architecture": config.get("model_type"),
+        "quantization": formats,
+        "bits_per_weight": round(bpw, 3),
+        "params": params,
+        "context_length": config.get("max_position_embeddings"),
+        "tokenizer": tokenizer,
+    }
