@@ -53,12 +53,12 @@ def _print(obj: Any, as_json: bool) -> None:
 def cmd_pull(args: argparse.Namespace) -> int:
     lib = _library()
     if args.what == "starter":
-        from engine.importers.starter import ensure_starter
+        from engine.importers.starter import ensure_starter  # start-up: this command's only
 
         m = ensure_starter(lib, progress=lambda msg: print(msg, file=sys.stderr),
                            import_progress=_progress_printer("importing"))
     else:
-        from engine.importers.hub import pull_hub
+        from engine.importers.hub import pull_hub  # start-up: this command's only
 
         m = pull_hub(lib, args.what, name=args.name,
                      progress=_progress_printer("pulling"))
@@ -108,14 +108,14 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from engine.importers import import_path
-    from engine.quant.cli import calibration_from_args, print_quantized
+    from engine.importers import import_path  # start-up: this command's only
+    from engine.quant.cli import print_quantized, requantize_from_args  # start-up: as above
 
+    # An import with a recipe: the importer opens the source, quantization makes the model.
+    requantize = requantize_from_args(args)  # None without --recipe
     m = import_path(_library(), Path(args.path), name=args.name,
-                    progress=_progress_printer("importing"), recipe=args.recipe,
-                    method=args.method, calibration=calibration_from_args(args),
-                    calibration_tokens=args.calibration_tokens, target_bpw=args.bpw)
-    if args.recipe is not None:
+                    progress=_progress_printer("importing"), requantize=requantize)
+    if requantize is not None:
         print_quantized(m, args.json)
     elif args.json:
         _print(m, True)
@@ -374,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("import", help="import a .gguf file, an MLX folder or a HF folder")
     p.add_argument("path")
     p.add_argument("--name")
-    from engine.quant.cli import add_recipe_arguments
+    from engine.quant.cli import add_recipe_arguments  # start-up: the parser's quant part
 
     add_recipe_arguments(p, required=False)  # without --recipe: weights as stored
     p.add_argument("--json", action="store_true")
@@ -423,9 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_kvbits_arguments(p)
     p.set_defaults(func=cmd_bench)
 
+    from engine.importers import open_source  # start-up: the parser's quant part
     from engine.quant.cli import add_commands as add_quant_commands  # quantize, recipes, eval
 
-    add_quant_commands(sub)
+    add_quant_commands(sub, open_source=open_source, progress=_progress_printer)
     return parser
 
 

@@ -297,12 +297,14 @@ class EngineWorker(QObject):
             yield self.prefix_warmed, (job, chat_id, info)
 
     def _plan_steps(self, job: int, path: Path) -> Iterator[Step]:
-        from engine.quant.quantize import import_options
+        from engine.importers import open_source  # start-up: loaded when an import is planned
+        from engine.quant.quantize import import_options  # start-up: as above
 
-        yield self.import_planned, (job, import_options(self.library, path))
+        yield self.import_planned, (job, import_options(open_source(path)))
 
     def _import_steps(self, job: int, path: Path, recipe: str | None) -> Iterator[Step]:
-        from engine.importers import detect, import_path
+        from engine.importers import detect, import_path  # start-up: loaded when one runs
+        from engine.quant.quantize import Requantize  # start-up: as above
 
         kind = detect(path)
         yield self.import_started, (job, {"path": str(path), "kind": kind})
@@ -315,8 +317,10 @@ class EngineWorker(QObject):
                 self.import_progress.emit(job, permille, 1000)
             self._sample()
 
-        manifest = import_path(self.library, path, progress=on_progress, recipe=recipe,
-                               cancel=lambda: self._is_cancelled(job))
+        # An import with a recipe: the importer opens the source, quantization makes the model.
+        manifest = import_path(self.library, path, progress=on_progress,
+                               cancel=lambda: self._is_cancelled(job),
+                               requantize=Requantize(recipe) if recipe else None)
         yield self.import_finished, (job, manifest)
 
     def _prefix_clear_steps(self, job: int) -> Iterator[Step]:

@@ -6,12 +6,15 @@ model*.safetensors and tokenizer files into `dest` (a temporary folder owned by 
 Q4_0, Q4_1 and Q8_0 are repacked exactly into MLX affine triples (group 32); K-quants and
 Q5 types are dequantized with the `gguf` package and requantized at the nearest MLX width;
 F32/F16/BF16 stay as they are. Llama Q/K rows are un-permuted to the Hugging Face layout.
+`model_config(path)` is the Hugging Face-style config a file describes, from its metadata alone
+(no tensor read); a malformed file is an ImportFailed from either.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,8 @@ from typing import Any
 import numpy as np
 
 from engine.errors import Cancelled, ImportFailed
+from engine.importers.vocab import write_tokenizer
+from engine.library.manifest import weight_class
 
 Progress = Callable[[int, int], None]
 CancelFlag = Callable[[], bool]
@@ -71,19 +76,6 @@ def _hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def _tensor_class(hf_name: str) -> str:
-    for key, cls in (
-        ("embed_tokens", "embedding"),
-        ("lm_head", "output"),
-        ("self_attn", "attention"),
-        ("mlp", "mlp"),
-        ("norm", "norm"),
-    ):
-        if key in hf_name:
-            return cls
-    return "other"
-
-
 # -- header bounds --------------------------------------------------------------------------
 # GGUF value types (gguf.GGUFValueType) by fixed size; 8 is STRING, 9 is ARRAY.
 _VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
@@ -103,7 +95,7 @@ def check_header(path: Path) -> None:
     import mmap
     import struct
 
-    import gguf
+    import gguf  # heavy (numpy-backed reader): only when a GGUF is opened
 
     size = os.path.getsize(path)
     with open(path, "rb") as fh:
@@ -207,7 +199,7 @@ def read_metadata(path: Path) -> tuple[Any, dict[str, Any]]:
     if magic != b"GGUF":
         raise ImportFailed(f"{path}: not a GGUF file (bad magic {magic!r})")
     check_header(path)
-    import gguf
+    import gguf  # heavy (numpy-backed reader): only when a GGUF is opened
 
     try:
         reader = gguf.GGUFReader(str(path))
@@ -231,7 +223,15 @@ def read_metadata(path: Path) -> tuple[Any, dict[str, Any]]:
     return reader, meta
 
 
-def _arch_config(path: Path, meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+def model_config(path: Path) -> dict[str, Any]:
+    """The config a GGUF file describes (see arch_config), from its metadata: no tensor read."""
+    with _malformed(path):
+        reader, meta = read_metadata(path)
+        return arch_config(path, meta, {t.name for t in reader.tensors})
+
+
+def arch_config(path: Path, meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """A Hugging Face-style config.json for the metadata of a supported architecture."""
     arch = str(meta.get("general.architecture", ""))
     if arch not in ARCHITECTURES:
         raise ImportFailed(
@@ -326,11 +326,17 @@ def import_gguf(
     cancel: CancelFlag | None = None,
 ) -> GGUFImport:
     """Convert a GGUF file into `dest`. See the module docstring."""
-    try:
+    with _malformed(path):
         return _convert(path, dest, progress, cancel)
+
+
+@contextlib.contextmanager
+def _malformed(path: Path) -> Iterator[None]:
+    """Metadata of the wrong type or shapes that do not add up: ImportFailed, one line."""
+    try:
+        yield
     except (ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, OverflowError
             ) as exc:
-        # Metadata of the wrong type or shapes that do not add up: a malformed file.
         text = " ".join(str(exc).split())[:200]
         raise ImportFailed(f"{path}: malformed GGUF ({type(exc).__name__}: {text})") from exc
 
@@ -341,14 +347,12 @@ def _convert(
     progress: Progress | None,
     cancel: CancelFlag | None,
 ) -> GGUFImport:
-    import gguf
-    import mlx.core as mx
-
-    from engine.importers.vocab import write_tokenizer
+    import gguf  # heavy: the dequantizers, only while converting
+    import mlx.core as mx  # heavy: only while converting
 
     reader, meta = read_metadata(path)
     names = {t.name for t in reader.tensors}
-    config = _arch_config(path, meta, names)
+    config = arch_config(path, meta, names)
     if not reader.tensors:
         raise ImportFailed(f"{path}: no tensors")
     plan = []
@@ -414,7 +418,7 @@ def _convert(
             fmt = qtype.lower()
         if qtype in EXACT_TYPES or qtype in REQUANT_TYPES:
             quant[module] = {"group_size": GROUP, "bits": bits}
-        result.tensor_formats.setdefault(_tensor_class(hf), set()).add(fmt)
+        result.tensor_formats.setdefault(weight_class(hf), set()).add(fmt)
         result.params += n
         result.stored_bits += sum(a.nbytes for a in arrays.values()) * 8
         shard.update(arrays)

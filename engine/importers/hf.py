@@ -6,7 +6,9 @@ weights are converted with mlx-lm's model class and quantized with the default r
 embeddings and output head, 4-bit elsewhere, group 64). Tokenizer files are copied. The weight
 files are those the loaders read (`select_weight_files`): the shards named by
 model.safetensors.index.json, else model*.safetensors, so that stray checkpoints in the same
-folder (Mistral's consolidated.safetensors) are ignored.
+folder (Mistral's consolidated.safetensors) are ignored. `read_folder(src, kind)` is the
+checked read both the import and engine.importers.source (float weights for quantization) use:
+config, tokenizer and weight files checked, the weights loaded strictly into the model class.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import Cancelled, ImportFailed, LoadFailed
+from engine.library.manifest import weight_stats
+from engine.runtime.model import build_model, model_module, read_config
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -63,8 +67,6 @@ def check_config(config: dict[str, Any], where: str) -> str:
     model_type = config.get("model_type")
     if not model_type:
         raise ImportFailed(f"{where}: config.json names no model_type")
-    from engine.runtime.model import model_module
-
     try:
         model_module(str(model_type))
     except LoadFailed as exc:
@@ -79,7 +81,7 @@ def _one_line(text: object, limit: int = 240) -> str:
 
 def _mismatch(model: Any, weights: dict[str, Any]) -> str | None:
     """Why `weights` do not fit `model` exactly, in one line; None when they do."""
-    from mlx.utils import tree_flatten
+    from mlx.utils import tree_flatten  # heavy: MLX loads only when weights are read
 
     flat: Any = tree_flatten(model.parameters())
     expected = {k: tuple(v.shape) for k, v in flat}
@@ -107,7 +109,8 @@ def _mismatch(model: Any, weights: dict[str, Any]) -> str | None:
     return "; ".join(parts) or None
 
 
-def _check_tokenizer(src: Path) -> dict[str, Any]:
+def check_tokenizer(src: Path) -> dict[str, Any]:
+    """The manifest's tokenizer entry for a folder; ImportFailed when it has no tokenizer."""
     if (src / "tokenizer.json").is_file():
         return {"tokenizer": "tokenizers"}
     if (src / "tokenizer.model").is_file():
@@ -115,53 +118,20 @@ def _check_tokenizer(src: Path) -> dict[str, Any]:
     raise ImportFailed(f"{src}: no tokenizer (tokenizer.json or tokenizer.model)")
 
 
-def _stats(weights: dict[str, Any], config: dict[str, Any]
-           ) -> tuple[dict[str, list[str]], float, int]:
-    """Per-class formats, bits per weight and parameter count from saved arrays."""
-    from engine.importers.gguf import _tensor_class
+def read_folder(src: Path, kind: str) -> tuple[dict[str, Any], Any, dict[str, Any], list[Path]]:
+    """(config, model, weights, weight files) of an 'hf' or 'mlx' folder, every check made.
 
-    quant = config.get("quantization") or {}
-    default = {"bits": quant.get("bits", 4), "group_size": quant.get("group_size", 64)}
-    formats: dict[str, set[str]] = {}
-    params = 0
-    bits_total = 0
-    for key, arr in weights.items():
-        bits_total += arr.nbytes * 8
-        if key.endswith((".scales", ".biases")):
-            continue
-        module = key.rsplit(".", 1)[0]
-        q = quant.get(module)
-        if not isinstance(q, dict) and f"{module}.scales" in weights:
-            q = default  # quantized with the folder-wide settings (uniform MLX models)
-        if isinstance(q, dict) and key.endswith(".weight"):
-            params += arr.size * 32 // q["bits"]
-            fmt = f"affine {q['bits']}-bit g{q['group_size']}"
-        else:
-            params += arr.size
-            fmt = str(arr.dtype).split(".")[-1]
-        formats.setdefault(_tensor_class(key), set()).add(fmt)
-    return {k: sorted(v) for k, v in sorted(formats.items())}, bits_total / max(params, 1), params
-
-
-def import_folder(
-    src: Path,
-    dest: Path,
-    kind: str,
-    progress: Callable[[int, int], None] | None = None,
-    cancel: Callable[[], bool] | None = None,
-) -> dict[str, Any]:
-    import mlx.core as mx
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten
-
-    from engine.runtime.model import build_model, read_config
+    The weights are loaded strictly into mlx-lm's model class (quantized layers where an MLX
+    config says so); for 'hf' `weights` are the sanitized names the model holds.
+    """
+    import mlx.core as mx  # heavy: MLX loads only when weights are read
 
     try:
         config = read_config(src)
     except LoadFailed as exc:
         raise ImportFailed(str(exc)) from exc
     check_config(config, str(src))
-    tokenizer = _check_tokenizer(src)
+    check_tokenizer(src)
     index = src / INDEX_FILE
     chosen = select_weight_files([f.name for f in src.glob("*.safetensors")],
                                  index.read_text() if index.is_file() else None)
@@ -200,6 +170,23 @@ def import_folder(
         model.load_weights(list(checked.items()), strict=True)
     except ValueError as exc:
         raise ImportFailed(f"{src}: weights do not match config.json ({_one_line(exc)})") from exc
+    return config, model, weights, files
+
+
+def import_folder(
+    src: Path,
+    dest: Path,
+    kind: str,
+    progress: Callable[[int, int], None] | None = None,
+    cancel: Callable[[], bool] | None = None,
+) -> dict[str, Any]:
+    """Import folder `src` of `kind` into `dest`; the facts for the manifest (see the module)."""
+    import mlx.core as mx  # heavy: MLX loads only when weights are read
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    config, model, weights, files = read_folder(src, kind)
+    tokenizer = check_tokenizer(src)  # checked by read_folder, in its order: here the entry
     if cancel is not None and cancel():
         raise Cancelled("import")
     total = len(files) + 2
@@ -239,6 +226,6 @@ def import_folder(
             shutil.copy2(src / name, dest / name)
     if progress is not None:
         progress(total, total)
-    formats, bpw, params = _stats(saved, config)
+    formats, bpw, params = weight_stats(saved, config)
     return {"config": config, "formats": formats, "bits_per_weight": bpw, "params": params,
             "tokenizer": tokenizer}

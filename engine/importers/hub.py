@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import Cancelled, FetchFailed, ImportFailed, StrataError
+from engine.importers import import_path
+from engine.importers.hf import INDEX_FILE, check_config, select_weight_files
 from engine.library.store import Library, Manifest, check_name, clean_name
 
 Progress = Callable[[int, int], None]
@@ -150,6 +152,7 @@ def _root(exc: BaseException) -> BaseException:
 
 def _reason(exc: BaseException) -> str:
     """One line for a huggingface_hub (or HTTP client) error."""
+    # heavy (HTTP client stack): huggingface_hub loads only when a pull fails or runs
     from huggingface_hub import constants
     from huggingface_hub import errors as hf_errors
     from huggingface_hub import utils as hf
@@ -190,7 +193,7 @@ def _no_match_warning(record: logging.LogRecord) -> bool:
 
 
 def _snapshot(repo_id: str, reporter: _Reporter, tracking: bool, **kwargs: Any) -> Path:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # heavy: loads only when a pull runs
 
     reporter.check()
     reporter.start(tracking)
@@ -213,7 +216,7 @@ def _snapshot(repo_id: str, reporter: _Reporter, tracking: bool, **kwargs: Any) 
 def _tree(repo_id: str, commit: str) -> dict[str, int] | None:
     """{path: size} of the repository at `commit` from the cached listing; None if unknown."""
     try:
-        from huggingface_hub import get_cached_repo_tree
+        from huggingface_hub import get_cached_repo_tree  # heavy: only when a pull runs
         from huggingface_hub.errors import CachedRepoTreeNotFoundError
     except ImportError:  # huggingface_hub before 1.x keeps no listing
         return None
@@ -249,9 +252,6 @@ def pull_hub(
     cancel: CancelFlag | None = None,
 ) -> Manifest:
     """Download a Hub model repository and import it; see the module docstring."""
-    from engine.importers import import_path
-    from engine.importers.hf import INDEX_FILE, check_config, select_weight_files
-
     _, repo_name = parse_repo_id(repo_id)
     repo_id = repo_id.strip()
     name = check_name(name or clean_name(repo_name))

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from engine.errors import FetchFailed
+from engine.importers import import_path
 from engine.library.store import Library, Manifest
 from engine.platform import default_cache
 
@@ -129,8 +130,6 @@ def ensure_starter(
     existing = library.find(ALIAS)
     if existing is not None:
         return existing
-    from engine.importers import import_path
-
     gguf = starter_gguf(progress=progress)
     if progress:
         progress("importing the starter model")

@@ -35,6 +35,7 @@ def _special_tokens(tokens: Sequence[str], types: Sequence[int]) -> list[str]:
 
 
 def _bpe_tokenizer(meta: dict[str, Any]) -> Any:
+    # heavy (Rust extension): only for a GGUF with a BPE vocabulary
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
@@ -77,6 +78,7 @@ def _bpe_tokenizer(meta: dict[str, Any]) -> Any:
 
 
 def _spm_model_proto(meta: dict[str, Any]) -> bytes:
+    # heavy (protobuf): only for a GGUF with a SentencePiece vocabulary
     from sentencepiece import sentencepiece_model_pb2
 
     pb: Any = sentencepiece_model_pb2  # generated protobuf module: no static attributes

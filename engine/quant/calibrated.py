@@ -1,13 +1,14 @@
 """Calibrated quantization through mlx-lm's own quant module (GPTQ, AWQ, DWQ), in a child process.
 
-Contract: `check_method(method, plan, ...)` says, before any weight is read, whether a method
-can apply a recipe's plan (RecipeError with one line otherwise). `run_child(library, job, ...)`
-runs one quantize job (engine.quant.quantize.quantize with in_child=True) in a separate Python
-process, relays its progress(done, total), stops it when the cancel flag is set (or on Ctrl-C)
-and returns the installed manifest; the child installs through Library.install, so a stopped
-job leaves the library as it was. `apply_method(...)` runs in that child: it feeds mlx-lm's
-`gptq_quantize`, `awq_quantize` or `dwq_quantize` with calibration tokens from a local text
-(their own loaders download text) and leaves the model quantized as the plan says.
+Contract: `python -m engine.quant.calibrated JOB_JSON` is the child that
+engine.quant.methods.run_child starts: it imports the real mlx-lm first, reopens the job's source
+(engine.quant.methods.decode_source), runs engine.quant.quantize.quantize with `calibrate` below,
+and writes one JSON line per message on stdout (progress, then the manifest or an error).
+`calibrate(...)` feeds mlx-lm's `gptq_quantize`, `awq_quantize` or `dwq_quantize` with
+calibration tokens from a local text (their own loaders download text) and leaves the model
+quantized as the plan says. Which method can apply which plan is engine.quant.methods's
+`check_method`, checked in the parent before the child starts. Only the child imports this
+module.
 
 Why a child process: mlx-lm's quant modules import the real `mlx_lm` package (and with it
 transformers), where the engine registers a bare `mlx_lm` package to keep transformers off the
@@ -28,110 +29,29 @@ What mlx-lm's methods allow, and what Strata adds around them:
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
-import queue
 import signal
-import subprocess
 import sys
-import tempfile
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from engine.errors import Cancelled, StrataError
-from engine.platform import stop_child
+from engine.library.store import Library
+from engine.quant.methods import decode_source
+from engine.quant.quantize import apply_plan, quantize
 from engine.quant.recipes import Format, RecipeError
+from engine.quant.rounding import pack as pack_codes
+from engine.quant.sensitivity import calibration_tokens
 
 Progress = Callable[[int, int], None]
 CancelFlag = Callable[[], bool]
-METHODS = ("rtn", "imatrix", "gptq", "awq", "dwq")
-CALIBRATED = ("gptq", "awq", "dwq")  # mlx-lm's, run in a child process
-# Methods that read calibration text; imatrix (Strata's weighted rounding) runs in-process.
-NEEDS_CALIBRATION = ("imatrix", *CALIBRATED)
 SEQUENCE_LENGTH = 512  # calibration sequence length (mlx-lm's default for gptq and awq)
 DWQ_LEARNING_RATE = 1e-5
 DWQ_BATCH = 2
 DWQ_SEQUENCE_LENGTH = 256
-
-
-def check_method(method: str, plan: dict[str, Format] | None, recipe_name: str,
-                 model_type: str | None) -> None:
-    """RecipeError (one line) when `method` is unknown or cannot apply `plan`.
-
-    `plan` is None for recipe 'auto' (its allocation is not known before measuring).
-    """
-    if method not in METHODS:
-        raise RecipeError(f"unknown method {method!r} (use {', '.join(METHODS)})")
-    if method != "awq":
-        return
-    if plan is None:
-        raise RecipeError("method 'awq' cannot follow recipe 'auto': mlx-lm's AWQ gives every "
-                          "transformer block one format, and auto mixes formats")
-    block = {f for p, f in plan.items() if ".layers." in f".{p}."}
-    if len(block) > 1:
-        labels = ", ".join(sorted(f.label() for f in block))
-        raise RecipeError(f"method 'awq' cannot apply recipe {recipe_name!r}: mlx-lm's AWQ "
-                          f"gives every transformer block one format, the recipe uses "
-                          f"{labels} (use gptq or dwq for mixed recipes)")
-    if any(not f.quantized for f in block):
-        raise RecipeError(f"method 'awq' cannot apply recipe {recipe_name!r}: its blocks stay "
-                          "float16, there is nothing to calibrate")
-
-
-# -- the parent side ------------------------------------------------------------------------
-def run_child(home: Path, job: dict[str, Any], progress: Progress | None = None,
-              cancel: CancelFlag | None = None) -> dict[str, Any]:
-    """Run a quantize job in a child process; the installed manifest. See the module docs."""
-    from engine.library.store import Library
-
-    cmd = [sys.executable, "-m", "engine.quant.calibrated", json.dumps(job)]
-    env = dict(os.environ, STRATA_HOME=str(home))
-    lines: queue.Queue[str | None] = queue.Queue()
-    with tempfile.TemporaryFile(mode="w+") as err, subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
-            cwd=Path(__file__).resolve().parents[2]) as proc:
-
-        def read() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                lines.put(line)
-            lines.put(None)
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        result: dict[str, Any] = {}
-        try:
-            while True:
-                if cancel is not None and cancel():
-                    raise Cancelled("quantize")
-                try:
-                    line = lines.get(timeout=0.2)
-                except queue.Empty:
-                    continue
-                if line is None:
-                    break
-                msg = json.loads(line) if line.startswith("{") else {}
-                if "progress" in msg and progress is not None:
-                    progress(*msg["progress"])
-                result.update({k: v for k, v in msg.items() if k != "progress"})
-            proc.wait()
-        except BaseException:  # cancelled or Ctrl-C: stop the child, which cleans up
-            # SIGINT: the child raises KeyboardInterrupt and removes its temporary folder.
-            stop_child(proc, signal.SIGINT, 30)
-            Library(home)  # sweeps a temporary folder the child could not remove
-            raise
-        if "error" in result:
-            raise StrataError(str(result["error"]))
-        if "manifest" not in result:
-            Library(home)  # a child that died (killed, out of memory) left its folder
-            err.seek(0)
-            tail = [x for x in err.read().splitlines() if x.strip()]
-            why = tail[-1] if tail else f"exit status {proc.returncode}"
-            raise StrataError(f"calibrated quantization failed: {why}")
-        manifest: dict[str, Any] = result["manifest"]
-        return manifest
 
 
 # -- the child side -------------------------------------------------------------------------
@@ -195,9 +115,7 @@ def _patched(module: Any, **attrs: Any) -> Iterator[None]:
 
 def calibration_batches(tokenizer: Any, text: Path, n_tokens: int, method: str) -> Any:
     """(samples, length) token ids from a local text, in place of mlx-lm's downloaders."""
-    import mlx.core as mx
-
-    from engine.quant.sensitivity import calibration_tokens
+    import mlx.core as mx  # heavy: MLX loads only when calibrating
 
     ids = calibration_tokens(tokenizer, text, n_tokens)
     # DWQ trains on batches and keeps one for validation: shorter sequences, more of them.
@@ -222,10 +140,21 @@ def apply_method(method: str, model: Any, config: dict[str, Any], plan: dict[str
         raise RecipeError(f"unknown method {method!r}")
 
 
+def calibrate(method: str, model: Any, config: dict[str, Any], plan: dict[str, Format],
+              tokenizer: Any, text: Path, n_tokens: int, progress: Progress | None = None,
+              cancel: CancelFlag | None = None) -> int:
+    """Quantize `model` in place by `method` on `n_tokens` tokens of `text`; the tokens used.
+
+    engine.quant.quantize.Calibrate: what this child passes to `quantize`."""
+    data = calibration_batches(tokenizer, text, n_tokens, method)
+    apply_method(method, model, config, plan, data, progress, cancel)
+    return int(data.size)
+
+
 def _hold(module: Any) -> Any:
     """A float stand-in for `module` that mlx-lm's quantizers skip: neither nn.Linear nor
     quantizable (no to_quantized), computing exactly what the module computes."""
-    import mlx.nn as nn
+    import mlx.nn as nn  # heavy: MLX loads only when calibrating
 
     class Held(nn.Module):
         def __init__(self) -> None:
@@ -243,16 +172,14 @@ def _hold(module: Any) -> Any:
 
 
 def _swap(model: Any, modules: dict[str, Any]) -> None:
-    from mlx.utils import tree_unflatten
+    from mlx.utils import tree_unflatten  # heavy: MLX loads only when calibrating
 
     model.update_modules(tree_unflatten(list(modules.items())))
 
 
 def _gptq(model: Any, plan: dict[str, Format], data: Any, steps: _Steps) -> None:
-    import mlx.nn as nn
+    import mlx.nn as nn  # heavy: MLX and mlx-lm's quant modules load only when calibrating
     from mlx_lm.quant import gptq
-
-    from engine.quant.quantize import apply_plan
 
     modules = dict(model.named_modules())
     originals = {p: modules[p] for p in plan}
@@ -285,23 +212,19 @@ def _gptq(model: Any, plan: dict[str, Format], data: Any, steps: _Steps) -> None
 
 def _pack(w: Any, bits: int, scales: Any, biases: Any) -> Any:
     """gptq's `quantize(w, bits, scales, biases)` for widths its packer lacks (3, 5, 6)."""
-    import mlx.core as mx
+    import mlx.core as mx  # heavy: MLX loads only when calibrating
     import numpy as np
-
-    from engine.quant.rounding import pack
 
     wg = mx.unflatten(w, -1, (scales.shape[-1], -1))
     q = mx.clip(mx.round((wg - biases[..., None]) / scales[..., None]), 0, 2 ** bits - 1)
     q = q.astype(mx.uint8).reshape(w.shape)
     mx.eval(q)
-    return mx.array(pack(np.array(q), bits))
+    return mx.array(pack_codes(np.array(q), bits))
 
 
 def _awq(model: Any, config: dict[str, Any], plan: dict[str, Format], data: Any,
          steps: _Steps) -> None:
-    from mlx_lm.quant import awq
-
-    from engine.quant.quantize import apply_plan
+    from mlx_lm.quant import awq  # heavy: mlx-lm's quant modules load only when calibrating
 
     model_type = str(config.get("model_type"))
     cfg = awq.AWQ_MODEL_CONFIGS.get(model_type)
@@ -323,14 +246,10 @@ def _awq(model: Any, config: dict[str, Any], plan: dict[str, Format], data: Any,
 
 
 def _dwq(model: Any, plan: dict[str, Format], data: Any, steps: _Steps) -> None:
-    import copy
-
-    import mlx.core as mx
+    import mlx.core as mx  # heavy: MLX and mlx-lm's quant modules load only when calibrating
     import mlx.optimizers as optimizers
     from mlx.utils import tree_map
     from mlx_lm.quant import dwq
-
-    from engine.quant.quantize import apply_plan
 
     teacher = copy.deepcopy(model)
     teacher.eval()
@@ -357,7 +276,7 @@ def _dwq(model: Any, plan: dict[str, Format], data: Any, steps: _Steps) -> None:
     steps.advance()
 
 
-def _child_main(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     """`python -m engine.quant.calibrated JOB_JSON`: one JSON line per message on stdout."""
     import mlx_lm  # noqa: F401  (the real package, before the engine could register a bare one)
 
@@ -373,16 +292,13 @@ def _child_main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     parent = os.getppid()
     job = json.loads(argv[0])
-    from engine.library.store import Library
-    from engine.quant.quantize import quantize
-
     try:
         manifest = quantize(
-            Library(Path(job["home"])), job["source"], job["recipe"], job["name"],
-            target_bpw=job.get("target_bpw"),
+            Library(Path(job["home"])), decode_source(job["source"]), job["recipe"],
+            job["name"], target_bpw=job.get("target_bpw"),
             calibration=Path(job["calibration"]) if job.get("calibration") else None,
             calibration_tokens=job["calibration_tokens"], method=job["method"],
-            replace=job.get("replace", False), in_child=True,
+            replace=job.get("replace", False), calibrate=calibrate,
             progress=lambda done, total: send(progress=[done, total]),
             cancel=lambda: os.getppid() != parent)
     except StrataError as exc:
@@ -395,4 +311,4 @@ def _child_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_child_main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

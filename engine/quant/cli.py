@@ -1,40 +1,58 @@
-"""The `strata quantize` and `strata eval` subcommands (registered by engine.cli).
+"""The `strata quantize`, `strata recipes` and `strata eval` subcommands, and the recipe options
+`strata import` shares.
 
-Contract: `add_commands(sub)` adds both parsers. Each command prints its result on stdout
-(JSON with --json) and progress on stderr; errors are StrataError lines, printed by engine.cli.
+Contract: `add_commands(sub, open_source=..., progress=...)` adds the three parsers; the
+command that registers them (the composition root) injects how to open a source (a library
+model's name, a folder or a .gguf file: engine.importers.open_source, which this package may
+not import) and its progress printer (label -> progress(done, total)). Each command prints its
+result on stdout (JSON with --json) and progress on stderr; errors are StrataError lines,
+printed by the command. `requantize_from_args(args)` is the Requantize that `strata import`'s
+recipe options ask for (None without --recipe). `strata eval` reads library models through
+engine.runtime (LoadedModel): a library model is an MLX folder, no importer is involved.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from engine.errors import ImportFailed
+from engine.library.store import Library
+from engine.quant.evaluate import evaluate
+from engine.quant.quantize import Requantize, quantize
+from engine.quant.recipes import builtin_names, resolve_recipe
+from engine.quant.source import QuantSource
+
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+Progress = Callable[[int, int], None]
+OpenSource = Callable[[str, Library], QuantSource]  # (name or path, library) -> source
+ProgressPrinter = Callable[[str], Progress]  # label -> progress(done, total)
 
 
-def _progress(label: str) -> Any:
-    from engine.cli import _progress_printer
-
-    return _progress_printer(label)
-
-
-def _library() -> Any:
-    from engine.library import Library
-
-    return Library()
-
-
-def cmd_quantize(args: argparse.Namespace) -> int:
-    from engine.quant.quantize import quantize
-
-    m = quantize(_library(), args.source, args.recipe, args.name, target_bpw=args.bpw,
-                 calibration=calibration_from_args(args),
+def cmd_quantize(args: argparse.Namespace, open_source: OpenSource,
+                 progress: ProgressPrinter) -> int:
+    lib = Library()
+    m = quantize(lib, open_source(args.source, lib), args.recipe, args.name,
+                 target_bpw=args.bpw, calibration=calibration_from_args(args),
                  calibration_tokens=args.calibration_tokens, method=args.method,
-                 progress=_progress("quantizing"), replace=args.replace)
+                 progress=progress("quantizing"), replace=args.replace)
     print_quantized(m, args.json)
     return 0
+
+
+def requantize_from_args(args: argparse.Namespace) -> Requantize | None:
+    """The Requantize that `--recipe` and the options beside it ask for; None without --recipe
+    (the weights are kept as stored), where --method and --bpw are an error."""
+    if args.recipe is None:
+        if args.method != "rtn" or args.bpw is not None:
+            raise ImportFailed("--method and --bpw need --recipe (the weights are kept as stored)")
+        return None
+    return Requantize(args.recipe, method=args.method, target_bpw=args.bpw,
+                      calibration=calibration_from_args(args),
+                      calibration_tokens=args.calibration_tokens)
 
 
 def calibration_from_args(args: argparse.Namespace) -> Path | None:
@@ -78,8 +96,6 @@ def add_recipe_arguments(p: argparse.ArgumentParser, required: bool) -> None:
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:
-    from engine.quant.recipes import builtin_names, resolve_recipe
-
     for name in builtin_names():
         r = resolve_recipe(name)
         print(f"{name:20} {r.description}")
@@ -87,15 +103,13 @@ def cmd_recipes(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    from engine.quant.evaluate import evaluate
-
-    lib = _library()
+def cmd_eval(args: argparse.Namespace, progress: ProgressPrinter) -> int:
+    lib = Library()
     cache: dict[Any, Any] = {}
     results = []
     for model in args.model:
         r = evaluate(lib, model, args.reference, Path(args.text), tokens=args.tokens,
-                     window=args.window, progress=_progress(f"evaluating {model}"),
+                     window=args.window, progress=progress(f"evaluating {model}"),
                      cache=cache)
         results.append(r.to_dict())
         if not args.json:
@@ -110,14 +124,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_commands(sub: Any) -> None:
+def add_commands(sub: Any, open_source: OpenSource, progress: ProgressPrinter) -> None:
+    """Add quantize, recipes and eval to argparse subparsers `sub`; see the module docstring."""
     p = sub.add_parser("quantize", help="quantize a model by recipe into a new library model")
     p.add_argument("source", help="library model, MLX or Hugging Face folder, or .gguf file")
     add_recipe_arguments(p, required=True)
     p.add_argument("--name", required=True, help="library name of the new model")
     p.add_argument("--replace", action="store_true", help="replace a model of the same name")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_quantize)
+    p.set_defaults(func=lambda args: cmd_quantize(args, open_source, progress))
 
     p = sub.add_parser("recipes", help="list the built-in quantization recipes")
     p.set_defaults(func=cmd_recipes)
@@ -131,4 +146,4 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--window", type=int, default=1024,
                    help="tokens per window; each window starts fresh (default 1024)")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_eval)
+    p.set_defaults(func=lambda args: cmd_eval(args, progress))

@@ -19,6 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import Cancelled, StrataError
+from engine.library.store import Library
+from engine.platform import parameter_bytes
+from engine.runtime.generate import LoadedModel, generate
+from engine.runtime.sampling import SamplingParams
 
 Progress = Callable[[int, int], None]
 CancelFlag = Callable[[], bool]
@@ -70,16 +74,13 @@ def _windows(ids: list[int], window: int, bos: int | None) -> list[list[int]]:
 
 
 def _logprobs(model: Any, ids: list[int]) -> Any:
-    import mlx.core as mx
+    import mlx.core as mx  # heavy: MLX loads only when a model runs
 
     logits = model(mx.array(ids[:-1])[None])[0].astype(mx.float32)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def _generation_tps(lm: Any, n: int = 32) -> float:
-    from engine.runtime.generate import generate
-    from engine.runtime.sampling import SamplingParams
-
+def _generation_tps(lm: LoadedModel, n: int = 32) -> float:
     prompt = lm.tokenizer.encode("The history of the city begins", add_bos=None)
     last = None
     for ev in generate(lm, prompt, SamplingParams(temperature=0.0), max_tokens=n):
@@ -100,7 +101,7 @@ class ReferencePass:
 
 def reference_pass(ref: Any, name: str, text: Path, tokens: int, window: int,
                    cancel: CancelFlag | None = None) -> ReferencePass:
-    import mlx.core as mx
+    import mlx.core as mx  # heavy: MLX loads only when a model runs
 
     ids = eval_tokens(ref.tokenizer, text, tokens)
     windows = _windows(ids, window, ref.tokenizer.bos_id)
@@ -118,7 +119,7 @@ def reference_pass(ref: Any, name: str, text: Path, tokens: int, window: int,
 
 
 def evaluate(
-    library: Any,
+    library: Library,
     model: str,
     reference: str,
     text: Path,
@@ -134,10 +135,7 @@ def evaluate(
     `cache` keeps reference passes between calls, so a table of models costs one reference
     pass (about 0.8 GB of float32 log-probabilities for 4,096 tokens).
     """
-    import mlx.core as mx
-
-    from engine.platform import parameter_bytes
-    from engine.runtime.generate import LoadedModel
+    import mlx.core as mx  # heavy: MLX loads only when a model runs
 
     if tokens < 16 or window < 16:
         raise StrataError("evaluate at least 16 tokens, in windows of at least 16")

@@ -28,7 +28,7 @@ Importance = dict[str, np.ndarray]
 
 def _recorder(inner: Any, sums: dict[str, Any], path: str) -> Any:
     """A module that behaves as `inner` and adds up the squared inputs of its matrix product."""
-    import mlx.core as mx
+    import mlx.core as mx  # heavy: MLX loads only when weights are touched
     import mlx.nn as nn
 
     def record(x: Any) -> None:
@@ -52,7 +52,7 @@ def activation_importance(model: Any, tokens: list[int], chunk: int = 512,
                           progress: Progress | None = None, cancel: CancelFlag | None = None
                           ) -> Importance:
     """Path -> mean squared input per column over `tokens`. See the module docstring."""
-    import mlx.core as mx
+    import mlx.core as mx  # heavy: MLX loads only when weights are touched
 
     modules = dict(model.named_modules())
     sums: dict[str, Any] = {}

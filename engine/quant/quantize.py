@@ -1,167 +1,93 @@
 """Quantize a model by recipe into a new library model.
 
-Contract: `quantize(library, source, recipe, name, ...)` reads SOURCE (a library model, an MLX
-or Hugging Face folder, or a GGUF file), expands its weights to float32 (dequantizing quantized
-ones), quantizes every tensor as the recipe plans it (round to nearest in MLX's affine format,
-float16 scales and biases, grid chosen per group by engine.quant.rounding) and installs the
-result atomically with Library.install. The recipe, the name and the source are checked before
-any weight is read; on any error nothing is written. `recipe="auto"` with `target_bpw`
-measures sensitivities on calibration text first (engine.quant.sensitivity). The saved folder
-holds recipe.toml, the recipe that made it. Progress is reported per chunk and per tensor; the
-cancel flag is checked between them. `method="imatrix"` measures activation importance on
-calibration text (engine.quant.importance) and rounds every covered tensor by the
-importance-weighted grid search (engine.quant.rounding), in this process; with "auto" the
-sensitivities are measured with that rounding too. gptq, awq and dwq calibrate the rounding with
-mlx-lm's quant module on calibration text, in a child process (engine.quant.calibrated); the
-method and recipe are checked together before any work starts.
+Contract: `quantize(library, source, recipe, name, ...)` takes a source the caller opened (a
+QuantSource, engine.quant.source: engine.importers.open_source makes them from a library model,
+an MLX or Hugging Face folder, or a GGUF file), reads its weights expanded to float32
+(dequantizing quantized ones), quantizes every tensor as the recipe plans it (round to nearest
+in MLX's affine format, float16 scales and biases, grid chosen per group by
+engine.quant.rounding) and installs the result atomically with Library.install. The recipe and
+the name are checked before any weight is read (the source's config was read when it was
+opened); on any error or cancel nothing is written. `recipe="auto"` with `target_bpw` measures
+sensitivities on calibration text first (engine.quant.sensitivity). The saved folder holds
+recipe.toml, the recipe that made it. Progress is reported per chunk and per tensor; the cancel
+flag is checked between them. `method="imatrix"` measures activation importance on calibration
+text (engine.quant.importance) and rounds every covered tensor by the importance-weighted grid
+search (engine.quant.rounding), in this process; with "auto" the sensitivities are measured
+with that rounding too. gptq, awq and dwq calibrate the rounding with mlx-lm's quant module on
+calibration text, in a child process (engine.quant.methods.run_child runs
+engine.quant.calibrated, which calls `quantize` again with its `calibrate`); the method and
+recipe are checked together before any work starts.
+
+`Requantize(recipe, method, ...)` is that job as a value: `import_path(library, path,
+requantize=Requantize("q4-g64"))` (engine.importers) is an import with a recipe, composed by the
+caller. `expected_sizes(source, recipes)` and `import_options(source)` say what each recipe
+would give, from the source's config alone, for the import dialog.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from engine.errors import Cancelled, ImportFailed, StrataError
+from engine.errors import Cancelled, ImportFailed
+from engine.library.manifest import manifest_fields, weight_stats
 from engine.library.store import Library, Manifest, check_name
+from engine.quant.importance import Importance, activation_importance
+from engine.quant.methods import (
+    CALIBRATED,
+    NEEDS_CALIBRATION,
+    check_method,
+    encode_source,
+    run_child,
+)
 from engine.quant.recipes import (
     Format,
     Recipe,
     RecipeError,
+    builtin_names,
     plan_model,
     plan_to_recipe,
     quantizable,
     resolve_recipe,
     tensor_class,
 )
-
-if TYPE_CHECKING:
-    from engine.quant.importance import Importance
+from engine.quant.rounding import affine_quantize
+from engine.quant.sensitivity import allocate, check_target, measure
+from engine.quant.sensitivity import calibration_tokens as text_tokens
+from engine.quant.source import FloatWeights, QuantSource
+from engine.runtime.model import build_model
+from engine.runtime.tokenizer import Tokenizer
 
 Progress = Callable[[int, int], None]
 CancelFlag = Callable[[], bool]
-_SKIP_FILES = {"manifest.json", "config.json", "recipe.toml"}
 
 
-@dataclass
-class FloatSource:
-    """A source model expanded to float32, with where to copy its tokenizer files from."""
+class Calibrate(Protocol):
+    """The calibrated rounding (gptq, awq, dwq), given by the child process that runs it
+    (engine.quant.calibrated.calibrate): quantizes `model` in place as `plan` says, on
+    `n_tokens` tokens of `text`; returns the number of tokens it used."""
 
-    model: Any
-    config: dict[str, Any]
-    folder: Path
-    label: str
-    tmp: Path | None = None
-
-    def close(self) -> None:
-        if self.tmp is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            self.tmp = None
-
-    def tokenizer_files(self) -> list[Path]:
-        return [f for f in sorted(self.folder.iterdir()) if f.is_file()
-                and f.name not in _SKIP_FILES and not f.name.endswith(".safetensors")
-                and not f.name.startswith(".")]
-
-
-def source_kind(library: Library, source: str) -> tuple[str, Path]:
-    """('library' | 'mlx' | 'hf' | 'gguf', path); StrataError when SOURCE is none of them."""
-    m = library.find(source)
-    if m is not None:
-        return "library", Path(m["path"])
-    path = Path(source).expanduser()
-    if not path.exists():
-        known = ", ".join(x["name"] for x in library.manifests()) or "none"
-        raise StrataError(f"{source!r} is neither a library model (have: {known}) "
-                          "nor a file or folder")
-    from engine.importers import detect
-
-    kind = detect(path)
-    if kind == "gguf" and path.is_dir():
-        path = sorted(path.glob("*.gguf"))[0]
-    return kind, path
-
-
-def source_config(kind: str, path: Path) -> dict[str, Any]:
-    """The model config of a source without reading its weights (GGUF: from its metadata)."""
-    from engine.runtime.model import read_config
-
-    if kind == "gguf":
-        from engine.importers.gguf import _arch_config, read_metadata
-
-        reader, meta = read_metadata(path)
-        return _arch_config(path, meta, {t.name for t in reader.tensors})
-    config = read_config(path)
-    if kind == "hf":
-        from engine.importers.hf import check_config
-
-        check_config(config, str(path))
-    return config
+    def __call__(self, method: str, model: Any, config: dict[str, Any],
+                 plan: dict[str, Format], tokenizer: Any, text: Path, n_tokens: int,
+                 progress: Progress | None, cancel: CancelFlag | None) -> int: ...
 
 
 def _float_model(config: dict[str, Any]) -> Any:
     """An unquantized model skeleton for a config (no weights are materialised)."""
-    from engine.runtime.model import build_model
-
     bare = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     return build_model(bare)
 
 
-def load_float(kind: str, path: Path, progress: Progress | None = None,
-               cancel: CancelFlag | None = None) -> FloatSource:
-    """Read a source and expand every weight to float32."""
-    import mlx.core as mx
-
-    from engine.platform import ComputeProfile
-    from engine.runtime.model import load_weights_into_model
-
-    expand = ComputeProfile("expand-f32", dequantize=True, dtype="float32")
-    if kind == "gguf":
-        from engine.importers.gguf import import_gguf
-
-        tmp = Path(tempfile.mkdtemp(prefix="strata-quant-"))
-        try:
-            result = import_gguf(path, tmp, progress, cancel)
-            (tmp / "config.json").write_text(json.dumps(result.config, indent=2))
-            model, config = load_weights_into_model(tmp, expand)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return FloatSource(model, config, tmp, f"{path} (GGUF, dequantized)", tmp)
-    if kind in ("library", "mlx"):
-        model, config = load_weights_into_model(path, expand)
-        return FloatSource(model, config, path, str(path))
-    # A Hugging Face folder: the importer's loader, kept in float32 without quantizing.
-    from engine.importers.hf import INDEX_FILE, _check_tokenizer, select_weight_files
-    from engine.runtime.model import build_model, read_config
-
-    _check_tokenizer(path)
-    config = read_config(path)
-    weights: dict[str, Any] = {}
-
-    index = path / INDEX_FILE
-    for n in select_weight_files([f.name for f in path.glob("*.safetensors")],
-                                 index.read_text() if index.is_file() else None):
-        try:
-            loaded: Any = mx.load(str(path / n))
-        except (RuntimeError, ValueError) as exc:
-            raise ImportFailed(f"{path / n}: unreadable safetensors") from exc
-        weights.update(loaded)
-    model = build_model(config)
-    weights = model.sanitize(weights) if hasattr(model, "sanitize") else weights
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as exc:
-        raise ImportFailed(f"{path}: weights do not match config.json ({exc})") from exc
-    from mlx.utils import tree_map
-
-    model.update(tree_map(lambda a: a.astype(mx.float32)
-                          if mx.issubdtype(a.dtype, mx.floating) else a, model.parameters()))
-    return FloatSource(model, config, path, str(path))
+def float_model(weights: FloatWeights) -> Any:
+    """The float32 mlx-lm model of a source's float weights (the arrays are shared, not copied)."""
+    model = _float_model(weights.config)
+    model.load_weights(list(weights.arrays.items()), strict=True)
+    model.eval()
+    return model
 
 
 # -- quantizing -----------------------------------------------------------------------------
@@ -172,7 +98,7 @@ def apply_plan(model: Any, plan: dict[str, Format], progress: Progress | None = 
 
     With `importance` (engine.quant.importance), tensors it covers are rounded by the
     importance-weighted grid search of engine.quant.rounding."""
-    import mlx.core as mx
+    import mlx.core as mx  # heavy: MLX loads only when weights are quantized
     import mlx.nn as nn
     from mlx.utils import tree_map
 
@@ -181,8 +107,6 @@ def apply_plan(model: Any, plan: dict[str, Format], progress: Progress | None = 
         if f is None or not f.quantized:
             return False
         return {"bits": f.bits, "group_size": f.group_size}
-
-    from engine.quant.rounding import affine_quantize
 
     modules = dict(model.named_modules())
     originals = {p: modules[p].weight for p, f in plan.items() if f.quantized}
@@ -230,22 +154,18 @@ def class_summary(plan: dict[str, Format]) -> dict[str, dict[str, int]]:
 
 @dataclass
 class Prepared:
-    """A checked quantize job: recipe resolved, name free, source readable, plan valid."""
+    """A checked quantize job: recipe resolved, name free, plan valid for the source."""
 
-    kind: str
-    path: Path
     recipe: Recipe | None  # None for "auto" (planned after measuring)
     config: dict[str, Any]
     name: str
     plan: dict[str, Format] | None = None  # None for "auto"
 
 
-def prepare(library: Library, source: str, recipe_spec: str, name: str,
+def prepare(library: Library, source: QuantSource, recipe_spec: str, name: str,
             target_bpw: float | None = None, replace: bool = False,
             calibration: Path | None = None, method: str = "rtn") -> Prepared:
     """Every check that needs no weights; raises StrataError with one line, writes nothing."""
-    from engine.quant.calibrated import NEEDS_CALIBRATION, check_method
-
     check_method(method, {}, recipe_spec, None)  # an unknown method fails first
     if method in NEEDS_CALIBRATION:
         if calibration is None:
@@ -256,8 +176,6 @@ def prepare(library: Library, source: str, recipe_spec: str, name: str,
     if recipe_spec == "auto":
         if target_bpw is None:
             raise RecipeError("recipe 'auto' needs a target: --bpw BITS (e.g. 3.6)")
-        from engine.quant.sensitivity import check_target
-
         check_target(target_bpw)
         if calibration is None:
             raise RecipeError("recipe 'auto' needs calibration text (--calibration FILE)")
@@ -270,36 +188,30 @@ def prepare(library: Library, source: str, recipe_spec: str, name: str,
     check_name(name)
     if library.find(name) is not None and not replace:
         raise ImportFailed(f"a model named {name!r} is already in the library")
-    kind, path = source_kind(library, source)
-    config = source_config(kind, path)
+    config = source.config
     plan = None
     if recipe is not None:
         plan = plan_model(recipe, _float_model(config), config)  # raises if a rule matches none
     check_method(method, plan, recipe_spec if recipe is None else recipe.name,
                  config.get("model_type"))
-    return Prepared(kind, path, recipe, config, name, plan)
+    return Prepared(recipe, config, name, plan)
 
 
-def expected_sizes(library: Library, source: str, recipe_specs: list[str]
+def expected_sizes(source: QuantSource, recipe_specs: list[str]
                    ) -> dict[str, tuple[float, int]]:
     """Recipe -> (bits per weight, bytes) that it would give SOURCE, from the shapes of the
     source's tensors (its config and model class; no weight is read). Bits per weight count
     every stored tensor (weights, scales, biases, float16 others) over the parameter count,
     as the manifest does. Bytes are those of the weights; a folder source's tokenizer files
     are added (a GGUF's are written at import from its metadata, and not counted)."""
-    from mlx.utils import tree_flatten
+    from mlx.utils import tree_flatten  # heavy: MLX loads only when a model is built
 
-    kind, path = source_kind(library, source)
-    config = source_config(kind, path)
+    config = source.config
     model = _float_model(config)
     flat: Any = tree_flatten(model.parameters())
     sizes = [(key.rsplit(".", 1)[0], key.endswith(".weight"), int(arr.size)) for key, arr in flat]
     params = sum(n for _, _, n in sizes)
-    extra = 0
-    if kind != "gguf":
-        from engine.importers.hf import TOKENIZER_FILES
-
-        extra = sum((path / n).stat().st_size for n in TOKENIZER_FILES if (path / n).is_file())
+    extra = source.tokenizer_bytes()
     out = {}
     for spec in recipe_specs:
         plan = plan_model(resolve_recipe(spec), model, config)
@@ -312,49 +224,30 @@ def expected_sizes(library: Library, source: str, recipe_specs: list[str]
     return out
 
 
-def import_options(library: Library, path: Path) -> dict[str, Any]:
-    """What an import of `path` can do, for the import dialog: {"kind", "options"}, each
-    option {"recipe" (None: as stored), "label", "description", "bits_per_weight", "bytes"}.
-    Sizes of recipes come from expected_sizes; recipes that cannot apply are left out."""
-    from engine.importers import detect
-    from engine.quant.recipes import builtin_names
-
-    path = Path(path).expanduser()
-    kind = detect(path)
-    file = sorted(path.glob("*.gguf"))[0] if kind == "gguf" and path.is_dir() else path
+def import_options(source: QuantSource) -> dict[str, Any]:
+    """What an import of SOURCE can do, for the import dialog: {"kind", "path", "options"},
+    each option {"recipe" (None: the import's own default, source.default_option()), "label",
+    "description", "bits_per_weight", "bytes"}. Sizes of recipes come from expected_sizes;
+    recipes that cannot apply are left out."""
     names = []
     for n in builtin_names():
         try:
-            expected_sizes(library, str(file), [n])
+            expected_sizes(source, [n])
             names.append(n)
         except RecipeError:
             continue  # a rule matches no tensor of this model
-    sizes = expected_sizes(library, str(file), names)
-    stored: dict[str, Any]
-    if kind == "hf":
-        from engine.importers.hf import DEFAULT_RECIPE
-
-        stored = {"label": "importer default",
-                  "description": f"{DEFAULT_RECIPE['bits']}-bit g{DEFAULT_RECIPE['group_size']}"
-                                 f", embeddings and head {DEFAULT_RECIPE['high_bits']}-bit",
-                  "bits_per_weight": None, "bytes": None}
-    else:
-        weights = [file] if file.is_file() else list(file.glob("*.safetensors"))
-        stored = {"label": "as stored", "description": "the source's own quantization, "
-                  "repacked for MLX without requantizing" if kind == "gguf"
-                  else "the folder's weights, copied",
-                  "bits_per_weight": None, "bytes": sum(f.stat().st_size for f in weights)}
-    options: list[dict[str, Any]] = [{"recipe": None, **stored}]
+    sizes = expected_sizes(source, names)
+    options: list[dict[str, Any]] = [{"recipe": None, **source.default_option()}]
     for n in names:
         bpw, size = sizes[n]
         options.append({"recipe": n, "label": n, "description": resolve_recipe(n).description,
                         "bits_per_weight": round(bpw, 3), "bytes": size})
-    return {"kind": kind, "path": str(file), "options": options}
+    return {"kind": source.kind, "path": str(source.path), "options": options}
 
 
 def quantize(
     library: Library,
-    source: str,
+    source: QuantSource,
     recipe_spec: str,
     name: str,
     target_bpw: float | None = None,
@@ -364,56 +257,45 @@ def quantize(
     cancel: CancelFlag | None = None,
     replace: bool = False,
     method: str = "rtn",
-    in_child: bool = False,
+    calibrate: Calibrate | None = None,
 ) -> Manifest:
     """Quantize SOURCE by recipe into library model `name`. See the module docstring.
 
-    A calibrated `method` runs in a child process (`in_child` is set there)."""
-    import mlx.core as mx
+    A calibrated `method` runs in a child process, which passes its `calibrate`."""
+    import mlx.core as mx  # heavy: MLX loads only when weights are quantized
     from mlx.utils import tree_flatten
 
     job = prepare(library, source, recipe_spec, name, target_bpw, replace, calibration,
                   method)
-    from engine.quant.calibrated import CALIBRATED, run_child
-
-    if method in CALIBRATED and not in_child:
-        # The child runs elsewhere (cwd): paths travel resolved.
+    if method in CALIBRATED and calibrate is None:
+        # The child runs elsewhere (cwd): paths travel resolved, the source as it was opened.
         recipe_file = Path(recipe_spec).expanduser()
-        spec = {"home": str(library.home.resolve()),
-                "source": source if job.kind == "library" else str(job.path.resolve()),
+        spec = {"home": str(library.home.resolve()), "source": encode_source(source),
                 "recipe": str(recipe_file.resolve()) if recipe_file.is_file() else recipe_spec,
                 "name": name, "target_bpw": target_bpw, "method": method,
                 "calibration": str(Path(calibration).resolve()) if calibration else None,
                 "calibration_tokens": calibration_tokens, "replace": replace}
         return run_child(library.home, spec, progress, cancel)
     cancel = cancel or (lambda: False)
-    src = load_float(job.kind, job.path, None, cancel)
+    weights = source.float_weights(None, cancel)
     try:
+        model = float_model(weights)
         if cancel():
             raise Cancelled("quantize")
         sens_info: dict[str, Any] = {}
         importance: Importance | None = None
         if method == "imatrix":
-            from engine.quant.importance import activation_importance
-            from engine.quant.sensitivity import calibration_tokens as read_tokens
-            from engine.runtime.tokenizer import Tokenizer
-
             assert calibration is not None
-            ids = read_tokens(Tokenizer.load(src.folder), calibration, calibration_tokens)
-            importance = activation_importance(src.model, ids, progress=progress,
-                                               cancel=cancel)
+            ids = text_tokens(Tokenizer.load(weights.folder), calibration, calibration_tokens)
+            importance = activation_importance(model, ids, progress=progress, cancel=cancel)
             sens_info.update(method=method, calibration=calibration.name,
                              calibration_tokens=len(ids))
         if job.recipe is None:
-            from engine.quant.sensitivity import allocate, measure
-
             assert target_bpw is not None and calibration is not None
-            from engine.runtime.tokenizer import Tokenizer
-
-            tok = Tokenizer.load(src.folder)
-            errors = measure(src.model, tok, calibration, calibration_tokens,
+            tok = Tokenizer.load(weights.folder)
+            errors = measure(model, tok, calibration, calibration_tokens,
                              progress=progress, cancel=cancel, importance=importance)
-            plan = allocate(errors, quantizable(src.model), target_bpw)
+            plan = allocate(errors, quantizable(model), target_bpw)
             recipe = plan_to_recipe(f"auto-{target_bpw:g}", plan,
                                     f"sensitivity-guided for {target_bpw:g} bits per weight, "
                                     f"calibrated on {calibration.name}")
@@ -421,59 +303,61 @@ def quantize(
                              calibration_tokens=calibration_tokens)
         else:
             recipe = job.recipe
-            plan = plan_model(recipe, src.model, src.config)
+            plan = plan_model(recipe, model, weights.config)
         if method in ("rtn", "imatrix"):
-            apply_plan(src.model, plan, progress, cancel, importance=importance)
+            apply_plan(model, plan, progress, cancel, importance=importance)
         else:
-            from engine.quant.calibrated import apply_method, calibration_batches
-            from engine.runtime.tokenizer import Tokenizer
-
-            assert calibration is not None
-            data = calibration_batches(Tokenizer.load(src.folder), calibration,
-                                       calibration_tokens, method)
-            apply_method(method, src.model, src.config, plan, data, progress, cancel)
+            assert calibration is not None and calibrate is not None
+            used = calibrate(method, model, weights.config, plan,
+                             Tokenizer.load(weights.folder), calibration, calibration_tokens,
+                             progress, cancel)
             sens_info.update(method=method, calibration=calibration.name,
-                             calibration_tokens=int(data.size))
-        weights = dict(tree_flatten(src.model.parameters()))
-        mx.eval(weights)
-        config = quantized_config(src.config, recipe, plan)
+                             calibration_tokens=used)
+        arrays = dict(tree_flatten(model.parameters()))
+        mx.eval(arrays)
+        config = quantized_config(weights.config, recipe, plan)
         if cancel():
             raise Cancelled("quantize")
 
         def build(tmp: Path) -> Manifest:
-            from engine.importers import manifest_fields
-            from engine.importers.hf import _stats
-
-            mx.save_safetensors(str(tmp / "model.safetensors"), weights,
+            mx.save_safetensors(str(tmp / "model.safetensors"), arrays,
                                 metadata={"format": "mlx"})
             (tmp / "config.json").write_text(json.dumps(config, indent=2))
             (tmp / "recipe.toml").write_text(recipe.to_toml())
-            for f in src.tokenizer_files():
+            for f in weights.tokenizer_files():
                 shutil.copy2(f, tmp / f.name)
-            formats, bpw, params = _stats(weights, config)
-            tokenizer = _tokenizer_info(src.folder)
-            manifest = manifest_fields(config, "quantized", f"quantize:{src.label}", formats,
-                                       bpw, params, tokenizer)
+            formats, bpw, params = weight_stats(arrays, config)
+            manifest = manifest_fields(config, "quantized", f"quantize:{source.label}",
+                                       formats, bpw, params, weights.tokenizer)
             manifest["recipe"] = {"name": recipe.name, "tensors": class_summary(plan),
                                   **sens_info}
             return manifest
 
         manifest = library.install(name, build, replace=replace)
     finally:
-        src.close()
+        weights.close()
     if progress is not None:
         progress(1, 1)
     return manifest
 
 
-def _tokenizer_info(folder: Path) -> dict[str, Any]:
-    try:
-        m = json.loads((folder / "manifest.json").read_text())
-        info = m.get("tokenizer")
-        if isinstance(info, dict):
-            return info
-    except (OSError, ValueError):
-        pass
-    if (folder / "tokenizer.json").is_file():
-        return {"tokenizer": "tokenizers"}
-    return {"tokenizer": "sentencepiece"}
+@dataclass(frozen=True)
+class Requantize:
+    """A recipe and how to round it, as a value: what an import with a recipe applies.
+
+    An engine.importers.Requantizer: `import_path(library, path, requantize=Requantize(r))`
+    hands it the opened source, and `install` is `quantize` under the import's name."""
+
+    recipe: str
+    method: str = "rtn"
+    target_bpw: float | None = None
+    calibration: Path | None = None
+    calibration_tokens: int = 2048
+
+    def install(self, library: Library, source: QuantSource, name: str, *,
+                progress: Progress | None = None, cancel: CancelFlag | None = None,
+                replace: bool = False) -> Manifest:
+        return quantize(library, source, self.recipe, name, target_bpw=self.target_bpw,
+                        calibration=self.calibration,
+                        calibration_tokens=self.calibration_tokens, progress=progress,
+                        cancel=cancel, replace=replace, method=self.method)

@@ -30,7 +30,7 @@ SEARCH_STEPS = 16  # candidate grids per group in the importance-weighted search
 
 def _codes(wg: Any, scales: Any, biases: Any, levels: int) -> tuple[Any, Any]:
     """Codes and per-group squared error for a grid (scales and biases per group)."""
-    import mlx.core as mx
+    import mlx.core as mx  # heavy: MLX loads only when weights are touched
 
     s = scales.astype(mx.float16).astype(mx.float32)[..., None]
     b = biases.astype(mx.float16).astype(mx.float32)[..., None]
@@ -58,7 +58,7 @@ def pack(q: np.ndarray, bits: int) -> np.ndarray:
 
 def _choose(w: Any, bits: int, group_size: int) -> tuple[Any, Any, Any]:
     """Per-group best grid: (codes as (R, C/g, g) float, float16 scales, float16 biases)."""
-    import mlx.core as mx
+    import mlx.core as mx  # heavy: MLX loads only when weights are touched
 
     w = w.astype(mx.float32)
     rows, cols = w.shape
@@ -145,7 +145,7 @@ def weighted_search(x: np.ndarray, importance: np.ndarray, bits: int, group_size
 
 def mlx_grid(w: Any, bits: int, group_size: int) -> tuple[np.ndarray, np.ndarray]:
     """MLX's own scales and biases for a weight, as float32 NumPy arrays."""
-    import mlx.core as mx
+    import mlx.core as mx  # heavy: MLX loads only when weights are touched
 
     _, s, b = mx.quantize(w.astype(mx.float32), group_size=group_size, bits=bits)
     return np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32))
@@ -154,7 +154,7 @@ def mlx_grid(w: Any, bits: int, group_size: int) -> tuple[np.ndarray, np.ndarray
 def _choose_weighted(w: Any, bits: int, group_size: int, importance: np.ndarray
                      ) -> tuple[Any, Any, Any]:
     """`_choose` with the importance-weighted grid search of the module docstring."""
-    import mlx.core as mx
+    import mlx.core as mx  # heavy: MLX loads only when weights are touched
 
     q, s, b = weighted_search(np.array(w.astype(mx.float32)), importance, bits, group_size,
                               *mlx_grid(w, bits, group_size))
@@ -171,7 +171,7 @@ def _pick(w: Any, bits: int, group_size: int, importance: np.ndarray | None
 def affine_quantize(w: Any, bits: int, group_size: int, importance: np.ndarray | None = None
                     ) -> tuple[Any, Any, Any]:
     """(packed weight, scales, biases) for a 2-D float array. See the module docstring."""
-    import mlx.core as mx
+    import mlx.core as mx  # heavy: MLX loads only when weights are touched
 
     q, scales, biases = _pick(w, bits, group_size, importance)
     q = q.astype(mx.uint8).reshape(w.shape)
@@ -182,7 +182,7 @@ def affine_quantize(w: Any, bits: int, group_size: int, importance: np.ndarray |
 def quantize_dequantize(w: Any, bits: int, group_size: int,
                         importance: np.ndarray | None = None) -> Any:
     """What `affine_quantize` stores, expanded back to float32 (for error estimates)."""
-    import mlx.core as mx
+    import mlx.core as mx  # heavy: MLX loads only when weights are touched
 
     q, scales, biases = _pick(w, bits, group_size, importance)
     out = q * scales.astype(mx.float32)[..., None] + biases.astype(mx.float32)[..., None]

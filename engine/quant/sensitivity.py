@@ -63,7 +63,7 @@ def fisher_diagonal(model: Any, tokens: list[int], chunk: int = 128,
                     progress: Progress | None = None, cancel: CancelFlag | None = None
                     ) -> dict[str, Any]:
     """Module path -> mean squared gradient of the loss w.r.t. its weight, per chunk."""
-    import mlx.core as mx
+    import mlx.core as mx  # heavy: MLX loads only when weights are touched
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
@@ -111,7 +111,7 @@ def measure(model: Any, tokenizer: Any, text_path: Path, n_tokens: int = 2048,
 
     With `importance`, each format's error is that of the importance-weighted rounding the
     tensors will get (engine.quant.rounding), so the allocation prices what is stored."""
-    import mlx.core as mx
+    import mlx.core as mx  # heavy: MLX loads only when weights are touched
 
     tokens = calibration_tokens(tokenizer, text_path, n_tokens)
     fisher = fisher_diagonal(model, tokens, chunk, progress, cancel)

@@ -16,8 +16,9 @@ from tests.app.test_library import _drop, _library_state
 
 def test_import_dialog_offers_recipes_with_sizes_and_imports_the_choice(
         make_window: WindowFactory, tmp_path: Path, qtbot: Any) -> None:
-    from engine.library import Library
+    from engine.importers import open_source
     from engine.importers.starter import starter_gguf
+    from engine.library import Library
     from engine.quant.quantize import expected_sizes
     from engine.quant.recipes import builtin_names
 
@@ -35,7 +36,7 @@ def test_import_dialog_offers_recipes_with_sizes_and_imports_the_choice(
     assert recipes == ["", *builtin_names()]  # "" is as stored
     texts = [box.itemText(i) for i in range(box.count())]
     assert texts[0] == f"as stored ({human_bytes(dropped.stat().st_size)})"
-    sizes = expected_sizes(Library(home), str(dropped), builtin_names())
+    sizes = expected_sizes(open_source(dropped), builtin_names())
     for recipe, text in zip(recipes[1:], texts[1:], strict=True):
         bpw, size = sizes[recipe]
         assert text == f"{recipe} ({bpw:.2f} bits/weight, {human_bytes(size)})", text

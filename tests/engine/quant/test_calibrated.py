@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from engine.errors import Cancelled, StrataError
+from engine.errors import Cancelled
 from engine.quant.recipes import Format, RecipeError
-from tests.engine.quant.test_quantize import _cli, _library_state, _read_back
+from tests.engine.quant.test_quantize import _cli, _library_state, _read_back, _source
 
 # Mostly float16 so that calibration stays quick; the quantized layers cover GPTQ's own
 # packer (4-bit), Strata's packer for widths mlx-lm's lacks (3-bit), and two group sizes.
@@ -60,7 +60,7 @@ def test_gptq_on_a_mixed_recipe_loads_generates_and_keeps_the_bits(
     recipe = tmp_path / "small-gptq.toml"
     recipe.write_text(SMALL_GPTQ)
     seen: list[tuple[int, int]] = []
-    m = quantize(library, "starter", str(recipe), "t-gptq", method="gptq",
+    m = quantize(library, _source(library, "starter"), str(recipe), "t-gptq", method="gptq",
                  calibration=shared_data / "tinyshakespeare.txt", calibration_tokens=256,
                  progress=lambda d, t: seen.append((d, t)))
     assert m["recipe"]["method"] == "gptq" and m["recipe"]["calibration_tokens"] == 256
@@ -85,7 +85,7 @@ def test_awq_loads_generates_and_keeps_the_bits(library: Any, starter: Any,
 
     # AWQ searches every block (30 here), so few tokens; with 128 its scales and clips
     # overfit and the answer changes even at 8 bits, with 256 it holds.
-    m = quantize(library, "starter", "q8-g64", "t-awq", method="awq",
+    m = quantize(library, _source(library, "starter"), "q8-g64", "t-awq", method="awq",
                  calibration=shared_data / "tinyshakespeare.txt", calibration_tokens=256)
     assert _quantizable_formats(m) == {Format(8, 64)}
     assert m["recipe"]["method"] == "awq"
@@ -99,13 +99,13 @@ def test_cancelled_calibration_leaves_the_library_as_it_was(
     before = _library_state(library)
     seen: list[int] = []
     with pytest.raises(Cancelled):
-        quantize(library, "starter", "q4-g64", "t-cancelled", method="gptq",
+        quantize(library, _source(library, "starter"), "q4-g64", "t-cancelled", method="gptq",
                  calibration=shared_data / "tinyshakespeare.txt", calibration_tokens=256,
                  progress=lambda d, t: seen.append(d), cancel=lambda: len(seen) >= 2)
     assert _library_state(library) == before
     seen.clear()  # imatrix runs in this process: cancelled while measuring importance
     with pytest.raises(Cancelled):
-        quantize(library, "starter", "q4-g64", "t-cancelled", method="imatrix",
+        quantize(library, _source(library, "starter"), "q4-g64", "t-cancelled", method="imatrix",
                  calibration=shared_data / "tinyshakespeare.txt", calibration_tokens=2048,
                  progress=lambda d, t: seen.append(d), cancel=lambda: len(seen) >= 2)
     assert _library_state(library) == before
@@ -136,7 +136,7 @@ def test_bad_method_input_fails_first_and_writes_nothing(
 
 
 def test_check_method_without_a_model() -> None:
-    from engine.quant.calibrated import check_method
+    from engine.quant.methods import check_method
 
     check_method("gptq", None, "auto", "llama")  # gptq and dwq take any plan, auto included
     check_method("dwq", {"model.layers.0.mlp.up_proj": Format(3, 64)}, "x", "llama")
@@ -146,21 +146,24 @@ def test_check_method_without_a_model() -> None:
 
 
 # -- recipes on import, and the sizes the import dialog shows -------------------------------
-def test_import_with_a_recipe_is_quantize(library: Any, starter: Any) -> None:
-    from engine.importers import import_path
+def test_import_with_a_recipe_is_quantize(library: Any, starter: Any, capsys: Any) -> None:
+    from engine.importers import import_path, open_source
     from engine.importers.starter import starter_gguf
-    from engine.quant.quantize import expected_sizes
+    from engine.quant.quantize import Requantize, expected_sizes
 
     gguf = starter_gguf()
-    bpw, size = expected_sizes(library, str(gguf), ["q4-g64"])["q4-g64"]
-    m = import_path(library, gguf, name="t-import-q4", recipe="q4-g64")
+    bpw, size = expected_sizes(open_source(gguf), ["q4-g64"])["q4-g64"]
+    m = import_path(library, gguf, name="t-import-q4", requantize=Requantize("q4-g64"))
     assert m["recipe"]["name"] == "q4-g64" and m["source_format"] == "quantized"
     assert _quantizable_formats(m) == {Format(4, 64)}
     assert round(bpw, 3) == m["bits_per_weight"]
     weights = (Path(m["path"]) / "model.safetensors").stat().st_size
     assert size <= weights <= size * 1.001  # the safetensors header is the difference
-    with pytest.raises(StrataError, match="need --recipe"):
-        import_path(library, gguf, name="t-import-bad", method="gptq")
+    before = _library_state(library)
+    assert _cli("import", str(gguf), "--name", "t-import-bad", "--method", "gptq") == 1
+    err = capsys.readouterr().err.strip()
+    assert "need --recipe" in err and len(err.splitlines()) == 1, err
+    assert _library_state(library) == before
 
 
 def test_expected_sizes_match_what_quantize_writes(library: Any, starter: Any) -> None:
@@ -170,18 +173,19 @@ def test_expected_sizes_match_what_quantize_writes(library: Any, starter: Any) -
     if m is None:
         pytest.skip("needs test_gptq_on_a_mixed_recipe_... (same session)")
     recipe = str(Path(m["path"]) / "recipe.toml")
-    bpw, size = expected_sizes(library, "starter", [recipe])[recipe]
+    bpw, size = expected_sizes(_source(library, "starter"), [recipe])[recipe]
     assert round(bpw, 3) == m["bits_per_weight"]
     # A library source's tokenizer files are counted; config, recipe and manifest are not.
     assert 0 <= m["bytes"] - size < 0.001 * size
 
 
 def test_import_options_list_every_recipe_with_its_size(library: Any, starter: Any) -> None:
+    from engine.importers import open_source
     from engine.importers.starter import starter_gguf
     from engine.quant.quantize import import_options
     from engine.quant.recipes import builtin_names
 
-    info = import_options(library, starter_gguf())
+    info = import_options(open_source(starter_gguf()))
     assert info["kind"] == "gguf"
     first, *recipes = info["options"]
     assert first["recipe"] is None and first["bytes"] == starter_gguf().stat().st_size
@@ -194,7 +198,7 @@ def test_import_options_list_every_recipe_with_its_size(library: Any, starter: A
 
 def _calibration_text(folder: Path) -> Path:
     """Plain prose for runs that must not depend on ../shared (a clone elsewhere)."""
-    from engine.bench import FILLER
+    from engine.bench.common import FILLER
 
     path = folder / "calibration.txt"
     path.write_text(FILLER * 20)

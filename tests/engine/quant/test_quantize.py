@@ -148,11 +148,19 @@ def _library_state(library: Any) -> set[str]:
     return {p.name for p in library.models_dir.iterdir()}
 
 
+def _source(library: Any, where: str | Path) -> Any:
+    """A source opened as the commands open one: a library model's name, or a path."""
+    from engine.importers import open_source
+
+    return open_source(where, library)
+
+
 @pytest.fixture(scope="module")
 def reference(library: Any, starter: Any) -> Any:
     from engine.quant.quantize import quantize
 
-    return library.find("starter-f16") or quantize(library, "starter", "f16", "starter-f16")
+    return library.find("starter-f16") or quantize(library, _source(library, "starter"), "f16",
+                                                   "starter-f16")
 
 
 @pytest.mark.parametrize("recipe", ["q3-g128", "mixed-attn8-mlp4", "q4-k-m", "mixed-3.6"])
@@ -160,7 +168,7 @@ def test_saved_model_has_the_promised_widths(library: Any, starter: Any, recipe:
     from engine.quant.quantize import quantize
     from engine.quant.recipes import plan_shapes
 
-    m = quantize(library, "starter", recipe, f"t-{recipe}", replace=True)
+    m = quantize(library, _source(library, "starter"), recipe, f"t-{recipe}", replace=True)
     got = _read_back(Path(m["path"]))
     want = plan_shapes(resolve_recipe(recipe), _starter_shapes(), LAYERS, tied=True)
     assert {k: got[k] for k in want} == want
@@ -177,8 +185,8 @@ def test_quantized_model_loads_and_generates(library: Any, starter: Any) -> None
     from engine.runtime.generate import LoadedModel, generate
     from engine.runtime.sampling import SamplingParams
 
-    m = library.find("t-mixed-attn8-mlp4") or quantize(library, "starter", "mixed-attn8-mlp4",
-                                                       "t-mixed-attn8-mlp4")
+    m = library.find("t-mixed-attn8-mlp4") or quantize(
+        library, _source(library, "starter"), "mixed-attn8-mlp4", "t-mixed-attn8-mlp4")
     lm = LoadedModel.load(m["name"], library)
     ids = lm.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     text = "".join(ev.text for ev in generate(lm, ids, SamplingParams(temperature=0.0),
@@ -206,7 +214,7 @@ def test_eval_cli_json_orders_recipes(library: Any, reference: Any, shared_data:
     from engine.quant.quantize import quantize
 
     if library.find("t-q2-g64") is None:
-        quantize(library, "starter", "q2-g64", "t-q2-g64")
+        quantize(library, _source(library, "starter"), "q2-g64", "t-q2-g64")
     assert _cli("eval", "--model", "t-q2-g64", "--model", "starter", "--reference", "starter-f16",
                 "--text", str(shared_data / "wikitext-2-test.txt"), "--tokens", "128",
                 "--window", "128", "--json") == 0
@@ -223,7 +231,7 @@ def test_auto_recipe_meets_its_target(library: Any, tmp_path: Path, shared_data:
     from tests.engine.hf_factory import write_hf_llama
 
     write_hf_llama(tmp_path / "hf", layers=2, tie=False)
-    m = quantize(library, str(tmp_path / "hf"), "auto", "t-auto", target_bpw=3.6,
+    m = quantize(library, _source(library, tmp_path / "hf"), "auto", "t-auto", target_bpw=3.6,
                  calibration=shared_data / "tinyshakespeare.txt", calibration_tokens=256)
     assert 3.0 < m["bits_per_weight"] <= 3.7  # norms (float16) ride on top of the target
     assert m["recipe"]["target_bpw"] == 3.6 and m["recipe"]["calibration"] == "tinyshakespeare.txt"
@@ -247,7 +255,7 @@ def test_quantize_from_hf_folder(library: Any, tmp_path: Path) -> None:
     recipe = tmp_path / "head8.toml"
     recipe.write_text('name = "head8"\nbits = 4\ngroup_size = 32\n'
                       '[[rules]]\ntensors = ["head", "embed"]\nbits = 8\n')
-    m = quantize(library, str(tmp_path / "hf"), str(recipe), "t-hf")
+    m = quantize(library, _source(library, tmp_path / "hf"), str(recipe), "t-hf")
     config = json.loads((Path(m["path"]) / "config.json").read_text())
     assert config["quantization"]["lm_head"] == {"bits": 8, "group_size": 32}
     assert config["quantization"]["model.layers.1.mlp.up_proj"] == {"bits": 4, "group_size": 32}
@@ -358,14 +366,15 @@ def test_weighted_rounding_lowers_the_weighted_error(bits: int) -> None:
 def test_importance_covers_every_tensor_and_leaves_the_model_as_it_was(tmp_path: Path) -> None:
     import mlx.core as mx
 
+    from engine.importers import open_source
     from engine.quant.importance import activation_importance
-    from engine.quant.quantize import load_float
+    from engine.quant.quantize import float_model
     from engine.quant.recipes import quantizable
     from tests.engine.hf_factory import write_hf_llama
 
     for tie in (True, False):
         write_hf_llama(tmp_path / f"hf{tie}", layers=2, tie=tie)
-        model = load_float("hf", tmp_path / f"hf{tie}").model
+        model = float_model(open_source(tmp_path / f"hf{tie}").float_weights())
         ids = mx.array(list(range(3, 67)))[None]
         before = model(ids)
         types = {p: type(m) for p, m in model.named_modules()}
@@ -389,8 +398,9 @@ def test_imatrix_beats_round_to_nearest_on_the_starter(library: Any, reference: 
     from engine.quant.quantize import quantize
 
     root = Path(__file__).resolve().parents[3]
-    rtn = library.find("t-q3-g128") or quantize(library, "starter", "q3-g128", "t-q3-g128")
-    m = quantize(library, "starter", "q3-g128", "t-q3-g128-imatrix",
+    rtn = library.find("t-q3-g128") or quantize(library, _source(library, "starter"), "q3-g128",
+                                                "t-q3-g128")
+    m = quantize(library, _source(library, "starter"), "q3-g128", "t-q3-g128-imatrix",
                  calibration=root / "docs" / "architecture.md", calibration_tokens=512,
                  method="imatrix", replace=True)
     assert m["recipe"]["method"] == "imatrix" and m["recipe"]["calibration_tokens"] == 512
@@ -413,8 +423,8 @@ def test_auto_with_imatrix_can_be_cancelled_while_weighing(library: Any, tmp_pat
     seen: list[tuple[int, int]] = []
     # Calls: 1 importance chunk, 2 Fisher chunks, then one per tensor weighed.
     with pytest.raises(Cancelled):
-        quantize(library, str(tmp_path / "hf"), "auto", "t-auto-cancel", target_bpw=3.6,
-                 calibration=text, calibration_tokens=256, method="imatrix",
+        quantize(library, _source(library, tmp_path / "hf"), "auto", "t-auto-cancel",
+                 target_bpw=3.6, calibration=text, calibration_tokens=256, method="imatrix",
                  progress=lambda d, t: seen.append((d, t)), cancel=lambda: len(seen) >= 5)
     assert len(seen) == 5 and seen[-1][0] == 1  # stopped inside the weighing, after a tensor
     assert _library_state(library) == before
@@ -424,22 +434,24 @@ def test_weighted_sensitivities_equal_the_rounding_they_price(tmp_path: Path) ->
     """The threaded weighing gives exactly the error of what affine_quantize would store."""
     import mlx.core as mx
 
+    from engine.importers import open_source
     from engine.quant.importance import activation_importance
-    from engine.quant.quantize import load_float
+    from engine.quant.quantize import float_model
     from engine.quant.rounding import quantize_dequantize
     from engine.quant.sensitivity import candidates, fisher_diagonal, measure
     from engine.runtime.tokenizer import Tokenizer
     from tests.engine.hf_factory import write_hf_llama
 
     write_hf_llama(tmp_path / "hf", layers=1, tie=True)
-    src = load_float("hf", tmp_path / "hf")
+    weights = open_source(tmp_path / "hf").float_weights()
+    model = float_model(weights)
     text = Path(__file__).resolve().parents[3] / "docs" / "architecture.md"
-    tok = Tokenizer.load(src.folder)
+    tok = Tokenizer.load(weights.folder)
     ids = tok.encode(text.read_text()[:2000], add_bos=False)[:128]
-    imp = activation_importance(src.model, ids)
-    errors = measure(src.model, tok, text, n_tokens=128, importance=imp)
-    fisher = fisher_diagonal(src.model, ids)
-    modules = dict(src.model.named_modules())
+    imp = activation_importance(model, ids)
+    errors = measure(model, tok, text, n_tokens=128, importance=imp)
+    fisher = fisher_diagonal(model, ids)
+    modules = dict(model.named_modules())
     path = "model.layers.0.mlp.down_proj"
     w = modules[path].weight.astype(mx.float32)
     for fmt in candidates(w.shape[-1]):

@@ -1,0 +1,200 @@
+"""Open a model source as a typed object, its weights read only on demand.
+
+Contract: `open_source(where, library=None)` opens a .gguf file (or a folder holding exactly one),
+a Hugging Face or MLX folder, or, given the library, a library model by name or alias, as a
+`Source`: its kind, absolute path, model config (a GGUF's built from its metadata) and a label.
+It reads no weight; a source that cannot be imported or quantized is a StrataError with one
+line that names it. `Source.float_weights(progress, cancel)` reads the weights expanded to
+float32 (quantized ones dequantized exactly) as MLX arrays named as mlx-lm's model class names
+its parameters, with the folder that holds the tokenizer files (a GGUF is converted into a
+temporary folder first, which `FloatWeights.close()` removes). A Source is plain data and
+pickles: a calibrated quantization reopens it in a child process. engine.quant.source says what
+quantization needs of a source; this class is one, structurally.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ImportFailed, LoadFailed, StrataError
+from engine.importers.gguf import import_gguf, model_config
+from engine.importers.hf import (
+    DEFAULT_RECIPE,
+    TOKENIZER_FILES,
+    check_config,
+    read_folder,
+)
+from engine.library.store import MANIFEST, Library, clean_name
+from engine.platform import ComputeProfile
+from engine.runtime.model import load_weights_into_model, read_config
+
+Progress = Callable[[int, int], None]
+CancelFlag = Callable[[], bool]
+KINDS = ("gguf", "hf", "mlx", "library")
+# Every stored weight dequantized (exactly, for affine and GGUF Q4_0/Q4_1/Q8_0) into float32.
+EXPAND = ComputeProfile("expand-f32", dequantize=True, dtype="float32")
+# Files of a model folder that are not the tokenizer's (the weights are *.safetensors).
+_NOT_TOKENIZER = {MANIFEST, "config.json", "recipe.toml"}
+
+
+def detect(path: Path) -> str:
+    """'gguf', 'mlx' or 'hf' for a path that holds a model; ImportFailed otherwise."""
+    if not path.exists():
+        raise ImportFailed(f"{path}: no such file or folder")
+    if path.is_file():
+        with open(path, "rb") as fh:
+            magic = fh.read(4)
+        if magic == b"GGUF":
+            return "gguf"
+        raise ImportFailed(f"{path}: not a model file (expected GGUF, found {magic!r})")
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return "gguf"
+        raise ImportFailed(f"{path}: not a model folder (no config.json)")
+    if not list(path.glob("*.safetensors")):
+        raise ImportFailed(f"{path}: folder has no weights (*.safetensors)")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ImportFailed(f"{path / 'config.json'}: unreadable ({exc})") from exc
+    if not isinstance(config, dict):
+        raise ImportFailed(f"{path / 'config.json'}: not a JSON object")
+    return "mlx" if "quantization" in config else "hf"
+
+
+@dataclass
+class FloatWeights:
+    """A source's weights in float32, open until close()."""
+
+    arrays: dict[str, Any]  # parameter path -> float32 MLX array (integer arrays as stored)
+    config: dict[str, Any]
+    folder: Path  # holds the tokenizer files (engine.runtime.tokenizer.Tokenizer.load reads it)
+    tokenizer: dict[str, Any]  # the manifest's tokenizer entry
+    tmp: Path | None = field(default=None, repr=False)  # removed by close()
+
+    def tokenizer_files(self) -> list[Path]:
+        """The folder's files a model made from these weights needs besides them and config."""
+        return [f for f in sorted(self.folder.iterdir()) if f.is_file()
+                and f.name not in _NOT_TOKENIZER and not f.name.endswith(".safetensors")
+                and not f.name.startswith(".")]
+
+    def close(self) -> None:
+        self.arrays = {}
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
+
+
+@dataclass(frozen=True)
+class Source:
+    """An opened model source (see the module docstring); no weight is read until asked."""
+
+    kind: str  # one of KINDS
+    path: Path  # absolute: the .gguf file, or the folder
+    config: dict[str, Any]  # the model config, without reading weights
+    label: str  # how a quantized model's manifest names where it came from
+
+    @property
+    def default_name(self) -> str:
+        """The library name an import gives it: the file's stem, or the folder's name."""
+        return clean_name(self.path.stem if self.kind == "gguf" else self.path.resolve().name)
+
+    def tokenizer_bytes(self) -> int:
+        """Bytes of the tokenizer files a folder holds (a GGUF's are written at import: 0)."""
+        if self.kind == "gguf":
+            return 0
+        return sum((self.path / n).stat().st_size for n in TOKENIZER_FILES
+                   if (self.path / n).is_file())
+
+    def default_option(self) -> dict[str, Any]:
+        """What an import without a recipe does, for the import dialog's first entry:
+        {"label", "description", "bits_per_weight", "bytes"} (None where not known before)."""
+        if self.kind == "hf":
+            r = DEFAULT_RECIPE
+            return {"label": "importer default",
+                    "description": f"{r['bits']}-bit g{r['group_size']}, embeddings and head "
+                                   f"{r['high_bits']}-bit",
+                    "bits_per_weight": None, "bytes": None}
+        weights = [self.path] if self.path.is_file() else list(self.path.glob("*.safetensors"))
+        return {"label": "as stored",
+                "description": "the source's own quantization, repacked for MLX without "
+                               "requantizing" if self.kind == "gguf"
+                               else "the folder's weights, copied",
+                "bits_per_weight": None, "bytes": sum(f.stat().st_size for f in weights)}
+
+    def float_weights(self, progress: Progress | None = None,
+                      cancel: CancelFlag | None = None) -> FloatWeights:
+        """Read every weight, expanded to float32; see the module docstring."""
+        if self.kind == "gguf":
+            tmp = Path(tempfile.mkdtemp(prefix="strata-quant-"))
+            try:
+                result = import_gguf(self.path, tmp, progress, cancel)
+                (tmp / "config.json").write_text(json.dumps(result.config, indent=2))
+                model, config = load_weights_into_model(tmp, EXPAND)
+                return FloatWeights(_arrays(model), config, tmp, tokenizer_info(tmp), tmp)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        if self.kind in ("library", "mlx"):
+            model, config = load_weights_into_model(self.path, EXPAND)
+            return FloatWeights(_arrays(model), config, self.path, tokenizer_info(self.path))
+        import mlx.core as mx  # heavy: MLX loads only when weights are read
+        from mlx.utils import tree_map
+
+        config, model, _, _ = read_folder(self.path, "hf")
+        model.update(tree_map(lambda a: a.astype(mx.float32)
+                              if mx.issubdtype(a.dtype, mx.floating) else a, model.parameters()))
+        return FloatWeights(_arrays(model), config, self.path, tokenizer_info(self.path))
+
+
+def open_source(where: str | Path, library: Library | None = None) -> Source:
+    """Open `where` (with `library`: a library model's name or alias first); see the module."""
+    if library is not None:
+        m = library.find(str(where))
+        if m is not None:
+            folder = Path(m["path"]).absolute()
+            return Source("library", folder, read_config(folder), str(folder))
+    path = Path(where).expanduser().absolute()
+    if library is not None and not path.exists():
+        known = ", ".join(x["name"] for x in library.manifests()) or "none"
+        raise StrataError(f"{str(where)!r} is neither a library model (have: {known}) "
+                          "nor a file or folder")
+    kind = detect(path)
+    if kind == "gguf":
+        if path.is_dir():
+            path = sorted(path.glob("*.gguf"))[0]
+        return Source(kind, path, model_config(path), f"{path} (GGUF, dequantized)")
+    try:
+        config = read_config(path)
+    except LoadFailed as exc:
+        raise ImportFailed(str(exc)) from exc
+    if kind == "hf":
+        check_config(config, str(path))
+    return Source(kind, path, config, str(path))
+
+
+def tokenizer_info(folder: Path) -> dict[str, Any]:
+    """The manifest's tokenizer entry for a model folder: a library model's own, else by file."""
+    try:
+        info = json.loads((folder / MANIFEST).read_text()).get("tokenizer")
+        if isinstance(info, dict):
+            return info
+    except (OSError, ValueError, AttributeError):
+        pass
+    if (folder / "tokenizer.json").is_file():
+        return {"tokenizer": "tokenizers"}
+    return {"tokenizer": "sentencepiece"}
+
+
+def _arrays(model: Any) -> dict[str, Any]:
+    from mlx.utils import tree_flatten  # heavy: MLX loads only when weights are read
+
+    flat: Any = tree_flatten(model.parameters())
+    return dict(flat)
