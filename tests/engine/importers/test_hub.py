@@ -413,8 +413,8 @@ def test_existing_name_fails_before_downloading(pulled: dict[str, dict[str, Any]
                                   "owner/na--me", "owner/name.git", "o/../x", "x\ny/z"])
 def test_bad_repo_ids_fail_in_one_line(text: str, tmp_path: Path) -> None:
     from engine.errors import FetchFailed
-    from engine.library import Library
     from engine.importers.hub import pull_hub
+    from engine.library import Library
 
     lib = Library(tmp_path)
     with pytest.raises(FetchFailed) as info:

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from engine.errors import ImportFailed, ModelNotFound
-from engine.library import Library
 from engine.importers.starter import starter_gguf
+from engine.library import Library
 from tests.helpers import REPO
 
 
