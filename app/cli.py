@@ -268,20 +268,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from engine.bench import run_cli
-
-    if args.suite == "kv":
-        from engine.kv.bench import run_kv
-
-        return run_kv(args)
-    if args.suite == "prefix":
-        from engine.bench.prefix import run_prefix
-
-        return run_prefix(args)
-    if args.suite == "kvbits":
-        from engine.kv.quality import run_kvbits
-
-        return run_kvbits(args)
+    from engine.bench import run_cli  # build_parser imported it already (argparse only)
 
     return run_cli(args)
 
@@ -410,17 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="measure speed and memory against mlx-lm and llama.cpp")
-    from engine.bench import add_arguments
-    from engine.kv.bench import add_kv_arguments
+    from engine.bench import add_arguments  # argparse only: a suite loads when it runs
 
-    add_arguments(p)
-    add_kv_arguments(p)
-    from engine.bench.prefix import add_prefix_arguments
-
-    add_prefix_arguments(p)
-    from engine.kv.quality import add_kvbits_arguments
-
-    add_kvbits_arguments(p)
+    add_arguments(p)  # every suite: quick, full, kv, prefix, kvbits
     p.set_defaults(func=cmd_bench)
 
     from engine.importers import open_source  # start-up: the parser's quant part

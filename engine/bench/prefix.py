@@ -2,71 +2,45 @@
 the disk, the cold first token of a chat against mlx_lm.generate, and the first token of each
 turn of a 10-turn chat, all in one run (`--prefix-parts` picks some of the three).
 
-Contract: every figure comes from a fresh process (`python -m engine.bench.prefix MODE JOB`)
-that prints one JSON line; the parent drops the cache files (and mlx-lm's file) from the page
-cache before each restart, so reads are cold. Weights stay in the page cache for every
-subject alike. Ratios are taken between figures of this run only (the machine may be shared).
-The disk's sequential speed is a 256 MB probe file read once right after it is written; next
-to each restart the parent reads it again (older by then) and reads the cache's files
-themselves (prefix format 3: one run file for the 2,048-token prefix) into memory touched
-beforehand (the restore's I/O floor), cold; the summary compares medians.
+Contract: `run(args)` is the suite. Every figure comes from a fresh process
+(`python -m engine.bench.prefix_worker MODE JOB`, see there) that prints one JSON line; the
+parent drops the cache files (and mlx-lm's file) from the page cache before each restart, so
+reads are cold. Weights stay in the page cache for every subject alike. Ratios are taken
+between figures of this run only (the machine may be shared). The disk's sequential speed is
+a 256 MB probe file read once right after it is written; next to each restart the parent
+reads it again (older by then) and reads the cache's files themselves (prefix format 3: one
+run file for the 2,048-token prefix) into memory touched beforehand (the restore's I/O
+floor), cold; the summary compares medians.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
+from statistics import median
 from typing import Any
+
+from engine.bench.common import FILLER, machine_facts, prompt_ids, say
+from engine.bench.prefix_worker import TURNS
+from engine.bench.system import drop_page_cache, sync_files
+from engine.errors import StrataError
+from engine.library import Library
+from engine.runtime.tokenizer import Tokenizer
 
 QUESTION = "In one sentence, what is this text about?"
 PARTS = ("restore", "chat", "turns")
-# The user's side of the multi-turn chat: short questions, so each turn adds a little history.
-TURNS = (
-    "Who wrote the text above, do you think?",
-    "Name one thing it says about the weather.",
-    "What would be a good title for it?",
-    "Summarize it for a child in one sentence.",
-    "Which word in it is the longest?",
-    "Is the tone cheerful or gloomy?",
-    "What happens at the end?",
-    "Give me three keywords for it.",
-    "Translate the first sentence into French.",
-    "Thank you. What was my first question?",
-)
-
-
-def add_prefix_arguments(p: argparse.ArgumentParser) -> None:
-    """Adds 'prefix' to `strata bench`'s suites and its own options."""
-    for action in p._actions:  # the suite positional is engine.bench's; extend, do not copy
-        if action.dest == "suite" and action.choices is not None:
-            action.choices = [*action.choices, "prefix"]  # type: ignore[assignment]
-    g = p.add_argument_group("prefix suite")
-    g.add_argument("--system-tokens", type=int, default=1500,
-                   help="prefix: system prompt length for the cold first-token chat")
-    g.add_argument("--prefix-parts", default=",".join(PARTS),
-                   help="prefix: which measurements, comma-separated: restore (the 2k-prefix "
-                        "restore against prefill, mlx-lm and the disk), chat (cold first "
-                        "token), turns (first token of each turn of a multi-turn chat)")
-    g.add_argument("--turns", type=int, default=len(TURNS),
-                   help=f"prefix: turns of the multi-turn chat (at most {len(TURNS)})")
-    g.add_argument("--turn-tokens", type=int, default=32,
-                   help="prefix: greedy tokens each reply of the multi-turn chat may have")
 
 
 def _job_ids(model: str, profile: str | None, prefix_tokens: int, system_tokens: int
              ) -> dict[str, Any]:
     """Token ids for both tests, made once by the engine's own tokenizer."""
-    from engine.bench import FILLER, prompt_ids
-    from engine.library import Library
-    from engine.runtime.tokenizer import Tokenizer
-
     manifest = Library().get(model)
     tok = Tokenizer.load(Path(manifest["path"]))
     prefix = prompt_ids(tok, prefix_tokens)
@@ -78,30 +52,11 @@ def _job_ids(model: str, profile: str | None, prefix_tokens: int, system_tokens:
             "prefix_tokens": prefix_tokens, "chat": chat, "system": system}
 
 
-def _drop(paths: list[Path]) -> bool:
-    """Drop the files from the page cache; False when the OS kept most of them."""
-    from engine.bench.worker import drop_page_cache
-
-    return drop_page_cache([p for p in paths if p.is_file()])[0]
-
-
-def _sync(paths: list[Path]) -> None:
-    for path in paths:
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
 def _spawn(mode: str, job: Path, env: dict[str, str]) -> dict[str, Any]:
     t0 = time.time()
-    r = subprocess.run([sys.executable, "-m", "engine.bench.prefix", mode, str(job)],
+    r = subprocess.run([sys.executable, "-m", "engine.bench.prefix_worker", mode, str(job)],
                        capture_output=True, text=True, env=env)
     if r.returncode != 0:
-        from engine.errors import StrataError
-
         tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
         raise StrataError(f"bench prefix {mode} worker failed: {tail}")
     out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
@@ -125,18 +80,16 @@ def write_probe(folder: Path, mb: int = 256) -> Path:
 
 def read_probe(path: Path) -> dict[str, float]:
     """One cold sequential read of the probe file in 8 MB reads: buffered, then O_DIRECT."""
-    import mmap
-
     size = path.stat().st_size
     chunk = 8 << 20
     out: dict[str, float] = {}
-    _drop([path])
+    drop_page_cache([path])
     t = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
         while f.read(chunk):
             pass
     out["buffered_gbps"] = size / (time.perf_counter() - t) / 1e9
-    _drop([path])
+    drop_page_cache([path])
     if hasattr(os, "O_DIRECT"):
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         m = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT wants
@@ -158,7 +111,7 @@ def files_read_speed(paths: list[Path]) -> dict[str, float]:
     view = memoryview(buf)
     for i in range(0, len(buf), 4096):  # fault the destination in before the clock starts
         buf[i] = 1
-    _drop(paths)
+    drop_page_cache(paths)
     t = time.perf_counter()
     fds = [os.open(p, os.O_RDONLY) for p in paths]
     try:
@@ -182,24 +135,24 @@ def files_read_speed(paths: list[Path]) -> dict[str, float]:
     return {"gbps": sum(sizes) / dt / 1e9, "s": dt, "files": len(paths)}
 
 
-def run_prefix(args: argparse.Namespace) -> int:
-    from engine.bench import machine_facts
-    from engine.errors import StrataError
-
+def run(args: argparse.Namespace) -> int:
+    """The suite's parts, each figure from a fresh child; the summary on stdout."""
+    turns = len(TURNS) if args.turns is None else args.turns
     trials = args.trials or 3
     prefix_tokens = args.prefix_tokens or 2048
-    parts = [x.strip() for x in str(args.prefix_parts).split(",") if x.strip()]
+    parts = ([x.strip() for x in str(args.prefix_parts).split(",") if x.strip()]
+             if args.prefix_parts is not None else list(PARTS))
     unknown = sorted(set(parts) - set(PARTS))
     if unknown or not parts:
         raise StrataError(f"--prefix-parts: {','.join(unknown) or 'nothing'} is not one of "
                           f"{','.join(PARTS)}")
-    if not 1 <= args.turns <= len(TURNS):
-        raise StrataError(f"--turns {args.turns}: must be 1 to {len(TURNS)}")
+    if not 1 <= turns <= len(TURNS):
+        raise StrataError(f"--turns {turns}: must be 1 to {len(TURNS)}")
     with tempfile.TemporaryDirectory(prefix="strata-bench-prefix-") as tmp_s:
         tmp = Path(tmp_s)
         job = tmp / "job.json"
         data = _job_ids(args.model, args.profile, prefix_tokens, args.system_tokens)
-        data.update(mlx_file=str(tmp / "mlxlm-prompt-cache.safetensors"), turns=args.turns,
+        data.update(mlx_file=str(tmp / "mlxlm-prompt-cache.safetensors"), turns=turns,
                     turn_tokens=args.turn_tokens)
         job.write_text(json.dumps(data))
         env = dict(os.environ, STRATA_PREFIX_DIR=str(tmp / "prefix"))
@@ -214,7 +167,7 @@ def run_prefix(args: argparse.Namespace) -> int:
         if "chat" in parts:
             _chat_part(res, job, chat_env, tmp, trials)
         if "turns" in parts:
-            print(f"prefix: a {args.turns}-turn chat", file=sys.stderr)
+            say(f"prefix: a {turns}-turn chat")
             res["turns"] = _spawn("turns", job, chat_env)
     res["summary"] = summarize(res)
     if args.json_out:
@@ -225,13 +178,12 @@ def run_prefix(args: argparse.Namespace) -> int:
 
 def _restore_part(res: dict[str, Any], job: Path, data: dict[str, Any], env: dict[str, str],
                   tmp: Path, prefix_tokens: int, trials: int) -> None:
-    print(f"prefix: building the cache of a {prefix_tokens}-token prefix (uncached)",
-          file=sys.stderr)
+    say(f"prefix: building the cache of a {prefix_tokens}-token prefix (uncached)")
     res["uncached"] = _spawn("build", job, env)
     pages = sorted((tmp / "prefix").glob("*.kvp"))
     # The build's files are still dirty in the page cache: the OS would neither drop them (the
     # first "cold" read would be warm) nor spare the disk their write-back during the trials.
-    _sync([*pages, Path(data["mlx_file"])])
+    sync_files([*pages, Path(data["mlx_file"])])
     probe = write_probe(tmp)
     # The goal's yardstick, as in earlier runs: the probe read once, right after it is written.
     res["disk"] = read_probe(probe)
@@ -240,12 +192,12 @@ def _restore_part(res: dict[str, Any], job: Path, data: dict[str, Any], env: dic
         for i in range(trials):
             # Next to each restart: the probe again (now as old as the page files are, which
             # reads slower on this VM's disk) and the page files themselves, plain.
-            print(f"prefix: restart {i + 1}/{trials}", file=sys.stderr)
+            say(f"prefix: restart {i + 1}/{trials}")
             disks.append(read_probe(probe))
             floors.append(files_read_speed(pages))
-            cold = _drop(pages)
+            cold = drop_page_cache(pages).done
             hits.append({**_spawn("hit", job, env), "cold": cold})
-            _drop([Path(data["mlx_file"])])
+            drop_page_cache([Path(data["mlx_file"])])
             loads.append(_spawn("mlxlm-load", job, env))
     finally:
         probe.unlink()
@@ -256,35 +208,30 @@ def _restore_part(res: dict[str, Any], job: Path, data: dict[str, Any], env: dic
 def _chat_part(res: dict[str, Any], job: Path, chat_env: dict[str, str], tmp: Path,
                trials: int) -> None:
     """Cold first token: a chat with a long system prompt, fresh process each time."""
-    print("prefix: cold first token, uncached (builds the chat's cache)", file=sys.stderr)
+    say("prefix: cold first token, uncached (builds the chat's cache)")
     res["chat_uncached"] = _spawn("chat", job, chat_env)
     chat_pages = sorted((tmp / "prefix-chat").glob("*.kvp"))
-    _sync(chat_pages)  # else the first drop leaves them cached (dirty pages stay)
+    sync_files(chat_pages)  # else the first drop leaves them cached (dirty pages stay)
     cached, peers = [], []
     for i in range(trials):
-        print(f"prefix: cold first token {i + 1}/{trials}", file=sys.stderr)
-        _drop(chat_pages)
+        say(f"prefix: cold first token {i + 1}/{trials}")
+        drop_page_cache(chat_pages)
         cached.append(_spawn("chat", job, chat_env))
         peers.append(_spawn("mlxlm-chat", job, chat_env))
     res["chat_cached"], res["chat_mlxlm"] = cached, peers
 
 
-def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
-
-
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "hit" in res:
-        restore = _median([h["restore_s"] for h in res["hit"]])
-        load = _median([m["load_s"] for m in res["mlxlm_load"]])
+        restore = median([h["restore_s"] for h in res["hit"]])
+        load = median([m["load_s"] for m in res["mlxlm_load"]])
         mb = res["hit"][0]["bytes_read"] / 1e6
         disk = res["disk"].get("buffered_gbps", 0.0)
-        floor = _median([f["gbps"] for f in res.get("files_read", [])] or [0.0])
-        again = _median([d.get("buffered_gbps", 0.0) for d in res.get("disk_again", [])] or [0.0])
+        floor = median([f["gbps"] for f in res.get("files_read", [])] or [0.0])
+        again = median([d.get("buffered_gbps", 0.0) for d in res.get("disk_again", [])] or [0.0])
         uncached_ttft = res["uncached"]["ttft_s"]
-        hit_ttft = _median([h["ttft_s"] for h in res["hit"]])
+        hit_ttft = median([h["ttft_s"] for h in res["hit"]])
         out.update({
             "prefix_prefill_s": res["uncached"]["prefill_s"],
             "uncached_ttft_s": uncached_ttft,
@@ -308,7 +255,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
             "restore_fraction_of_disk_again": (mb / 1e3 / restore) / again if again else None,
             # Each restart against the probe read just before it, then the median: the
             # yardstick swings 2x within minutes on a shared disk, a pair does not.
-            "restore_fraction_of_disk_paired": _median([
+            "restore_fraction_of_disk_paired": median([
                 mb / 1e3 / h["restore_s"] / d["buffered_gbps"]
                 for h, d in zip(res["hit"], res.get("disk_again", []), strict=False)
                 if d.get("buffered_gbps") and h["restore_s"]] or [0.0]) or None,
@@ -321,8 +268,8 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
             "outputs_equal": all(h["tokens"] == res["uncached"]["tokens"] for h in res["hit"]),
         })
     if "chat_cached" in res:
-        chat_cached = _median([c["cold_first_token_s"] for c in res["chat_cached"]])
-        chat_peer = _median([c["cold_first_token_s"] for c in res["chat_mlxlm"]])
+        chat_cached = median([c["cold_first_token_s"] for c in res["chat_cached"]])
+        chat_peer = median([c["cold_first_token_s"] for c in res["chat_mlxlm"]])
         out.update({
             "chat_system_tokens": res["system_prompt_tokens"],
             "chat_cold_uncached_s": res["chat_uncached"]["cold_first_token_s"],
@@ -330,7 +277,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
             "chat_cold_mlxlm_s": chat_peer,
             "chat_cached_over_mlxlm": chat_cached / chat_peer,
             "chat_uncached_over_mlxlm": res["chat_uncached"]["cold_first_token_s"] / chat_peer,
-            "chat_cached_tokens": _median([c["cached_tokens"] for c in res["chat_cached"]]),
+            "chat_cached_tokens": median([c["cached_tokens"] for c in res["chat_cached"]]),
         })
     if "turns" in res:
         rows = res["turns"]["turns"]
@@ -342,140 +289,9 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
             "turn_prompt_tokens": [r["prompt_tokens"] for r in rows],
             "turn_new_tokens": [r["new_tokens"] for r in rows],
             "turn_last_first_token_s": last["first_token_s"],
-            "turn_last_over_median_of_turns_2_on": last["first_token_s"] / _median(later),
+            "turn_last_over_median_of_turns_2_on": last["first_token_s"] / median(later),
             "turn_last_without_reuse_s": res["turns"]["last_without_reuse_s"],
             "turn_last_reuse_speedup": (res["turns"]["last_without_reuse_s"]
                                         / last["first_token_s"]),
         })
     return out
-
-
-# -- workers (each in a fresh process) ----------------------------------------------------
-def _strata(job: dict[str, Any], ids: list[int], max_tokens: int, ignore_eos: bool = False
-            ) -> dict[str, Any]:
-    from engine.platform import compute_profile
-    from engine.runtime.generate import LoadedModel, generate
-    from engine.runtime.sampling import SamplingParams
-    from engine.telemetry import Timeline
-
-    tl = Timeline()
-    lm = LoadedModel.load(job["model_dir"], profile=compute_profile(job["profile"]),
-                          timeline=tl)
-    pc = lm.enable_prefix_cache()
-    if ignore_eos:
-        # The prefix's first greedy token is EOS: without this, build and hit would both
-        # generate nothing and "same output" would compare two empty lists.
-        lm.eos_ids = set()
-    tokens: list[int] = []
-    first_wall = 0.0
-    last: Any = None
-    cache = lm.new_cache()
-    for ev in generate(lm, ids, SamplingParams(temperature=0.0), max_tokens, timeline=tl,
-                       prompt_cache=cache):
-        if ev.token is not None:
-            if not tokens:
-                first_wall = time.time()
-            tokens.append(ev.token)
-        last = ev
-    out = {"first_token_wall": first_wall, "tokens": tokens, "ttft_s": last.ttft_s,
-           "cached_tokens": last.cached_tokens, "restore_s": pc.stats.restore_s,
-           "bytes_read": pc.stats.bytes_read, "timeline": tl.durations(),
-           "prefill_s": tl.durations().get("prefill", 0.0)}
-    if job.get("save_mlx"):
-        from engine.runtime.model import cache_module
-
-        cm = cache_module()
-        n = job["prefix_tokens"]
-        exact = []
-        for c in cache.cache:  # exactly the prefix, no spare capacity: a fair file
-            k = cm.KVCache()
-            k.keys, k.values, k.offset = c.keys[..., :n, :], c.values[..., :n, :], n
-            exact.append(k)
-        cm.save_prompt_cache(job["mlx_file"], exact)
-    pc.close()
-    return out
-
-
-def chat_turns(lm: Any, system: str, questions: Sequence[str], max_tokens: int
-               ) -> tuple[list[dict[str, Any]], Any]:
-    """Greedy multi-turn chat in one ChatSession: per turn, the first-token time from the
-    call (template and tokenizing included) and the prompt's size; returns (rows, session)."""
-    from engine.runtime.generate import ChatSession
-    from engine.runtime.sampling import SamplingParams
-
-    session = ChatSession(lm, system=system)
-    rows = []
-    for i, q in enumerate(questions):
-        t0 = time.perf_counter()
-        first, last = 0.0, None
-        for ev in session.send(q, SamplingParams(temperature=0.0), max_tokens=max_tokens):
-            if ev.token is not None and not first:
-                first = time.perf_counter()
-            last = ev
-        assert last is not None
-        rows.append({"turn": i + 1, "prompt_tokens": last.prompt_tokens,
-                     "cached_tokens": last.cached_tokens,
-                     "new_tokens": last.prompt_tokens - last.cached_tokens,
-                     "first_token_s": (first or time.perf_counter()) - t0,
-                     "ttft_s": last.ttft_s, "generated_tokens": last.generated_tokens})
-    return rows, session
-
-
-def _turns(job: dict[str, Any]) -> dict[str, Any]:
-    """The multi-turn chat, then the last turn's prompt once more without any reuse."""
-    from engine.platform import compute_profile
-    from engine.runtime.generate import LoadedModel, generate
-    from engine.runtime.sampling import SamplingParams
-
-    lm = LoadedModel.load(job["model_dir"], profile=compute_profile(job["profile"]))
-    pc = lm.enable_prefix_cache()  # as the app has it: the system prompt comes off the SSD
-    rows, session = chat_turns(lm, job["system"], TURNS[:job["turns"]], job["turn_tokens"])
-    pc.close()
-    prompt = lm.tokenizer.encode_chat(session.messages[:-1])  # the last turn's prompt
-    t0 = time.perf_counter()
-    for ev in generate(lm, prompt, SamplingParams(temperature=0.0), 1, prefix_cache=False):
-        if ev.token is not None:
-            break
-    return {"turns": rows, "last_without_reuse_s": time.perf_counter() - t0,
-            "last_prompt_tokens": len(prompt)}
-
-
-def _worker(mode: str, job_path: str) -> dict[str, Any]:
-    job = json.loads(Path(job_path).read_text())
-    if mode == "build":
-        job["save_mlx"] = True
-        return _strata(job, job["prefix"], 4, ignore_eos=True)
-    if mode == "hit":
-        return _strata(job, job["prefix"], 4, ignore_eos=True)
-    if mode == "chat":
-        return _strata(job, job["chat"], 1)
-    if mode == "turns":
-        return _turns(job)
-    if mode == "mlxlm-load":
-        import mlx.core as mx
-
-        from engine.runtime.model import cache_module
-
-        t = time.perf_counter()
-        cache = cache_module().load_prompt_cache(job["mlx_file"])
-        mx.eval([c.keys for c in cache] + [c.values for c in cache])
-        return {"load_s": time.perf_counter() - t,
-                "file_bytes": os.path.getsize(job["mlx_file"])}
-    if mode == "mlxlm-chat":
-        # The real mlx_lm package first (its load needs it), then the same compute profile.
-        import mlx.core as mx
-        from mlx_lm import load, stream_generate
-
-        from engine.platform import compute_profile
-        from engine.runtime.model import apply_profile
-
-        model, tok = load(job["model_dir"])[:2]
-        apply_profile(model, compute_profile(job["profile"]))
-        mx.eval(model.parameters())
-        for r in stream_generate(model, tok, job["chat"], max_tokens=1):
-            return {"first_token_wall": time.time(), "tokens": [int(r.token)]}
-    raise SystemExit(f"unknown mode {mode}")
-
-
-if __name__ == "__main__":
-    print(json.dumps(_worker(sys.argv[1], sys.argv[2])), flush=True)

@@ -12,13 +12,13 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from importlib import metadata
 from typing import Any
 
 import engine
+from engine.bench.common import package_version
 from engine.errors import StrataError
-from engine.library import Library
 from engine.importers.starter import ensure_starter
+from engine.library import Library
 from engine.platform import backend, blas_status, check_gpu
 from engine.runtime.generate import LoadedModel, generate
 from engine.runtime.sampling import SamplingParams
@@ -38,12 +38,8 @@ def _process_age_s() -> float:
 def _versions() -> dict[str, str | None]:
     import mlx.core as mx  # heavy: loaded when the report is made, after the BLAS shim
 
-    try:
-        mlx_lm_version: str | None = metadata.version("mlx-lm")
-    except metadata.PackageNotFoundError:
-        mlx_lm_version = None
     return {"strata": engine.__version__, "mlx": str(getattr(mx, "__version__", None)),
-            "mlx_lm": mlx_lm_version, "python": platform.python_version()}
+            "mlx_lm": package_version("mlx-lm"), "python": platform.python_version()}
 
 
 def run_smoke(qt_probe: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """One benchmark subject in its own process: `python -m engine.bench.worker JOB.json`.
 
-Contract: reads a job (see `engine.bench.make_job`), measures one subject ('strata',
+Contract: reads a job (written by `engine.bench.quick.run_subject`), measures one subject ('strata',
 'mlx-lm' or 'llama.cpp') on one model and setting, and rewrites the job's `out` file with
 everything measured so far after each step, so an interrupted run (SIGINT or SIGTERM) keeps
 what finished. Progress goes to stderr as `@progress DONE TOTAL LABEL` lines. Every figure
@@ -10,16 +10,20 @@ ttft_s = prompt in to first token out; prompt_tps = new prompt tokens / ttft_s; 
 so every run generates max_tokens. Steps, in order: cold and warm loads,
 one warm-up generation, first-token trials without and with a cached prefix, then for each
 context depth a warm-up and `trials` runs of a prompt after `depth` tokens already cached.
+
+Imports: at the top only what every subject shares (no MLX, nothing of the runtime). Each
+subject imports its own stack in `prepare()` and `load()`, which is why those imports are
+local: `prepare()` times them (`load.imports_s`), the llama.cpp subject's memory figures
+must not hold MLX, and mlx-lm's real package must be imported before engine.runtime.model
+registers its bare `mlx_lm` module (see engine.runtime.model).
 """
 
 from __future__ import annotations
 
-import ctypes
 import gc
+import importlib
 import json
-import mmap
 import os
-import resource
 import signal
 import sys
 import time
@@ -28,108 +32,28 @@ from pathlib import Path
 from typing import Any
 
 from engine.bench.stats import stat
+from engine.bench.system import (
+    drop_page_cache,
+    footprint_bytes,
+    io_bytes,
+    peak_rss_bytes,
+    rss_bytes,
+)
+from engine.platform import compute_profile
+from engine.telemetry import Timeline
 
 PHASES = ("cache lookup", "prefill", "first decode")
 
 
-# -- page cache ---------------------------------------------------------------------------
 def weight_files(model_dir: Path, gguf: str | None = None) -> list[Path]:
     files = [p for p in sorted(model_dir.iterdir()) if p.is_file()] if model_dir.is_dir() else []
     return files + ([Path(gguf)] if gguf else [])
 
 
-def resident_fraction(paths: Sequence[Path]) -> float | None:
-    """Share of the files' pages in the page cache (mincore), or None where unsupported."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        page = mmap.PAGESIZE
-        resident = total = 0
-        for path in paths:
-            size = path.stat().st_size
-            if size == 0:
-                continue
-            with open(path, "rb") as fh:
-                # ACCESS_COPY gives a writable buffer (for ctypes) without faulting pages in.
-                mm = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_COPY)
-                try:
-                    n = (size + page - 1) // page
-                    vec = (ctypes.c_ubyte * n)()
-                    buf = (ctypes.c_char * size).from_buffer(mm)
-                    if libc.mincore(ctypes.c_void_p(ctypes.addressof(buf)),
-                                    ctypes.c_size_t(size), vec) != 0:
-                        return None
-                    resident += sum(1 for b in vec if b & 1)
-                    total += n
-                    del buf
-                finally:
-                    mm.close()
-        return resident / total if total else None
-    except (OSError, AttributeError, ValueError, BufferError):
-        return None
-
-
-def drop_page_cache(paths: Sequence[Path]) -> tuple[bool, str]:
-    """Ask the OS to drop the files from the page cache: (done, a note when not possible)."""
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is None:
-        return False, f"posix_fadvise is not available on {sys.platform}: cold = warm files"
-    try:
-        for path in paths:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-    except OSError as exc:
-        return False, f"posix_fadvise failed ({exc}): cold = warm files"
-    left = resident_fraction(paths)
-    if left is not None and left > 0.5:
-        return False, f"the OS kept {left:.0%} of the weight pages cached after DONTNEED"
-    return True, "" if left is not None else "page residency not checked (no mincore)"
-
-
-# -- memory -------------------------------------------------------------------------------
-def peak_rss_bytes() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS: bytes; Linux: KiB
-
-
-def footprint_bytes() -> int | None:
-    """macOS physical footprint (what Activity Monitor shows), via proc_pid_rusage."""
-    if sys.platform != "darwin":
-        return None
-    try:
-        class RUsageInfoV2(ctypes.Structure):
-            _fields_ = [("uuid", ctypes.c_uint8 * 16)] + [
-                (f"f{i}", ctypes.c_uint64) for i in range(25)]
-
-        libproc = ctypes.CDLL("/usr/lib/libproc.dylib")
-        info = RUsageInfoV2()
-        if libproc.proc_pid_rusage(os.getpid(), 2, ctypes.byref(info)) != 0:
-            return None
-        return int(info.f9)  # ri_phys_footprint is the tenth 64-bit field after the uuid
-    except OSError:
-        return None
-
-
-def io_bytes() -> tuple[int, int] | None:
-    """Bytes this process made the storage device read and write (page-cache hits are not
-    counted); None where the OS does not report it (psutil has no io_counters on macOS)."""
-    import psutil
-
-    try:
-        c = psutil.Process().io_counters()  # type: ignore[attr-defined]
-    except (AttributeError, psutil.Error):
-        return None
-    return int(c.read_bytes), int(c.write_bytes)
-
-
 def memory_figures(mx: Any | None, kv_bytes: int | None,
                    tiers: dict[str, int] | None = None) -> dict[str, Any]:
-    import psutil
-
     return {**(tiers or {}),
-        "rss_bytes": int(psutil.Process().memory_info().rss),
+        "rss_bytes": rss_bytes(),
         "rss_peak_bytes": peak_rss_bytes(),
         "footprint_bytes": footprint_bytes(),
         "mlx_active_bytes": int(mx.get_active_memory()) if mx is not None else None,
@@ -193,13 +117,11 @@ class StrataSubject(Subject):
     lm: Any = None
 
     def prepare(self) -> None:
-        import engine.runtime.generate  # noqa: F401
-        import engine.runtime.model  # noqa: F401
+        import engine.runtime.generate  # noqa: F401  (timed: the loader's first imports)
+        import engine.runtime.model  # noqa: F401  (timed, as above)
 
     def load(self) -> dict[str, float]:
-        from engine.platform import compute_profile
-        from engine.runtime.generate import LoadedModel
-        from engine.telemetry import Timeline
+        from engine.runtime.generate import LoadedModel  # imported by prepare(): no cost here
 
         tl = Timeline()
         self.lm = LoadedModel.load(self.model_dir, profile=compute_profile(self.job["profile"]),
@@ -207,7 +129,7 @@ class StrataSubject(Subject):
         self.lm.eos_ids = set()  # like llama-bench: every run generates max_tokens
         kv_mode = (self.job.get("setting") or {}).get("kv_mode")
         if kv_mode and kv_mode != "mlx":
-            from engine.kv import settings_from_env
+            from engine.kv import settings_from_env  # only a paged setting loads the KV stack
 
             self.lm.kv_settings = settings_from_env(mode=kv_mode)
         return tl.durations()
@@ -229,9 +151,9 @@ class StrataSubject(Subject):
         del cache.tokens[n:]
 
     def stream(self, ids: Sequence[int], cache: Any, max_tokens: int) -> Iterator[int]:
+        # Loaded with the subject's stack by prepare() (see the module docstring).
         from engine.runtime.generate import generate
         from engine.runtime.sampling import SamplingParams
-        from engine.telemetry import Timeline
 
         tl = Timeline()
         for ev in generate(self.lm, ids, SamplingParams(temperature=0), max_tokens,
@@ -259,11 +181,9 @@ class MlxLmSubject(Subject):
     tok: Any = None
 
     def prepare(self) -> None:
-        import importlib
+        import mlx_lm.utils  # noqa: F401  (first: the real package, before any bare one)
 
-        import mlx_lm.utils  # noqa: F401
-
-        import engine.runtime.model  # noqa: F401
+        import engine.runtime.model  # noqa: F401  (after mlx-lm's package; timed with it)
 
         config = json.loads((self.model_dir / "config.json").read_text())
         importlib.import_module(f"mlx_lm.models.{config.get('model_type', 'llama')}")
@@ -273,12 +193,10 @@ class MlxLmSubject(Subject):
             pass
 
     def load(self) -> dict[str, float]:
-        import mlx.core as mx
+        import mlx.core as mx  # this subject's stack (see the module docstring)
         from mlx_lm import load
 
-        import engine  # noqa: F401  (same BLAS shim as Strata: same compute profile)
-        from engine.platform import compute_profile
-        from engine.runtime.model import apply_profile
+        from engine.runtime.model import apply_profile  # imported by prepare(), after mlx-lm
 
         t0 = time.perf_counter()
         self.model, self.tok = load(str(self.model_dir))[:2]
@@ -291,12 +209,12 @@ class MlxLmSubject(Subject):
         self.model = self.tok = None
 
     def new_cache(self) -> Any:
-        from mlx_lm.models.cache import make_prompt_cache
+        from mlx_lm.models.cache import make_prompt_cache  # loaded by prepare()
 
         return {"layers": make_prompt_cache(self.model), "tokens": []}
 
     def rewind(self, cache: Any, n: int) -> None:
-        from mlx_lm.models.cache import trim_prompt_cache
+        from mlx_lm.models.cache import trim_prompt_cache  # loaded by prepare()
 
         held = cache["layers"][0].offset
         if held > n:
@@ -304,7 +222,7 @@ class MlxLmSubject(Subject):
         del cache["tokens"][n:]
 
     def stream(self, ids: Sequence[int], cache: Any, max_tokens: int) -> Iterator[int]:
-        from mlx_lm import stream_generate
+        from mlx_lm import stream_generate  # loaded by prepare()
 
         t0 = time.perf_counter()
         # The same prefix reuse as Strata's PromptCache: keep the shared prefix, trim the rest.
@@ -334,7 +252,7 @@ class LlamaCppSubject(Subject):
         return [Path(self.job["gguf"])]
 
     def load(self) -> dict[str, float]:
-        from llama_cpp import Llama
+        from llama_cpp import Llama  # an optional extra, and only this subject's
 
         t0 = time.perf_counter()
         need = max(self.job["depths"] or [0]) + len(self.job["prompt_ids"]) + \
@@ -410,7 +328,7 @@ class Runner:
     def run(self) -> None:
         job, s = self.job, self.subject
         if s.uses_mlx:
-            import mlx.core as mx
+            import mlx.core as mx  # not in llama.cpp's process: its memory figures stay its own
 
             self.mx = mx
             mx.random.seed(int(job["seed"]))
@@ -436,8 +354,8 @@ class Runner:
                     s.unload()  # before the drop: mapped pages would stay cached
                     gc.collect()
                 if kind == "cold":
-                    ok, why = drop_page_cache(s.files())
-                    dropped, note = dropped and ok, note or why
+                    drop = drop_page_cache(s.files())
+                    dropped, note = dropped and drop.done, note or drop.note
                 t0 = time.perf_counter()
                 parts = s.load()
                 (cold if kind == "cold" else warm).append(time.perf_counter() - t0)

@@ -8,15 +8,14 @@ from typing import Any
 
 import numpy as np
 
+from engine.bench.fill import doc_kv, fill_paged, tiled_mlx_cache
+from engine.bench.longrun import LongOptions, estimate_prefill_s, format_long, run_long
+from engine.bench.passkey import passkey_prompt, passkey_table, run_passkey, sparse_matches_exact
+from engine.kv import KVSettings, make_paged_cache
+from engine.kv.cache import close_caches
+
 
 def test_passkey_prompt_and_exact_finds_the_key(starter_lm: Any) -> None:
-    from engine.kv.passkey import (
-        passkey_prompt,
-        passkey_table,
-        run_passkey,
-        sparse_matches_exact,
-    )
-
     ids = passkey_prompt(starter_lm.tokenizer, 1024, 0.3, "12345")
     text = starter_lm.tokenizer.decode(ids)
     assert 900 <= len(ids) <= 1024 and "12345" in text
@@ -35,10 +34,6 @@ def test_passkey_prompt_and_exact_finds_the_key(starter_lm: Any) -> None:
 
 def test_synthetic_fill_pages_verify_and_decode(starter_lm: Any, tmp_path: Path) -> None:
     import mlx.core as mx
-
-    from engine.kv import KVSettings, make_paged_cache
-    from engine.kv.cache import close_caches
-    from engine.kv.fill import doc_kv, fill_paged, tiled_mlx_cache
 
     lm = starter_lm
     doc = doc_kv(lm, 256, page_tokens=64)
@@ -73,8 +68,6 @@ def test_synthetic_fill_pages_verify_and_decode(starter_lm: Any, tmp_path: Path)
 
 
 def test_long_run_synthetic_and_end_to_end(starter_lm: Any, tmp_path: Path) -> None:
-    from engine.kv.longrun import LongOptions, estimate_prefill_s, format_long, run_long
-
     lines: list[str] = []
     opts = LongOptions(context=2048, gen=3, exact_tokens=2, page_tokens=64,
                        budget_tokens=1024, ram_mb=1, doc_tokens=256, sample_s=0.05,

@@ -39,7 +39,7 @@ def _greedy(lm: Any, cache: list[Any], logits: Any, n: int) -> tuple[list[int], 
 @pytest.fixture(scope="module")
 def runs(starter_lm: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One 4k prefill with mlx-lm's KVCache and one through the paged cache (exact)."""
-    from engine.bench import prompt_ids
+    from engine.bench.common import prompt_ids
     from engine.kv import KVSettings, make_paged_cache
     from engine.runtime.model import cache_module
 

@@ -9,15 +9,14 @@ separately for prefill positions that attend to stored pages (past the first chu
 decode steps (every page but the partial tail is stored). Also per subject: KV bytes per token
 in the RAM tier and in the SSD records (from the store's own stats), prefill and decode tok/s.
 `kernel_timings` times one layer's decode-step attention over quantized pages both ways (decode
-then matmul, as the engine does, or mx.quantized_matmul). `run_kvbits(args)` is the CLI suite
-over both; tests call `compare` directly.
+then matmul, as the engine does, or mx.quantized_matmul). `run(args)` is the CLI suite over
+both; tests call `compare` directly.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -25,12 +24,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.errors import StrataError
-from engine.kv import BITS, KVSettings
-from engine.kv.codec import codec_for
+import mlx.core as mx
 
-DEFAULT_TEXT = Path(__file__).resolve().parents[2].parent / "shared" / "data" / \
-    "wikitext-2-test.txt"
+from engine.bench.common import REPO, machine_facts, tenths
+from engine.bench.fill import paged_cache
+from engine.errors import StrataError
+from engine.kv import BITS, KVSettings, close_caches
+from engine.kv.codec import codec_for
+from engine.quant.evaluate import eval_tokens
+from engine.runtime.generate import LoadedModel
+
+# The text prefilled when --text is not given: the shared wikitext-2 test set.
+DEFAULT_TEXT = REPO.parent / "shared" / "data" / "wikitext-2-test.txt"
 
 
 @dataclass
@@ -63,16 +68,12 @@ def subject_name(s: KVSettings) -> str:
 
 def _kl_top1(ref_lp: Any, lp: Any) -> tuple[Any, Any]:
     """Sums over positions of KL(ref || lp) and of top-1 agreement; (L, V) log-probs."""
-    import mlx.core as mx
-
     kl = (mx.exp(ref_lp) * (ref_lp - lp)).sum(axis=-1).sum()
     same = (mx.argmax(ref_lp, axis=-1) == mx.argmax(lp, axis=-1)).sum()
     return kl, same
 
 
 def _logprobs(logits: Any) -> Any:
-    import mlx.core as mx
-
     x = logits[0].astype(mx.float32)
     return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
@@ -83,17 +84,13 @@ def compare(lm: Any, ids: Sequence[int], subjects: Sequence[KVSettings], context
     """See the module docstring. ids[:context] are prefilled, ids[context:] decoded one by
     one (teacher forced, so every subject sees the same tokens); subjects[0] is the
     reference. Caches are closed before returning."""
-    import mlx.core as mx
-
-    from engine.kv import make_paged_cache
-    from engine.kv.cache import close_caches
-
     if len(subjects) < 2:
         raise StrataError("kvbits: need a reference and at least one subject to compare")
     if not 0 < context < len(ids):
         raise StrataError(f"kvbits: context of {context} tokens needs more than {context} "
                           f"tokens of text (got {len(ids)})")
-    caches = [make_paged_cache(lm.model, s) for s in subjects]
+    paged = [paged_cache(lm.model, s) for s in subjects]
+    caches = [c for c, _ in paged]
     rows = [SubjectResult(subject_name(s), s.mode, s.bits,
                           s.group() if s.bits != 16 else None) for s in subjects]
     for r in rows:
@@ -122,8 +119,7 @@ def compare(lm: Any, ids: Sequence[int], subjects: Sequence[KVSettings], context
                     row._sums["ptop"] += float(same.item())  # type: ignore[arg-type]
             if progress is not None:
                 progress(min(start + chunk, context), total)
-        for cache, row in zip(caches, rows, strict=True):
-            store = cache[0].store
+        for (_, store), row in zip(paged, rows, strict=True):
             store.flush()
             st = store.stats()
             tokens = store.tables[0].n_pages * store.P or 1  # tokens in pages, every layer
@@ -173,8 +169,6 @@ def kernel_timings(context: int, kv_heads: int, head_dim: int, page_tokens: int,
     random pages: as computed, and per codec decoded then matmul (what the engine does)
     against mx.quantized_matmul on the encoded pages; plus decode alone, ours against
     mx.dequantize. Best of three runs of `reps`."""
-    import mlx.core as mx
-
     def best(f: Callable[[], Any]) -> float:
         mx.eval(f())
         out = float("inf")
@@ -224,28 +218,6 @@ def kernel_timings(context: int, kv_heads: int, head_dim: int, page_tokens: int,
 
 
 # -- the CLI suite ------------------------------------------------------------------------
-def add_kvbits_arguments(p: argparse.ArgumentParser) -> None:
-    """Adds 'kvbits' to `strata bench`'s suites and its own options."""
-    for action in p._actions:  # the suite positional is engine.bench's; extend, do not copy
-        if action.dest == "suite" and action.choices is not None:
-            action.choices = [*action.choices, "kvbits"]  # type: ignore[assignment]
-    g = p.add_argument_group("kvbits suite")
-    g.add_argument("--bits", default="16,8,4",
-                   help="kvbits: KV precisions, comma-separated; 16 is the reference")
-    g.add_argument("--groups", default="",
-                   help="kvbits: quantization group sizes to try, comma-separated (32,64,128; "
-                        "default: the engine's default for each bit width)")
-    g.add_argument("--paged-modes", default="exact",
-                   help="kvbits: paged KV modes to measure (exact, sparse); the reference is "
-                        "exact 16-bit")
-    g.add_argument("--prefill-tokens", type=int, default=4096,
-                   help="kvbits: tokens of text prefilled (default 4096)")
-    g.add_argument("--decode-steps", type=int, default=32,
-                   help="kvbits: teacher-forced decode steps after the prefill (default 32)")
-    g.add_argument("--text", type=Path, default=DEFAULT_TEXT,
-                   help="kvbits: text to prefill (default: the shared wikitext-2 test set)")
-
-
 def _subjects(args: argparse.Namespace, ssd_dir: Path) -> list[KVSettings]:
     def ints(text: str, what: str) -> list[int]:
         try:
@@ -287,29 +259,20 @@ def format_table(rows: list[SubjectResult]) -> str:
     return "\n".join(lines)
 
 
-def run_kvbits(args: argparse.Namespace) -> int:
-    from engine.bench import machine_facts
-    from engine.quant.evaluate import eval_tokens
-    from engine.runtime.generate import LoadedModel
-
+def run(args: argparse.Namespace) -> int:
+    """The suite: the KL table for every subject, then the kernel timings."""
+    text = Path(args.text) if args.text else DEFAULT_TEXT
     if args.prefill_tokens < 1 or args.decode_steps < 1:
         raise StrataError("bench kvbits: --prefill-tokens and --decode-steps must be >= 1")
     with tempfile.TemporaryDirectory(prefix="strata-kvbits-") as tmp:
         subjects = _subjects(args, Path(tmp))
         lm = LoadedModel.load(args.model)
         n = args.prefill_tokens + args.decode_steps
-        ids = eval_tokens(lm.tokenizer, Path(args.text), n)
+        ids = eval_tokens(lm.tokenizer, text, n)
         if len(ids) < n:
-            raise StrataError(f"{args.text}: {len(ids)} tokens, {n} needed")
-        last = [-1]
-
-        def progress(done: int, total: int) -> None:
-            if done * 10 // total != last[0]:
-                last[0] = done * 10 // total
-                print(f"  {done}/{total} tokens", file=sys.stderr, flush=True)
-
+            raise StrataError(f"{text}: {len(ids)} tokens, {n} needed")
         t0 = time.perf_counter()
-        rows = compare(lm, ids, subjects, args.prefill_tokens, progress=progress)
+        rows = compare(lm, ids, subjects, args.prefill_tokens, progress=tenths("tokens"))
         wall = time.perf_counter() - t0
         attn = lm.model.layers[0].self_attn
         kv_heads = int(attn.n_kv_heads)
@@ -319,7 +282,7 @@ def run_kvbits(args: argparse.Namespace) -> int:
         kernels = kernel_timings(args.prefill_tokens, kv_heads, head_dim,
                                  subjects[0].page_tokens, codecs,
                                  q_per_kv=int(attn.n_heads) // kv_heads)
-    print(f"\nmodel {lm.manifest['name']}, profile {lm.profile.name}, text {Path(args.text).name}"
+    print(f"\nmodel {lm.manifest['name']}, profile {lm.profile.name}, text {text.name}"
           f", {args.prefill_tokens} tokens prefilled in chunks of 512, {args.decode_steps} "
           f"decode steps, page {subjects[0].page_tokens} tokens; KL against {rows[0].name}; "
           f"{wall:.0f} s")
@@ -336,7 +299,7 @@ def run_kvbits(args: argparse.Namespace) -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(
             {"schema": "strata-bench-kvbits/1", "model": lm.manifest["name"],
-             "profile": lm.profile.name, "text": str(args.text),
+             "profile": lm.profile.name, "text": str(text),
              "prefill_tokens": args.prefill_tokens, "decode_steps": args.decode_steps,
              "page_tokens": subjects[0].page_tokens, "machine": machine_facts(),
              "rows": [r.to_dict() for r in rows], "kernels": kernels}, indent=2))

@@ -1,14 +1,14 @@
 """`strata bench kv`: decode speed of the paged KV cache against mlx-lm's KVCache, same run.
 
-Contract: for each context length, one prefill with mlx-lm's KVCache (or, with
---prefill-paged, a second prefill through the paged cache, which checks prefill exactness);
-the paged cache is filled with the very same keys and values, then every mode decodes greedily
-from the same logits. Reported per mode: generated tok/s, ratio to mlx-lm, greedy tokens
-identical to mlx-lm's, first-step max |logit difference|, pages and bytes read per token, RSS.
-With --synthetic-fill N every context is instead filled by tiling one real N-token prefill
-(engine/kv/fill.py; rows say "synthetic"). --passkey runs the pass-key table
-(engine/kv/passkey.py); --context N one long context on the SSD tier (engine/kv/longrun.py).
-Ctrl-C prints and writes what finished.
+Contract: `run(args)` is the suite. For each context length, one prefill with mlx-lm's
+KVCache (or, with --prefill-paged, a second prefill through the paged cache, which checks
+prefill exactness); the paged cache is filled with the very same keys and values, then every
+mode decodes greedily from the same logits. Reported per mode: generated tok/s, ratio to
+mlx-lm, greedy tokens identical to mlx-lm's, first-step max |logit difference|, pages and
+bytes read per token, RSS. With --synthetic-fill N every context is instead filled by tiling
+one real N-token prefill (engine/bench/fill.py; rows say "synthetic"). --passkey runs the
+pass-key table (engine/bench/passkey.py); --context N one long context on the SSD tier
+(engine/bench/longrun.py). Ctrl-C prints and writes what finished.
 """
 
 from __future__ import annotations
@@ -17,57 +17,26 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+import numpy as np
+
+from engine.bench.common import machine_facts, prompt_ids, say, tenths
+from engine.bench.fill import doc_kv, paged_cache, tiled_mlx_cache
+from engine.bench.longrun import LongOptions, format_long, run_long
+from engine.bench.passkey import PasskeyCell, passkey_table, run_passkey, sparse_matches_exact
+from engine.bench.system import rss_bytes
 from engine.errors import StrataError
-
-
-def add_kv_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("kv suite")
-    g.add_argument("--contexts", default="4096,16384",
-                   help="kv: comma-separated context lengths (default 4096,16384)")
-    g.add_argument("--modes", default="mlx,exact,sparse", help="kv: subjects to decode with")
-    g.add_argument("--gen", type=int, default=32, help="kv: tokens generated per subject")
-    g.add_argument("--kv-budget", type=int, default=2048, help="kv: sparse token budget")
-    g.add_argument("--kv-ram-mb", type=int, help="kv: RAM tier budget (default: derived)")
-    g.add_argument("--page-tokens", type=int, default=128, help="kv: tokens per page")
-    g.add_argument("--prefill-paged", action="store_true",
-                   help="kv: also prefill through the paged cache and compare logits")
-    g.add_argument("--synthetic-fill", type=int, metavar="DOC_TOKENS",
-                   help="kv: fill every context by tiling the KV of one real prefill of "
-                   "DOC_TOKENS tokens (same KV for every subject; labelled synthetic)")
-    g.add_argument("--passkey", action="store_true",
-                   help="kv: pass-key retrieval table, exact and sparse, instead of speed")
-    g.add_argument("--passkey-lengths", default="2048,4096,8192",
-                   help="kv --passkey: prompt lengths in tokens")
-    g.add_argument("--passkey-depths", default="10,30,50,70,90",
-                   help="kv --passkey: key depths in percent of the filler")
-    g.add_argument("--passkey-fraction", type=float, default=0.25,
-                   help="kv --passkey: sparse budget as a fraction of the prompt")
-    g.add_argument("--context", type=int, metavar="TOKENS",
-                   help="kv: one long context held mostly on the SSD tier (e.g. 1000000): "
-                   "synthetic fill unless --end-to-end")
-    g.add_argument("--end-to-end", action="store_true",
-                   help="kv --context: real prefill of a pass-key prompt, then its answer")
-    g.add_argument("--exact-tokens", type=int, default=2,
-                   help="kv --context: tokens decoded in exact mode (0: skip it)")
-    g.add_argument("--kv-dtype", choices=("float16", "float32"),
-                   help="kv --context: page dtype (default: the model's compute dtype)")
-    g.add_argument("--fill-doc", type=int, default=4096,
-                   help="kv --context: tokens of the real document tiled by the fill")
-
-
-def _rss() -> int:
-    import psutil
-
-    return int(psutil.Process().memory_info().rss)
+from engine.kv import KVSettings, close_caches
+from engine.runtime.generate import LoadedModel
+from engine.runtime.model import cache_module
 
 
 def _decode(lm: Any, cache: list[Any], first: Any, n: int) -> tuple[list[int], float, Any]:
     """Greedy decode n tokens from logits `first`; returns tokens, tok/s, first-step logits."""
-    import mlx.core as mx
-
     y = mx.argmax(first, axis=-1)
     toks: list[int] = []
     step1 = None
@@ -85,9 +54,8 @@ def _decode(lm: Any, cache: list[Any], first: Any, n: int) -> tuple[list[int], f
     return toks, (n - 1) / dt if dt > 0 else 0.0, step1
 
 
-def _prefill(lm: Any, cache: list[Any], ids: list[int], progress: Any) -> Any:
-    import mlx.core as mx
-
+def _prefill(lm: Any, cache: list[Any], ids: list[int], progress: Callable[[int, int], None]
+             ) -> Any:
     step = 512
     for i in range(0, len(ids) - 1, step):
         chunk = ids[i:min(i + step, len(ids) - 1)]
@@ -101,8 +69,6 @@ def _prefill(lm: Any, cache: list[Any], ids: list[int], progress: Any) -> Any:
 
 def _fill_from(paged: list[Any], ref: list[Any]) -> None:
     """Copy an mlx-lm KVCache's keys and values into the paged cache, chunk by chunk."""
-    import mlx.core as mx
-
     for p, r in zip(paged, ref, strict=True):
         n = r.offset
         for i in range(0, n, 4096):
@@ -111,13 +77,8 @@ def _fill_from(paged: list[Any], ref: list[Any]) -> None:
         mx.eval(p.state)
 
 
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-def run_kv(args: argparse.Namespace) -> int:
-    from engine.runtime.generate import LoadedModel
-
+def run(args: argparse.Namespace) -> int:
+    """The suite: the speed table, or --passkey's table, or --context's long run."""
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
         if m not in ("mlx", "exact", "sparse"):
@@ -131,8 +92,6 @@ def run_kv(args: argparse.Namespace) -> int:
 
 
 def _write_json(args: argparse.Namespace, lm: Any, doc: dict[str, Any]) -> None:
-    from engine.bench import machine_facts
-
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(
             {"schema": "strata-bench-kv/2", "model": lm.manifest["name"],
@@ -142,29 +101,13 @@ def _write_json(args: argparse.Namespace, lm: Any, doc: dict[str, Any]) -> None:
 
 def _run_contexts(lm: Any, args: argparse.Namespace, modes: list[str]) -> int:
     """Decode speed per context and mode (the table); Ctrl-C keeps what finished."""
-    import mlx.core as mx
-    import numpy as np
-
-    from engine.bench import prompt_ids
-    from engine.kv import KVSettings, make_paged_cache
-    from engine.kv.cache import close_caches
-    from engine.kv.fill import doc_kv, tiled_mlx_cache
-    from engine.runtime.model import cache_module
-
     rows: list[dict[str, Any]] = []
-    last = [-1]
-
-    def progress(done: int, total: int, last: list[int] = last) -> None:
-        if done * 10 // total != last[0]:
-            last[0] = done * 10 // total
-            _say(f"  {done}/{total}")
-
     doc = None
     fill = "prefill"
     if args.synthetic_fill:
-        _say(f"synthetic fill: one real prefill of {args.synthetic_fill} tokens with mlx-lm's "
+        say(f"synthetic fill: one real prefill of {args.synthetic_fill} tokens with mlx-lm's "
              "KVCache; every context and subject gets its KV tiled to length")
-        doc = doc_kv(lm, args.synthetic_fill, args.page_tokens, progress)
+        doc = doc_kv(lm, args.synthetic_fill, args.page_tokens, tenths())
         fill = f"synthetic (tiled real KV of {doc.tokens} tokens)"
     complete = True
     try:
@@ -174,30 +117,28 @@ def _run_contexts(lm: Any, args: argparse.Namespace, modes: list[str]) -> int:
                 ids: list[int] = []
             else:
                 ids = prompt_ids(lm.tokenizer, ctx)
-                _say(f"context {ctx}: prefill with mlx-lm's KVCache")
+                say(f"context {ctx}: prefill with mlx-lm's KVCache")
                 t = time.perf_counter()
                 ref_cache = cache_module().make_prompt_cache(lm.model)
-                last[0] = -1
-                first = _prefill(lm, ref_cache, ids, progress)
+                first = _prefill(lm, ref_cache, ids, tenths())
                 prefill_s = time.perf_counter() - t
             settings = KVSettings(mode="exact", page_tokens=args.page_tokens,
                                   ram_mb=args.kv_ram_mb,
                                   budget_tokens=args.kv_budget).validate()
-            paged = make_paged_cache(lm.model, settings)
+            paged, store = paged_cache(lm.model, settings)
             paged_first = None
             paged_prefill_s = None
             if args.prefill_paged and ids:
-                _say(f"context {ctx}: prefill through the paged cache")
+                say(f"context {ctx}: prefill through the paged cache")
                 t = time.perf_counter()
-                paged_first = _prefill(lm, paged, ids, progress)
+                paged_first = _prefill(lm, paged, ids, tenths())
                 paged_prefill_s = time.perf_counter() - t
             else:
                 _fill_from(paged, ref_cache)
-            store = paged[0].store
             base_tokens: list[int] | None = None
             base_logits = None
             for mode in modes:
-                rss0 = _rss()
+                rss0 = rss_bytes()
                 if mode == "mlx":
                     cache, start = ref_cache, first
                 else:
@@ -209,7 +150,7 @@ def _run_contexts(lm: Any, args: argparse.Namespace, modes: list[str]) -> int:
                 toks, tps, step1 = _decode(lm, cache, start, args.gen)
                 row: dict[str, Any] = {"context": ctx, "mode": mode, "fill": fill,
                                        "gen_tokens": args.gen, "decode_tps": round(tps, 2),
-                                       "rss_bytes": max(rss0, _rss())}
+                                       "rss_bytes": max(rss0, rss_bytes())}
                 if mode == "mlx":
                     base_tokens, base_logits = toks, np.array(step1)
                 else:
@@ -226,7 +167,7 @@ def _run_contexts(lm: Any, args: argparse.Namespace, modes: list[str]) -> int:
                     row["max_abs_logit_diff_step1"] = float(np.abs(np.array(step1) -
                                                                   base_logits).max())
                 rows.append(row)
-                _say(f"  {ctx} {mode:7} {tps:7.2f} tok/s  {row.get('tokens_same_as_mlx', '')}")
+                say(f"  {ctx} {mode:7} {tps:7.2f} tok/s  {row.get('tokens_same_as_mlx', '')}")
             extra: dict[str, Any] = {"context": ctx, "prefill_s_mlx": round(prefill_s, 1)}
             if paged_first is not None:
                 extra["prefill_s_paged"] = round(paged_prefill_s or 0.0, 1)
@@ -240,7 +181,7 @@ def _run_contexts(lm: Any, args: argparse.Namespace, modes: list[str]) -> int:
             del ref_cache, paged
     except KeyboardInterrupt:
         complete = False
-        _say("interrupted: reporting what finished")
+        say("interrupted: reporting what finished")
     print(format_contexts(rows, lm, args, fill))
     _write_json(args, lm, {"suite": "kv", "complete": complete, "fill": fill,
                            "budget_tokens": args.kv_budget, "gen_tokens": args.gen,
@@ -272,15 +213,13 @@ def format_contexts(rows: list[dict[str, Any]], lm: Any, args: argparse.Namespac
 
 def _run_passkey(lm: Any, args: argparse.Namespace) -> int:
     """The pass-key table; cells are kept as they finish, so Ctrl-C still reports them."""
-    from engine.kv.passkey import PasskeyCell, passkey_table, run_passkey, sparse_matches_exact
-
     lengths = [int(x) for x in args.passkey_lengths.split(",") if x]
     depths = [int(x) / 100 for x in args.passkey_depths.split(",") if x]
     cells: list[PasskeyCell] = []
 
     def on_cell(c: PasskeyCell) -> None:
         cells.append(c)
-        _say(f"  {c.target:>6} {c.depth:4.0%} {c.mode:6} budget {c.budget_tokens:>5}: "
+        say(f"  {c.target:>6} {c.depth:4.0%} {c.mode:6} budget {c.budget_tokens:>5}: "
              f"{'found' if c.found else 'NOT found'} (key {c.key}, answer {c.answer!r})")
 
     complete = True
@@ -289,7 +228,7 @@ def _run_passkey(lm: Any, args: argparse.Namespace) -> int:
                     budget_fraction=args.passkey_fraction, seed=args.seed, on_cell=on_cell)
     except KeyboardInterrupt:
         complete = False
-        _say("interrupted: reporting what finished")
+        say("interrupted: reporting what finished")
     goal = sparse_matches_exact(cells)
     print(f"\npass key, model {lm.manifest['name']}, profile {lm.profile.name}; one prefill "
           "per prompt, both modes decode from its pages (the last prompt token and the answer "
@@ -304,11 +243,9 @@ def _run_passkey(lm: Any, args: argparse.Namespace) -> int:
 
 
 def _run_long(lm: Any, args: argparse.Namespace, modes: list[str]) -> int:
-    """One long context on the SSD tier (see engine.kv.longrun)."""
-    from engine.kv.longrun import LongOptions, format_long, run_long
-
+    """One long context on the SSD tier (see engine.bench.longrun)."""
     if "mlx" in modes:
-        _say("mlx: skipped (mlx-lm's KVCache keeps the whole context in memory; this run is "
+        say("mlx: skipped (mlx-lm's KVCache keeps the whole context in memory; this run is "
              "about a context that does not fit)")
     # Sparse first: exact reads every page per token and may take minutes at this length.
     order = [m for m in ("sparse", "exact") if m in modes]
@@ -317,7 +254,7 @@ def _run_long(lm: Any, args: argparse.Namespace, modes: list[str]) -> int:
                        page_tokens=args.page_tokens, budget_tokens=args.kv_budget,
                        ram_mb=args.kv_ram_mb or 1024, kv_dtype=args.kv_dtype,
                        doc_tokens=args.fill_doc, end_to_end=args.end_to_end, seed=args.seed)
-    report = run_long(lm, opts, _say)
+    report = run_long(lm, opts, say)
     print(format_long(report, lm))
     _write_json(args, lm, {"suite": "kv-long", **report})
     return 0 if report.get("complete") else 130

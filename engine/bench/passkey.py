@@ -18,6 +18,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+
+from engine.bench.fill import paged_cache
+from engine.kv import KVSettings, close_caches
+
 # The filler and question of the pass-key test as the long-context literature writes it
 # (Mohtashami & Jaggi, "Landmark Attention", 2023): repetitive text the key must stand out of.
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
@@ -75,8 +80,6 @@ def make_key(seed: int, length: int, depth: float) -> str:
 
 
 def _prefill(lm: Any, cache: list[Any], ids: Sequence[int], chunk: int = 512) -> None:
-    import mlx.core as mx
-
     for i in range(0, len(ids), chunk):
         lm.model(mx.array(list(ids[i:i + chunk]))[None], cache=cache)
         mx.eval([c.state for c in cache])
@@ -84,8 +87,6 @@ def _prefill(lm: Any, cache: list[Any], ids: Sequence[int], chunk: int = 512) ->
 
 def _answer(lm: Any, cache: list[Any], last: int, n: int) -> list[int]:
     """Greedy decode from the last prompt token, one decode step per token."""
-    import mlx.core as mx
-
     y = mx.array([[last]])
     out: list[int] = []
     for _ in range(n):
@@ -111,9 +112,6 @@ def run_passkey(lm: Any, lengths: Sequence[int], depths: Sequence[float],
     Sparse budget: `budget_tokens` if given, else `budget_fraction` of the prompt, rounded
     down to whole pages. Pages stay in the RAM tier (nothing here measures the SSD tier).
     """
-    from engine.kv import KVSettings, make_paged_cache
-    from engine.kv.cache import close_caches
-
     cells: list[PasskeyCell] = []
     total = len(lengths) * len(depths)
     done = 0
@@ -128,8 +126,7 @@ def run_passkey(lm: Any, lengths: Sequence[int], depths: Sequence[float],
             base = KVSettings(mode="exact", page_tokens=page_tokens, sink_tokens=sink_tokens,
                               window_tokens=window_tokens, budget_tokens=budget, ssd=False,
                               ssd_dir=ssd_dir).validate()
-            cache = make_paged_cache(lm.model, base)
-            store = cache[0].store
+            cache, store = paged_cache(lm.model, base)
             try:
                 _prefill(lm, cache, ids[:-1])
                 for mode in modes:

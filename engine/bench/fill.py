@@ -1,26 +1,44 @@
-"""Synthetic KV fill for long-context decode benchmarks: one real prefill, tiled to any length.
+"""KV for the KV suites: paged caches, and a synthetic fill (one real prefill, tiled to any
+length) for long-context decode benchmarks.
 
-Contract: `doc_kv(lm, n)` prefills a real document of n tokens (whole pages) with mlx-lm's
-KVCache and keeps its keys (after RoPE), values and last logits. `tiled_mlx_cache(doc, n)`
-returns mlx-lm KVCaches holding n tokens that repeat the document's KV; `fill_paged(caches,
-doc, n)` commits the same n tokens into a paged store through its ordinary commit path (RAM
-tier, write-through to the SSD tier by the store's writer). The values are the model's own,
-but positions repeat every document length: right for decode speed, memory and I/O (exact
-attention costs the same whatever the values), meaningless for what the model answers.
-Anything reporting a figure measured this way must say "synthetic fill".
+Contract: `paged_cache(model, settings, dtype)` is engine.kv's paged cache for a model (pages
+in `dtype`, None: the model's) with the one store behind it. `doc_kv(lm, n)` prefills a real
+document of n tokens (whole pages) with mlx-lm's KVCache and keeps its keys (after RoPE),
+values and last logits. `tiled_mlx_cache(doc, n)` returns mlx-lm KVCaches holding n tokens
+that repeat the document's KV; `fill_paged(caches, doc, n)` commits the same n tokens into a
+paged store through its ordinary commit path (RAM tier, write-through to the SSD tier by the
+store's writer). The values are the model's own, but positions repeat every document length:
+right for decode speed, memory and I/O (exact attention costs the same whatever the values),
+meaningless for what the model answers. Anything reporting a figure measured this way must
+say "synthetic fill".
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+import mlx.core as mx
+
+from engine.bench.common import prompt_ids
+from engine.kv import KVSettings, LayerCache, PagedLayerCache, geometry_of, make_paged_cache
+from engine.kv.store import KVStore
+from engine.runtime.model import cache_module
 
 Progress = Callable[[int, int], None]
 Cancel = Callable[[], bool]
+
+
+def paged_cache(model: Any, settings: KVSettings, dtype: str | None = None
+                ) -> tuple[list[LayerCache], KVStore]:
+    """One paged cache per layer over a fresh store, and the store (its counters and stats
+    are what the suites report)."""
+    caches = make_paged_cache(model, settings, geometry_of(model, dtype))
+    first = caches[0]
+    assert isinstance(first, PagedLayerCache)  # make_paged_cache makes no other kind
+    return caches, first.store
 
 
 class FillCancelled(Exception):
@@ -51,11 +69,6 @@ def doc_kv(lm: Any, n_tokens: int, page_tokens: int = 128, progress: Progress | 
            dtype: Any = None) -> DocKV:
     """Prefill `n_tokens` (rounded down to whole pages) of the benchmark filler text with
     mlx-lm's KVCache; keys and values are cast to `dtype` if given."""
-    import mlx.core as mx
-
-    from engine.bench import prompt_ids
-    from engine.runtime.model import cache_module
-
     n = max(page_tokens, n_tokens // page_tokens * page_tokens)
     ids = prompt_ids(lm.tokenizer, n)
     cache = cache_module().make_prompt_cache(lm.model)
@@ -80,10 +93,6 @@ def doc_kv(lm: Any, n_tokens: int, page_tokens: int = 128, progress: Progress | 
 def tiled_mlx_cache(doc: DocKV, n_tokens: int) -> list[Any]:
     """mlx-lm KVCaches holding `n_tokens` positions that repeat the document's KV, with room
     for 256 more (as mlx-lm's own growth step) so the first decode steps do not copy it."""
-    import mlx.core as mx
-
-    from engine.runtime.model import cache_module
-
     reps, rest = divmod(n_tokens, doc.tokens)
     step = 256
     cap = (n_tokens + step - 1) // step * step + step
@@ -107,8 +116,6 @@ def fill_paged(caches: list[Any], doc: DocKV, n_tokens: int, progress: Progress 
     """Append `n_tokens` positions repeating the document's KV to fresh paged caches, through
     `update_and_fetch` (so the store's commit path, its RAM budget and its writer do the
     work). Raises FillCancelled if `cancel()` turns True between chunks."""
-    import mlx.core as mx
-
     chunk = min(chunk, doc.tokens)
     done = 0
     while done < n_tokens:
@@ -124,19 +131,3 @@ def fill_paged(caches: list[Any], doc: DocKV, n_tokens: int, progress: Progress 
         if progress is not None:
             progress(done, n_tokens)
 
-
-def drop_page_cache(folder: Path) -> int:
-    """fsync and drop the page files under `folder` from the OS page cache, so later reads
-    come from the disk; returns the bytes covered (0 where the OS has no fadvise)."""
-    if not hasattr(os, "posix_fadvise"):
-        return 0
-    total = 0
-    for path in sorted(folder.glob("*.kvp")):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            total += os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-    return total

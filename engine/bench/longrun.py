@@ -12,7 +12,6 @@ finished.
 
 from __future__ import annotations
 
-import resource
 import threading
 import time
 from collections.abc import Callable
@@ -20,7 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+import numpy as np
+
+from engine.bench.fill import FillCancelled, doc_kv, fill_paged, paged_cache
+from engine.bench.passkey import make_key, passkey_prompt
+from engine.bench.system import drop_page_cache, peak_rss_bytes, rss_bytes
 from engine.errors import StrataError
+from engine.kv import KVSettings, close_caches
 
 
 @dataclass
@@ -41,20 +47,6 @@ class LongOptions:
     ssd_dir: Path | None = None   # None: STRATA_HOME/kv
 
 
-def _rss() -> int:
-    import psutil
-
-    return int(psutil.Process().memory_info().rss)
-
-
-def peak_rss() -> int:
-    """The process's peak resident set so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
-    import sys
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
-
-
 class RssSampler:
     """A thread that records (seconds, phase, rss bytes) every `interval` seconds."""
 
@@ -69,13 +61,13 @@ class RssSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append((time.perf_counter() - self._t0, self.phase, _rss()))
+            self.samples.append((time.perf_counter() - self._t0, self.phase, rss_bytes()))
             self._stop.wait(self.interval)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-        self.samples.append((time.perf_counter() - self._t0, self.phase, _rss()))
+        self.samples.append((time.perf_counter() - self._t0, self.phase, rss_bytes()))
 
     def by_phase(self) -> dict[str, int]:
         """The highest sampled RSS per phase, in phase order."""
@@ -98,31 +90,9 @@ class RssSampler:
         return out
 
 
-def make_caches(lm: Any, settings: Any, dtype: str | None) -> list[Any]:
-    """Paged caches over a store whose pages are `dtype` (None: the model's dtype)."""
-    from engine.kv.attention import install_hook
-    from engine.kv.cache import PagedLayerCache
-    from engine.kv.store import KVStore
-
-    if dtype is None:
-        from engine.kv import make_paged_cache
-
-        return make_paged_cache(lm.model, settings)
-    layers = list(lm.model.layers)
-    attn = layers[0].self_attn
-    head_dim = int(getattr(attn, "head_dim", 0) or attn.k_proj.weight.shape[0] //
-                   attn.n_kv_heads)
-    store = KVStore(settings, n_layers=len(layers), kv_heads=int(attn.n_kv_heads),
-                    head_dim=head_dim, dtype=dtype)
-    install_hook(lm.model)
-    return [PagedLayerCache(store, i) for i in range(len(layers))]
-
-
 def _decode(lm: Any, cache: list[Any], first_token: int, n: int, cancel: Callable[[], bool]
             ) -> tuple[list[int], list[float]]:
     """Greedy decode n tokens feeding `first_token` first; returns tokens and per-step s."""
-    import mlx.core as mx
-
     y = mx.array([[first_token]])
     toks: list[int] = []
     times: list[float] = []
@@ -141,12 +111,6 @@ def _decode(lm: Any, cache: list[Any], first_token: int, n: int, cancel: Callabl
 def run_long(lm: Any, opts: LongOptions, say: Callable[[str], None],
              cancel: Callable[[], bool] = lambda: False) -> dict[str, Any]:
     """Fill, drop the page cache, decode per mode; see the module docstring."""
-    import mlx.core as mx
-
-    from engine.kv import KVSettings
-    from engine.kv.cache import close_caches
-    from engine.kv.fill import FillCancelled, doc_kv, drop_page_cache, fill_paged
-
     n = opts.context
     settings = KVSettings(mode="exact", page_tokens=opts.page_tokens, ram_mb=opts.ram_mb,
                           budget_tokens=opts.budget_tokens, ssd=True,
@@ -154,11 +118,10 @@ def run_long(lm: Any, opts: LongOptions, say: Callable[[str], None],
     sampler = RssSampler(opts.sample_s)
     report: dict[str, Any] = {"context": n, "page_tokens": opts.page_tokens,
                               "budget_tokens": opts.budget_tokens, "ram_mb": opts.ram_mb,
-                              "rss_before_fill": _rss(), "modes": {}, "complete": False}
+                              "rss_before_fill": rss_bytes(), "modes": {}, "complete": False}
     caches: list[Any] = []
     try:
-        caches = make_caches(lm, settings, opts.kv_dtype)
-        store = caches[0].store
+        caches, store = paged_cache(lm.model, settings, opts.kv_dtype)
         report["kv_dtype"] = store.np_dtype.name
         report["kv_bytes_per_token"] = store.page_bytes * store.n_layers // store.P
         report["ssd_folder"] = str(store.folder)
@@ -169,7 +132,7 @@ def run_long(lm: Any, opts: LongOptions, say: Callable[[str], None],
                 last[0] = done * 20 // total
                 s = store.stats()
                 say(f"  {done:,}/{total:,} tokens, {s['pages_ssd']:,} pages on SSD, "
-                    f"RSS {_rss() >> 20} MB")
+                    f"RSS {rss_bytes() >> 20} MB")
 
         t0 = time.perf_counter()
         if opts.end_to_end:
@@ -195,7 +158,11 @@ def run_long(lm: Any, opts: LongOptions, say: Callable[[str], None],
         report["setup_s"] = round(time.perf_counter() - t0, 1)
         base = caches[0].offset  # every mode decodes from here
         sampler.phase = "drop page cache"
-        report["dropped_bytes"] = drop_page_cache(store.folder) if store.folder else 0
+        pages = sorted(store.folder.glob("*.kvp")) if store.folder else []
+        drop = drop_page_cache(pages, sync=True)  # the writer's pages are still dirty
+        report["dropped_bytes"] = drop.nbytes if drop.done else 0
+        if drop.note:
+            report["drop_note"] = drop.note
         st = store.stats()
         report.update(pages_ssd=st["pages_ssd"], pages_ram=st["pages_ram"],
                       bytes_ssd=st["bytes_ssd"], ssd_full=st["ssd_full"],
@@ -204,7 +171,7 @@ def run_long(lm: Any, opts: LongOptions, say: Callable[[str], None],
         if st["ssd_full"]:
             raise StrataError(f"bench kv: the SSD tier filled up ({st['ssd_full']})")
         say(f"filled: {st['pages_ssd']:,} pages on SSD ({st['bytes_ssd'] / 1e9:.1f} GB), "
-            f"{st['pages_ram']:,} in RAM; RSS {_rss() >> 20} MB")
+            f"{st['pages_ram']:,} in RAM; RSS {rss_bytes() >> 20} MB")
         for mode in opts.modes:
             if cancel():
                 break
@@ -230,7 +197,7 @@ def run_long(lm: Any, opts: LongOptions, say: Callable[[str], None],
             say(f"{mode}: {row['tokens']} tokens, {row['decode_tps']} tok/s, "
                 f"{row['pages_read_per_token']:.0f} pages and "
                 f"{row['bytes_read_per_token'] / 2**20:.1f} MiB read per token, SSD "
-                f"{row['ssd_mb_s']:.0f} MB/s, RSS {_rss() >> 20} MB")
+                f"{row['ssd_mb_s']:.0f} MB/s, RSS {rss_bytes() >> 20} MB")
         report["prompt_tokens"] = len(ids)
         report["complete"] = not cancel()
     except (KeyboardInterrupt, FillCancelled):
@@ -241,7 +208,7 @@ def run_long(lm: Any, opts: LongOptions, say: Callable[[str], None],
             close_caches(caches)
         report["rss_by_phase"] = sampler.by_phase()
         report["rss_series"] = sampler.series()
-        report["peak_rss"] = peak_rss()
+        report["peak_rss"] = peak_rss_bytes()
     return report
 
 
@@ -270,11 +237,6 @@ def _end_to_end_prefill(lm: Any, caches: list[Any], n: int, opts: LongOptions,
                         report: dict[str, Any]) -> tuple[int, list[int], str]:
     """A real prefill of an n-token pass-key prompt (key at half depth) through the paged
     cache; per-chunk times give an estimate of the prefill time at 128k tokens."""
-    import mlx.core as mx
-
-    from engine.kv.fill import FillCancelled
-    from engine.kv.passkey import make_key, passkey_prompt
-
     key = make_key(opts.seed, n, 0.5)
     ids = passkey_prompt(lm.tokenizer, n, 0.5, key)
     sampler.phase = "prefill"
@@ -305,8 +267,6 @@ def estimate_prefill_s(chunks: list[tuple[int, float]], n: int, chunk: int = 512
                        ) -> float | None:
     """Fit chunk time = a + b * position (attention grows linearly with the past; the MLPs
     are constant) over the measured chunks, and sum it over an n-token prefill."""
-    import numpy as np
-
     if len(chunks) < 3:
         return None
     pos = np.array([p for p, _ in chunks[1:]], float)   # the first chunk pays warm-up

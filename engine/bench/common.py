@@ -1,0 +1,96 @@
+"""What every benchmark suite shares: the prompt text, the machine's facts, a progress line.
+
+Contract: `prompt_ids(tokenizer, n)` is n token ids of the benchmark filler (`FILLER`, or
+any text, repeated), the same ids for every subject of a run; `machine_facts()` describes
+the machine, the software and the checkout a result was measured on (the `machine` object
+of every result file); `package_version(name)` is an installed package's version or None;
+`say(line)` prints one progress line on stderr, `tenths(unit)` a progress callback that says
+each tenth done. No MLX, no model: the suites' parent
+processes and their tests import this freely.
+"""
+
+from __future__ import annotations
+
+import os
+import platform as pyplatform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from engine.platform import backend, blas_status, memory_facts
+
+FILLER = (
+    "The history of the city is long and full of change. Merchants came by river and by road, "
+    "and each left something behind: a word, a recipe, a way of building walls. "
+)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def prompt_ids(tokenizer: Any, n: int, text: str = FILLER) -> list[int]:
+    """The first n ids of `text` repeated (no BOS)."""
+    ids: list[int] = []
+    while len(ids) < n:
+        ids.extend(tokenizer.encode(text, add_bos=False))
+    return ids[:n]
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def tenths(unit: str = "") -> Callable[[int, int], None]:
+    """progress(done, total) that says `  done/total unit` when another tenth is done."""
+    last = [-1]
+
+    def progress(done: int, total: int) -> None:
+        if done * 10 // total != last[0]:
+            last[0] = done * 10 // total
+            say(f"  {done}/{total}" + (f" {unit}" if unit else ""))
+
+    return progress
+
+
+def package_version(pkg: str) -> str | None:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return pyplatform.processor() or pyplatform.machine()
+
+
+def machine_facts() -> dict[str, Any]:
+    """Machine, OS, memory, backend, versions, the checkout's commit, load and date."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=REPO)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, cwd=REPO)
+    return {
+        "machine": pyplatform.machine(),
+        "cpu": _cpu_name(),
+        "os": f"{pyplatform.system()} {pyplatform.release()}",
+        "cpu_count": os.cpu_count(),
+        "memory_bytes": memory_facts().total_bytes,
+        "backend": backend(),
+        "blas": blas_status(),
+        "python": pyplatform.python_version(),
+        "mlx": package_version("mlx"),
+        "mlx_lm": package_version("mlx-lm"),
+        "llama_cpp_python": package_version("llama-cpp-python"),
+        "strata_commit": commit.stdout.strip() or None,
+        "strata_dirty": bool(dirty.stdout.strip()) if dirty.returncode == 0 else None,
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }

@@ -1,0 +1,65 @@
+"""engine/bench/__init__.py: `strata bench`'s one entry point parses every suite's options,
+runs the chosen suite, and loads nothing of a suite until one runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import engine.bench
+from engine.bench import SUITES, add_arguments, run_cli
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_every_suite_and_its_options_parse() -> None:
+    assert SUITES == ("quick", "full", "kv", "prefix", "kvbits")
+    assert _parse().suite == "quick"
+    assert _parse("full", "--peers", "none", "--kv-modes", "exact").kv_modes == "exact"
+    kv = _parse("kv", "--contexts", "512", "--synthetic-fill", "256", "--passkey")
+    assert (kv.contexts, kv.synthetic_fill, kv.passkey, kv.gen) == ("512", 256, True, 32)
+    prefix = _parse("prefix", "--prefix-parts", "chat", "--turns", "3")
+    assert (prefix.prefix_parts, prefix.turns, prefix.system_tokens) == ("chat", 3, 1500)
+    kvbits = _parse("kvbits", "--bits", "16,4", "--text", "t.txt")
+    assert (kvbits.bits, kvbits.text, kvbits.prefill_tokens) == ("16,4", "t.txt", 4096)
+    with pytest.raises(SystemExit):
+        _parse("nosuch")
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_run_cli_runs_the_chosen_suite(suite: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.bench.kv
+    import engine.bench.kvbits
+    import engine.bench.prefix
+    import engine.bench.quick
+
+    ran: list[str] = []
+    modules = {"quick": engine.bench.quick, "kv": engine.bench.kv,  # quick runs full too
+               "prefix": engine.bench.prefix, "kvbits": engine.bench.kvbits}
+    for name, module in modules.items():
+        monkeypatch.setattr(module, "run", lambda args, name=name: ran.append(name) or 7)
+    assert run_cli(_parse(suite)) == 7
+    assert ran == [suite if suite != "full" else "quick"]
+
+
+def test_the_entry_point_loads_no_suite() -> None:
+    """`strata` builds the bench parser for every command, and the suites' children import
+    the package first: importing it loads neither MLX nor the runtime nor a suite."""
+    code = ("import json, sys, engine.bench; print(json.dumps(sorted(m for m in sys.modules "
+            "if m.startswith(('mlx', 'engine.runtime', 'engine.kv', 'engine.bench.')))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == []
+    assert engine.bench.__doc__ and "floor 4" in engine.bench.__doc__
