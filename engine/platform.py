@@ -16,8 +16,8 @@ import functools
 import os
 import sys
 import threading
-from importlib import metadata
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 

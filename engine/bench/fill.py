@@ -23,8 +23,13 @@ from typing import Any
 import mlx.core as mx
 
 from engine.bench.common import prompt_ids
-from engine.kv import KVSettings, LayerCache, PagedLayerCache, geometry_of, make_paged_cache
-from engine.kv.store import KVStore
+from engine.kv import (
+    KVSettings,
+    KVStore,
+    PagedLayerCache,
+    geometry_of,
+    make_paged_cache,
+)
 from engine.runtime.model import cache_module
 
 Progress = Callable[[int, int], None]
@@ -32,13 +37,11 @@ Cancel = Callable[[], bool]
 
 
 def paged_cache(model: Any, settings: KVSettings, dtype: str | None = None
-                ) -> tuple[list[LayerCache], KVStore]:
+                ) -> tuple[list[PagedLayerCache], KVStore]:
     """One paged cache per layer over a fresh store, and the store (its counters and stats
     are what the suites report)."""
     caches = make_paged_cache(model, settings, geometry_of(model, dtype))
-    first = caches[0]
-    assert isinstance(first, PagedLayerCache)  # make_paged_cache makes no other kind
-    return caches, first.store
+    return caches, caches[0].store
 
 
 class FillCancelled(Exception):

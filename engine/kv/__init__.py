@@ -32,8 +32,8 @@ from engine.kv.settings import (
 from engine.kv.store import KVStore
 
 __all__ = ["BITS", "DEFAULT_GROUP", "GROUP_SIZES", "MODES", "KVGeometry", "KVSettings",
-           "LayerCache", "PagedLayerCache", "close_caches", "geometry_of", "make_paged_cache",
-           "settings_from_env", "ssd_bytes"]
+           "KVStore", "LayerCache", "PagedLayerCache", "close_caches", "geometry_of",
+           "make_paged_cache", "settings_from_env", "ssd_bytes"]
 
 
 def geometry_of(model: Any, dtype: str | None = None) -> KVGeometry:
@@ -47,7 +47,7 @@ def geometry_of(model: Any, dtype: str | None = None) -> KVGeometry:
 
 
 def make_paged_cache(model: Any, settings: KVSettings, geometry: KVGeometry | None = None
-                     ) -> list[LayerCache]:
+                     ) -> list[PagedLayerCache]:
     """One PagedLayerCache per layer over a fresh store; installs the attention hook."""
     args = getattr(model, "args", None)  # an mlx-lm module's ModelArgs, where it has one
     if args is not None and any(t != "full_attention"

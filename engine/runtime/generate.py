@@ -191,7 +191,7 @@ class PromptCache:
 
 def _make_cache(lm: LoadedModel) -> list[LayerCache]:
     if lm.kv_settings is not None and lm.paged:
-        return make_paged_cache(lm.model, lm.kv_settings, lm.kv_geometry)
+        return [*make_paged_cache(lm.model, lm.kv_settings, lm.kv_geometry)]
     return list(cache_module().make_prompt_cache(lm.model))
 
 

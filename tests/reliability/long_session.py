@@ -30,8 +30,8 @@ def main() -> None:
     import psutil
 
     from app.chat.store import ChatStore
-    from engine.library import Library
     from engine.importers.starter import ensure_starter
+    from engine.library import Library
     from engine.runtime.generate import ChatSession, LoadedModel
     from engine.runtime.sampling import SamplingParams
 
