@@ -2,8 +2,8 @@
 
 `preload_blas()` must run before the first `import mlx.core`; `engine/__init__` calls it.
 `keep_freed_memory()` (glibc) runs when a model starts loading: memory the load frees then
-serves the buffers that follow. `check_versions()` refuses, in one line, an mlx or mlx-lm
-outside the minor versions Strata was tested with (it reaches into their internals).
+serves the buffers that follow. `check_versions(versions)` refuses, in one line, an mlx or
+mlx-lm outside the minor versions Strata was tested with (it reaches into their internals).
 `check_gpu()` refuses, on macOS, an MLX that cannot run Metal kernels (the packaged app's
 start-up check). Nothing here imports mlx at module level.
 """
@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import functools
 import os
 import sys
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -350,14 +349,10 @@ def version_problem(package: str, version: str | None) -> str | None:
     return None
 
 
-@functools.cache  # once per process; a failure is not cached, so it fails every time
-def check_versions() -> None:
-    """Raise StrataError, one line, if mlx or mlx-lm is outside the tested minor versions."""
-    for package in TESTED_VERSIONS:
-        try:
-            version: str | None = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            version = None
+def check_versions(versions: Mapping[str, str | None]) -> None:
+    """Raise StrataError, one line, for the first package outside the tested minor versions
+    (versions: package -> installed version, None if absent)."""
+    for package, version in versions.items():
         problem = version_problem(package, version)
         if problem is not None:
             raise StrataError(problem)

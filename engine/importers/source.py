@@ -7,9 +7,10 @@ It reads no weight; a source that cannot be imported or quantized is a StrataErr
 line that names it. `Source.float_weights(progress, cancel)` reads the weights expanded to
 float32 (quantized ones dequantized exactly) as MLX arrays named as mlx-lm's model class names
 its parameters, with the folder that holds the tokenizer files (a GGUF is converted into a
-temporary folder first, which `FloatWeights.close()` removes). A Source is plain data and
-pickles: a calibrated quantization reopens it in a child process. engine.quant.source says what
-quantization needs of a source; this class is one, structurally.
+temporary folder first, which `FloatWeights.close()` removes). A Source is plain data:
+`to_job()` writes it as JSON that `reopen` turns back into one, so a calibrated quantization
+reopens it in a child process. engine.quant.source says what quantization needs of a source;
+this class is one, structurally.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,12 @@ class Source:
     path: Path  # absolute: the .gguf file, or the folder
     config: dict[str, Any]  # the model config, without reading weights
     label: str  # how a quantized model's manifest names where it came from
+
+    def to_job(self) -> dict[str, Any]:
+        """This source as plain JSON data for a child process, with the function that reopens
+        it there (`reopen`, named so that the child's side never names this package)."""
+        return {"reopen": f"{__name__}:reopen", "kind": self.kind, "path": str(self.path),
+                "config": self.config, "label": self.label}
 
     @property
     def default_name(self) -> str:
@@ -198,3 +205,8 @@ def _arrays(model: Any) -> dict[str, Any]:
 
     flat: Any = tree_flatten(model.parameters())
     return dict(flat)
+
+
+def reopen(job: Mapping[str, Any]) -> Source:
+    """The source `Source.to_job` described, in a child process (no weight is read)."""
+    return Source(str(job["kind"]), Path(job["path"]), dict(job["config"]), str(job["label"]))

@@ -5,17 +5,17 @@ can apply a recipe's plan (RecipeError with one line otherwise). `run_child(home
 runs one quantize job in `python -m engine.quant.calibrated JOB` (see there for why a child),
 relays its progress(done, total), stops it when the cancel flag is set (or on Ctrl-C) and
 returns the installed manifest; the child installs through Library.install, so a stopped job
-leaves the library as it was. The job is JSON; its source travels as the caller opened it
-(`encode_source`: pickled), so the child reads it with the code that opened it, which this
-package never names. This is the parent's side: it imports neither mlx nor mlx-lm.
+leaves the library as it was. The job is JSON; its source travels as the data the caller's
+source gave (`QuantSource.to_job`) with the name of the function that reopens it, so the child
+reads it with the code that opened it, which this package never names (only engine modules
+are accepted there). This is the parent's side: it imports neither mlx nor mlx-lm.
 """
 
 from __future__ import annotations
 
-import base64
+import importlib
 import json
 import os
-import pickle
 import queue
 import signal
 import subprocess
@@ -66,13 +66,19 @@ def check_method(method: str, plan: dict[str, Format] | None, recipe_name: str,
 
 
 def encode_source(source: QuantSource) -> str:
-    """A source as text for a child's job: pickled (it is plain data), then base64."""
-    return base64.b64encode(pickle.dumps(source)).decode("ascii")
+    """A source as text for a child's job: its JSON data and the name of its reopener."""
+    return json.dumps(source.to_job())
 
 
 def decode_source(text: str) -> QuantSource:
-    """The source `encode_source` wrote; only ever a job this process's parent made."""
-    source: QuantSource = pickle.loads(base64.b64decode(text))  # our own parent wrote it
+    """The source `encode_source` wrote, reopened by the function it names (an engine module's
+    `module:function`; anything else is refused)."""
+    job = json.loads(text)
+    module, _, func = str(job.get("reopen", "")).partition(":")
+    if not module.startswith("engine.") or not func.isidentifier():
+        raise StrataError(f"quantize job: cannot reopen a source with {job.get('reopen')!r}")
+    reopen = getattr(importlib.import_module(module), func)  # the source's own package
+    source: QuantSource = reopen(job)
     return source
 
 

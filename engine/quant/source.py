@@ -3,8 +3,9 @@
 Contract: a `QuantSource` says what it is (kind, path, label), gives its model config without
 reading weights, the bytes of its tokenizer files, what an import without a recipe would do
 (`default_option`, for the import dialog) and, on demand, its weights in float32
-(`float_weights` -> `FloatWeights`, open until `close()`). It must pickle: a calibrated method
-reopens it in a child process (engine.quant.methods.run_child). engine.importers.source.Source
+(`float_weights` -> `FloatWeights`, open until `close()`). A calibrated method reopens it in a
+child process (engine.quant.methods.run_child) from `to_job()`: plain JSON data and the name
+of the function that reopens it. engine.importers.source.Source
 is one, structurally; the caller opens the source and hands it over.
 """
 
@@ -68,6 +69,10 @@ class QuantSource(Protocol):
         ...
 
     def tokenizer_bytes(self) -> int: ...
+
+    def to_job(self) -> dict[str, Any]:
+        """JSON data, with "reopen": "module:function" that turns it back into a source."""
+        ...
 
     def default_option(self) -> dict[str, Any]:
         """What an import without a recipe does: {"label", "description", "bits_per_weight",

@@ -41,6 +41,7 @@ from engine.platform import (
 )
 from engine.runtime.model import (
     cache_module,
+    ensure_mlx_lm,
     load_weights_into_model,
     model_identity,
     weight_files,
@@ -113,6 +114,7 @@ class LoadedModel:
              profile: ComputeProfile | None = None, timeline: Timeline | None = None,
              warm_up: bool = True) -> LoadedModel:
         """Load by library name or alias, or from an MLX folder path."""
+        ensure_mlx_lm()  # an mlx or mlx-lm of another minor version stops here, in one line
         timeline = timeline or Timeline()
         path = Path(name)
         if path.is_dir() and (path / "config.json").is_file():

@@ -29,14 +29,12 @@ from engine.errors import LoadFailed
 from engine.platform import ComputeProfile, check_versions
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_versions_checked = False
 
 
-def _ensure_mlx_lm_package() -> None:
-    """Make `import mlx_lm.models.X` work without running mlx_lm/__init__.py.
-
-    First checks the mlx and mlx-lm versions: the bare package and the model modules' internals
-    are what changes between their minor versions."""
-    check_versions()
+def _register_bare_mlx_lm() -> None:
+    """Register a bare `mlx_lm` package module (unless mlx_lm is imported already), so that
+    `import mlx_lm.models.X` does not run mlx_lm/__init__.py and transformers with it."""
     if "mlx_lm" in sys.modules:
         return
     spec = importlib.util.find_spec("mlx_lm")
@@ -49,9 +47,30 @@ def _ensure_mlx_lm_package() -> None:
     sys.modules["mlx_lm"] = bare
 
 
+def ensure_mlx_lm() -> None:
+    """The bare mlx_lm package, and the mlx and mlx-lm versions checked (once): the bare
+    package and the model modules' internals are what changes between their minor versions."""
+    global _versions_checked
+    _register_bare_mlx_lm()
+    if not _versions_checked:
+        check_versions({"mlx": str(getattr(mx, "__version__", None)),  # set by the extension
+                        "mlx-lm": mlx_lm_version()})
+        _versions_checked = True
+
+
+def mlx_lm_version() -> str | None:
+    """mlx-lm's version from its own `_version` module (also inside a frozen app, where no
+    distribution metadata is bundled); None if it has none."""
+    _register_bare_mlx_lm()
+    try:
+        return str(importlib.import_module("mlx_lm._version").__version__)
+    except (ImportError, AttributeError):
+        return None
+
+
 def model_module(model_type: str) -> types.ModuleType:
     """mlx-lm's module for an architecture (llama, qwen2, ...)."""
-    _ensure_mlx_lm_package()
+    ensure_mlx_lm()
     # mlx-lm maps some names onto others (mistral -> llama).
     remap = {"mistral": "llama"}
     name = remap.get(model_type, model_type)
@@ -62,7 +81,7 @@ def model_module(model_type: str) -> types.ModuleType:
 
 
 def cache_module() -> types.ModuleType:
-    _ensure_mlx_lm_package()
+    ensure_mlx_lm()
     return importlib.import_module("mlx_lm.models.cache")
 
 

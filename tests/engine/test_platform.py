@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
@@ -15,7 +16,12 @@ from tests.helpers import REPO
 
 
 def test_installed_mlx_and_mlx_lm_are_the_tested_ones() -> None:
-    check_versions()  # the venv the README makes installs the pinned minor versions
+    import mlx.core as mx
+
+    from engine.runtime.model import mlx_lm_version
+
+    # The venv the README makes installs the pinned minor versions.
+    check_versions({"mlx": mx.__version__, "mlx-lm": mlx_lm_version()})
 
 
 def test_a_version_outside_the_pin_is_one_line() -> None:
@@ -24,19 +30,24 @@ def test_a_version_outside_the_pin_is_one_line() -> None:
     assert "\n" not in problem
     assert version_problem("mlx", "0.32.9") is None
     assert "not installed" in (version_problem("mlx", None) or "")
+    with pytest.raises(StrataError, match="mlx 0.31.0 is installed"):
+        check_versions({"mlx": "0.31.0", "mlx-lm": "0.32.2"})
 
 
 def test_a_wrong_mlx_lm_fails_at_start_not_in_a_reply(tmp_path: Path) -> None:
-    """A fake mlx_lm 0.99 distribution first on the path: loading any model stops at once."""
-    dist = tmp_path / "mlx_lm-0.99.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mlx-lm\nVersion: 0.99.0\n")
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from app.cli import main; "
-            "sys.exit(main(['generate', '--prompt', 'hi', '--max-tokens', '1']))")
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
-                          text=True, cwd=REPO, timeout=120)
+    """An mlx_lm 0.99 package first on the path: `strata generate` stops before loading."""
+    pkg = tmp_path / "mlx_lm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_version.py").write_text('__version__ = "0.99.0"\n')
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "app", "generate", "--prompt", "hi",
+                           "--max-tokens", "1"], capture_output=True, text=True, cwd=REPO,
+                          env=env, timeout=120)
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1].startswith("strata: error: mlx-lm 0.99.0 is ")
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("strata: error: mlx-lm 0.99.0 is installed but Strata is tested "
+                           "with 0.32.x only"), line
 
 
 # -- the macOS GPU check, with MLX's Metal answers faked (no Mac here) --------------------
