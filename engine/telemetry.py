@@ -1,15 +1,20 @@
 """Events and timelines that the CLI, the app and the benchmarks read.
 
 Contract: plain frozen dataclasses and a `Timeline` of (phase, seconds) marks taken with
-time.perf_counter(); no I/O, no Qt, no MLX.
+time.perf_counter(); no I/O, no Qt, no MLX. `Progress` and `CancelFlag` are the two callbacks
+every long piece of work takes: progress(done, total), and a flag polled between steps.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 PROCESS_START = time.perf_counter()
+
+Progress = Callable[[int, int], None]  # progress(done, total) of long work; it never prints
+CancelFlag = Callable[[], bool]  # polled between steps: True stops the work
 
 
 @dataclass

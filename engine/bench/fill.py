@@ -16,7 +16,6 @@ say "synthetic fill".
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +30,7 @@ from engine.kv import (
     make_paged_cache,
 )
 from engine.runtime.model import cache_module
-
-Progress = Callable[[int, int], None]
-Cancel = Callable[[], bool]
+from engine.telemetry import CancelFlag, Progress
 
 
 def paged_cache(model: Any, settings: KVSettings, dtype: str | None = None
@@ -115,7 +112,7 @@ def tiled_mlx_cache(doc: DocKV, n_tokens: int) -> list[Any]:
 
 
 def fill_paged(caches: list[Any], doc: DocKV, n_tokens: int, progress: Progress | None = None,
-               cancel: Cancel | None = None, chunk: int = 4096) -> None:
+               cancel: CancelFlag | None = None, chunk: int = 4096) -> None:
     """Append `n_tokens` positions repeating the document's KV to fresh paged caches, through
     `update_and_fetch` (so the store's commit path, its RAM budget and its writer do the
     work). Raises FillCancelled if `cancel()` turns True between chunks."""

@@ -275,8 +275,8 @@ def run(args: argparse.Namespace) -> int:
         rows = compare(lm, ids, subjects, args.prefill_tokens, progress=tenths("tokens"))
         wall = time.perf_counter() - t0
         attn = lm.model.layers[0].self_attn
-        kv_heads = int(attn.n_kv_heads)
-        head_dim = int(getattr(attn, "head_dim", 0) or attn.k_proj.weight.shape[0] // kv_heads)
+        g = lm.kv_geometry
+        kv_heads, head_dim = g.kv_heads, g.head_dim
         codecs = sorted({codec_for(s.bits, s.group(), lm.profile.dtype, head_dim)
                          for s in subjects if s.bits != 16}, key=lambda c: (-c.bits, c.group))
         kernels = kernel_timings(args.prefill_tokens, kv_heads, head_dim,

@@ -166,10 +166,12 @@ class StrataSubject(Subject):
         return int(cache.nbytes)
 
     def kv_tiers(self, cache: Any) -> dict[str, int] | None:
-        store = getattr(cache.cache[0], "store", None) if cache.cache else None
-        if store is None:  # mlx-lm's in-memory KVCache: all of it is in RAM
+        from engine.kv import PagedLayerCache  # the Strata subject's stack, loaded by now
+
+        first = cache.cache[0] if cache.cache else None
+        if not isinstance(first, PagedLayerCache):  # mlx-lm's KVCache: all of it is in RAM
             return None
-        st = store.stats()
+        st = first.store.stats()
         return {"kv_ram_bytes": int(st["bytes_ram"]), "kv_ssd_bytes": int(st["bytes_ssd"])}
 
 

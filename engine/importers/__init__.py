@@ -21,7 +21,6 @@ the app.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -30,12 +29,11 @@ from engine.importers.hf import import_folder
 from engine.importers.source import FloatWeights, Source, detect, open_source
 from engine.library.manifest import manifest_fields
 from engine.library.store import Library, Manifest
+from engine.telemetry import CancelFlag, Progress
 
 __all__ = ["FloatWeights", "Requantizer", "Source", "detect", "import_path", "open_source",
            "summarize_formats"]
 
-Progress = Callable[[int, int], None]
-CancelFlag = Callable[[], bool]
 
 
 class Requantizer(Protocol):

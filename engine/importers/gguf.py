@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,9 +24,7 @@ import numpy as np
 from engine.errors import Cancelled, ImportFailed
 from engine.importers.vocab import write_tokenizer
 from engine.library.manifest import weight_class
-
-Progress = Callable[[int, int], None]
-CancelFlag = Callable[[], bool]
+from engine.telemetry import CancelFlag, Progress
 
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 EXACT_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}

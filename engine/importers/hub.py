@@ -31,9 +31,7 @@ from engine.errors import Cancelled, FetchFailed, ImportFailed, StrataError
 from engine.importers import import_path
 from engine.importers.hf import INDEX_FILE, check_config, select_weight_files
 from engine.library.store import Library, Manifest, check_name, clean_name
-
-Progress = Callable[[int, int], None]
-CancelFlag = Callable[[], bool]
+from engine.telemetry import CancelFlag, Progress
 
 SCALE = 1000  # progress units for the whole pull
 DOWNLOAD_SHARE = 500  # of which the download takes the first half

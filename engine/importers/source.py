@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,9 +34,8 @@ from engine.importers.hf import (
 from engine.library.store import MANIFEST, Library, clean_name
 from engine.platform import ComputeProfile
 from engine.runtime.model import load_weights_into_model, read_config
+from engine.telemetry import CancelFlag, Progress
 
-Progress = Callable[[int, int], None]
-CancelFlag = Callable[[], bool]
 KINDS = ("gguf", "hf", "mlx", "library")
 # Every stored weight dequantized (exactly, for affine and GGUF Q4_0/Q4_1/Q8_0) into float32.
 EXPAND = ComputeProfile("expand-f32", dequantize=True, dtype="float32")

@@ -34,7 +34,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +45,8 @@ from engine.quant.quantize import apply_plan, quantize
 from engine.quant.recipes import Format, RecipeError
 from engine.quant.rounding import pack as pack_codes
 from engine.quant.sensitivity import calibration_tokens
+from engine.telemetry import CancelFlag, Progress
 
-Progress = Callable[[int, int], None]
-CancelFlag = Callable[[], bool]
 SEQUENCE_LENGTH = 512  # calibration sequence length (mlx-lm's default for gptq and awq)
 DWQ_LEARNING_RATE = 1e-5
 DWQ_BATCH = 2

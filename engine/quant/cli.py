@@ -25,9 +25,9 @@ from engine.quant.evaluate import evaluate
 from engine.quant.quantize import Requantize, quantize
 from engine.quant.recipes import builtin_names, resolve_recipe
 from engine.quant.source import QuantSource
+from engine.telemetry import Progress
 
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-Progress = Callable[[int, int], None]
 OpenSource = Callable[[str, Library], QuantSource]  # (name or path, library) -> source
 ProgressPrinter = Callable[[str], Progress]  # label -> progress(done, total)
 

@@ -13,7 +13,6 @@ profile (on the Linux CPU: dequantized to float32, so numbers are those of the s
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -23,9 +22,7 @@ from engine.library.store import Library
 from engine.platform import parameter_bytes
 from engine.runtime.generate import LoadedModel, generate
 from engine.runtime.sampling import SamplingParams
-
-Progress = Callable[[int, int], None]
-CancelFlag = Callable[[], bool]
+from engine.telemetry import CancelFlag, Progress
 
 
 @dataclass

@@ -13,16 +13,14 @@ recording wrappers are removed even on error or cancel.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from engine.errors import Cancelled
 from engine.quant.recipes import quantizable
+from engine.telemetry import CancelFlag, Progress
 
-Progress = Callable[[int, int], None]
-CancelFlag = Callable[[], bool]
 Importance = dict[str, np.ndarray]
 
 

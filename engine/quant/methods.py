@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +30,8 @@ from engine.library.store import Library
 from engine.platform import stop_child
 from engine.quant.recipes import Format, RecipeError
 from engine.quant.source import QuantSource
+from engine.telemetry import CancelFlag, Progress
 
-Progress = Callable[[int, int], None]
-CancelFlag = Callable[[], bool]
 METHODS = ("rtn", "imatrix", "gptq", "awq", "dwq")
 CALIBRATED = ("gptq", "awq", "dwq")  # mlx-lm's, run in a child process
 # Methods that read calibration text; imatrix (Strata's weighted rounding) runs in-process.

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -61,9 +60,7 @@ from engine.quant.sensitivity import calibration_tokens as text_tokens
 from engine.quant.source import FloatWeights, QuantSource
 from engine.runtime.model import build_model
 from engine.runtime.tokenizer import Tokenizer
-
-Progress = Callable[[int, int], None]
-CancelFlag = Callable[[], bool]
+from engine.telemetry import CancelFlag, Progress
 
 
 class Calibrate(Protocol):

@@ -13,7 +13,6 @@ chunk, then per tensor weighed; the cancel flag is checked between them.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -31,9 +30,8 @@ from engine.quant.recipes import (
     quantizable,
 )
 from engine.quant.rounding import mlx_grid, quantize_dequantize, weighted_search
+from engine.telemetry import CancelFlag, Progress
 
-Progress = Callable[[int, int], None]
-CancelFlag = Callable[[], bool]
 MIN_BPW, MAX_BPW = 2.5, 9.0
 CANDIDATE_BITS = SUPPORTED_BITS
 CANDIDATE_GROUPS = SUPPORTED_GROUPS

@@ -11,12 +11,10 @@ is one, structurally; the caller opens the source and hands it over.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-Progress = Callable[[int, int], None]
-CancelFlag = Callable[[], bool]
+from engine.telemetry import CancelFlag, Progress
 
 
 class FloatWeights(Protocol):
