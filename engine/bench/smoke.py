@@ -15,12 +15,12 @@ from collections.abc import Callable
 from typing import Any
 
 import engine
-from engine.bench.common import package_version
 from engine.errors import StrataError
 from engine.importers.starter import ensure_starter
 from engine.library import Library
 from engine.platform import backend, blas_status, check_gpu
 from engine.runtime.generate import LoadedModel, generate
+from engine.runtime.model import mlx_lm_version
 from engine.runtime.sampling import SamplingParams
 from engine.telemetry import PROCESS_START
 
@@ -39,7 +39,7 @@ def _versions() -> dict[str, str | None]:
     import mlx.core as mx  # heavy: loaded when the report is made, after the BLAS shim
 
     return {"strata": engine.__version__, "mlx": str(getattr(mx, "__version__", None)),
-            "mlx_lm": package_version("mlx-lm"), "python": platform.python_version()}
+            "mlx_lm": mlx_lm_version(), "python": platform.python_version()}
 
 
 def run_smoke(qt_probe: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
