@@ -11,7 +11,7 @@ from typing import Any
 
 from app.format import human_bytes
 from tests.app.conftest import REPLY_TIMEOUT_MS, WindowFactory
-from tests.app.test_library import _drop, _library_state
+from tests.app.library.test_library import _drop, _library_state
 
 
 def test_import_dialog_offers_recipes_with_sizes_and_imports_the_choice(
