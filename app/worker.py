@@ -264,15 +264,13 @@ class EngineWorker(QObject):
         params = SamplingParams(temperature=req.temperature, top_p=req.top_p,
                                 seed=req.seed).validate()
         loaded_before = self.pool.lm
-        lm = self.pool.get(req.model)
-        session = self.pool.session(req.chat_id)
-        session.messages = ([{"role": "system", "content": req.system}] if req.system else [])
-        session.messages += [dict(m) for m in req.history]
+        lm = self.pool.get(req.model)  # a load is heard before the reply starts
         yield self.reply_started, (job,)
         timeline = Timeline()
         last = None
-        for ev in session.send(req.text, params, req.max_tokens,
-                               cancel=lambda: self._is_cancelled(job), timeline=timeline):
+        for ev in self.pool.reply(req.chat_id, req.model, req.text, req.history, req.system,
+                                  params, req.max_tokens,
+                                  cancel=lambda: self._is_cancelled(job), timeline=timeline):
             last = ev
             if ev.text:
                 yield self.reply_delta, (job, ev.text)

@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ from engine.platform import (
 )
 from engine.runtime.generate import ChatSession, LoadedModel, PromptCache, generate
 from engine.runtime.sampling import SamplingParams
-from engine.telemetry import Timeline
+from engine.telemetry import GenerationEvent, Timeline
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +211,20 @@ class ModelPool:
         while len(self.sessions) > self.max_sessions:
             self.forget(next(iter(self.sessions)))  # the least recently used
         return session
+
+    def reply(self, key: int, model: str, text: str,
+              history: Sequence[Mapping[str, str]] = (), system: str = "",
+              params: SamplingParams | None = None, max_tokens: int = 512,
+              cancel: Callable[[], bool] | None = None, timeline: Timeline | None = None
+              ) -> Iterator[GenerationEvent]:
+        """Chat `key`'s reply to `text` on `model` (loaded if it is not), after `system` and
+        the earlier turns `history`: the caller's record of the chat is the truth, and the
+        session's KV keeps whatever prefix of it it already holds."""
+        self.get(model)
+        session = self.session(key)
+        session.messages = ([{"role": "system", "content": system}] if system else [])
+        session.messages += [dict(m) for m in history]
+        yield from session.send(text, params, max_tokens, cancel=cancel, timeline=timeline)
 
     def forget(self, key: int | None = None) -> None:
         """Drop chat `key`'s session (None: every session and every server cache), with what

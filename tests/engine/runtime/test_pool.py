@@ -147,3 +147,22 @@ def test_kv_settings_reach_caches_made_after_them(pool: ModelPool) -> None:
     finally:
         pool.configure(before)
     assert not lm.paged
+
+
+def test_a_chat_reply_follows_the_callers_record_and_reuses_its_kv(pool: ModelPool) -> None:
+    lm = pool.lm
+    assert lm is not None
+    pool.forget()
+    greedy = SamplingParams(temperature=0.0)
+    first = list(pool.reply(4, lm.manifest["name"], "What is the capital of France?",
+                            params=greedy, max_tokens=8))
+    answer = "".join(ev.text for ev in first)
+    assert "Paris" in answer
+    history = [{"role": "user", "content": "What is the capital of France?"},
+               {"role": "assistant", "content": answer}]
+    second = list(pool.reply(4, lm.manifest["name"], "And of Italy?", history=history,
+                             params=greedy, max_tokens=8))
+    # The second turn prefills only what is new: the first turn's tokens are still held.
+    assert second[-1].cached_tokens >= first[-1].prompt_tokens
+    assert pool.sessions[4].messages[:2] == history
+    pool.forget()
