@@ -21,10 +21,10 @@ from PySide6.QtCore import QObject, Signal
 
 import app.compat  # noqa: F401  (PySide6 work-around, see there)
 from engine.errors import StrataError
-from engine.server.host import Job, RequestError
 
 if TYPE_CHECKING:
     from app.worker import Engine
+    from engine.server.host import Job
 
 log = logging.getLogger(__name__)
 DEFAULT_PORT = 8765
@@ -53,6 +53,9 @@ class AppHost(QObject):
         return self.engine.manifests()
 
     def resolve(self, name: str | None) -> dict[str, Any]:
+        # Start-up: the server side of the engine loads when a request comes, not with the window.
+        from engine.server.host import RequestError
+
         m = self.engine.worker.library.find(name or self.default_model)
         if m is None:
             raise RequestError(f"model {name!r} is not in the library", status=404,
@@ -60,6 +63,9 @@ class AppHost(QObject):
         return dict(m)
 
     def submit(self, job: Job) -> int:
+        # Start-up: the server side of the engine loads when a request comes, not with the window.
+        from engine.server.host import RequestError
+
         with self._lock:
             if self._closed:
                 raise RequestError("the server is shutting down", status=503,
@@ -98,6 +104,9 @@ class AppHost(QObject):
     # -- life cycle (GUI thread) -----------------------------------------------------------
     def stop(self) -> None:
         """Refuse new requests, fail the queued ones and cancel the running one."""
+        # Start-up: the server side of the engine loads when a request comes, not with the window.
+        from engine.server.host import RequestError
+
         with self._lock:
             self._closed = True
             dropped, self._waiting = list(self._waiting), []

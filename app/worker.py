@@ -26,18 +26,19 @@ import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from PySide6.QtCore import QObject, QThread, QTimer, Signal, SignalInstance, Slot
 
 import app.compat  # noqa: F401  (PySide6 work-around, see there)
 from engine.errors import Cancelled, StrataError
-from engine.importers.starter import ensure_starter
 from engine.library import Library
-from engine.runtime.pool import ModelPool, settings_from_options
 from engine.runtime.sampling import SamplingParams
-from engine.server.host import Host, Job
 from engine.telemetry import Timeline
+
+if TYPE_CHECKING:
+    from engine.runtime.pool import ModelPool
+    from engine.server.host import Job
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,9 @@ class ReplyRequest:
 
 
 # -- the worker (lives on the engine thread) ----------------------------------------------
-class ServerHost(Host, Protocol):
-    """The app's server host (app.server.AppHost) as the worker sees it."""
+class ServerHost(Protocol):
+    """The app's server host (app.server.AppHost) as the worker sees it: told when each of
+    its jobs starts and ends on the engine thread."""
 
     def job_started(self, job: Job) -> None: ...
 
@@ -95,10 +97,7 @@ class EngineWorker(QObject):
         super().__init__()
         self.library = Library(home)
         self.home = Path(self.library.home)
-        # The environment's settings (STRATA_KV_*, STRATA_PREFIX_*) until the window's apply.
-        self.pool = ModelPool(self.library, settings_from_options({}, self.home))
-        self.pool.on_loading = self.model_loading.emit
-        self.pool.on_loaded = self.model_loaded.emit
+        self.pool: ModelPool  # made on the engine thread, as it starts
         self._cancelled: set[int] = set()
         self._cancel_all = False
         self._lock = threading.Lock()
@@ -122,6 +121,14 @@ class EngineWorker(QObject):
     # -- slots (queued from the GUI thread) ----------------------------------------------
     @Slot()
     def _on_thread_started(self) -> None:
+        # Start-up: the runtime (MLX, numpy) loads here, on the engine thread, while the
+        # window shows.
+        from engine.runtime.pool import ModelPool, settings_from_options
+
+        # The environment's settings (STRATA_KV_*, STRATA_PREFIX_*) until the window's apply.
+        self.pool = ModelPool(self.library, settings_from_options({}, self.home))
+        self.pool.on_loading = self.model_loading.emit
+        self.pool.on_loaded = self.model_loaded.emit
         self._timer = QTimer(self)
         self._timer.setInterval(int(MEMORY_INTERVAL_S * 1000))
         self._timer.timeout.connect(self._on_timer_timeout)
@@ -178,6 +185,8 @@ class EngineWorker(QObject):
     def _on_settings_requested(self, settings: dict[str, Any]) -> None:
         """New engine settings: they apply to sessions made from now on, so the open chats'
         sessions are dropped (their next message restores or prefills again)."""
+        from engine.runtime.pool import settings_from_options  # loaded with the pool already
+
         try:
             self.pool.configure(settings_from_options(settings, self.home))
         except (StrataError, ValueError, TypeError) as exc:
@@ -238,6 +247,10 @@ class EngineWorker(QObject):
 
     # -- jobs: each a generator of (signal, args) steps ---------------------------------
     def _starter_steps(self, job: int, load: bool) -> Iterator[Step]:
+        # Start-up: the importers (gguf, numpy) load when the starter is fetched, not before
+        # the window shows.
+        from engine.importers.starter import ensure_starter
+
         last = [-1]
 
         def on_message(text: str) -> None:
@@ -475,7 +488,7 @@ class Engine(QObject):
         self.prefix_clear_requested.emit(job)
         return job
 
-    def run_server_job(self, host: Host, job: Job) -> None:
+    def run_server_job(self, host: ServerHost, job: Job) -> None:
         """Queue a server request on the engine thread (any thread may call this)."""
         self.server_job_requested.emit(host, job)
 
