@@ -402,11 +402,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(p)  # every suite: quick, full, kv, prefix, kvbits
     p.set_defaults(func=cmd_bench)
 
-    from engine.importers import open_source  # start-up: the parser's quant part
     from engine.quant.cli import add_commands as add_quant_commands  # quantize, recipes, eval
 
-    add_quant_commands(sub, open_source=open_source, progress=_progress_printer)
+    add_quant_commands(sub, open_source=_open_source, progress=_progress_printer)
     return parser
+
+
+def _open_source(where: str, library: Any) -> Any:
+    """engine.importers.open_source, for `strata quantize` (quant may not import importers)."""
+    from engine.importers import open_source  # start-up: only when a quantize runs
+
+    return open_source(where, library)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

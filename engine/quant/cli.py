@@ -17,15 +17,16 @@ import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import ImportFailed
 from engine.library.store import Library
-from engine.quant.evaluate import evaluate
-from engine.quant.quantize import Requantize, quantize
 from engine.quant.recipes import builtin_names, resolve_recipe
 from engine.quant.source import QuantSource
 from engine.telemetry import Progress
+
+if TYPE_CHECKING:
+    from engine.quant.quantize import Requantize
 
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 OpenSource = Callable[[str, Library], QuantSource]  # (name or path, library) -> source
@@ -34,6 +35,8 @@ ProgressPrinter = Callable[[str], Progress]  # label -> progress(done, total)
 
 def cmd_quantize(args: argparse.Namespace, open_source: OpenSource,
                  progress: ProgressPrinter) -> int:
+    from engine.quant.quantize import quantize  # start-up: MLX loads when a command runs
+
     lib = Library()
     m = quantize(lib, open_source(args.source, lib), args.recipe, args.name,
                  target_bpw=args.bpw, calibration=calibration_from_args(args),
@@ -50,6 +53,8 @@ def requantize_from_args(args: argparse.Namespace) -> Requantize | None:
         if args.method != "rtn" or args.bpw is not None:
             raise ImportFailed("--method and --bpw need --recipe (the weights are kept as stored)")
         return None
+    from engine.quant.quantize import Requantize  # start-up: MLX loads when an import runs
+
     return Requantize(args.recipe, method=args.method, target_bpw=args.bpw,
                       calibration=calibration_from_args(args),
                       calibration_tokens=args.calibration_tokens)
@@ -104,6 +109,8 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace, progress: ProgressPrinter) -> int:
+    from engine.quant.evaluate import evaluate  # start-up: the runtime loads when eval runs
+
     lib = Library()
     cache: dict[Any, Any] = {}
     results = []
