@@ -288,9 +288,9 @@ class EngineWorker(QObject):
             if ev.text:
                 yield self.reply_delta, (job, ev.text)
         assert last is not None
-        load = self.pool.last_load
-        load_s = sum(load.phases.values()) if load is not None else 0.0
-        phases = {"load": load_s} if loaded_before is not lm and load_s else {}
+        # A load this reply waited for counts in its phases (the model keeps its load timeline).
+        load_s = sum(lm.timeline.durations().values()) if loaded_before is not lm else 0.0
+        phases = {"load": load_s} if load_s else {}
         phases.update(timeline.durations())
         stats = {
             "model": lm.manifest["name"], "ttft_s": last.ttft_s, "decode_tps": last.decode_tps,

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
+
 from engine.errors import StrataError
 from engine.kv.attention import install_hook
 from engine.kv.cache import LayerCache, PagedLayerCache, close_caches, ssd_bytes
@@ -62,7 +64,5 @@ def make_paged_cache(model: Any, settings: KVSettings, geometry: KVGeometry | No
 
 
 def _dtype_name(model: Any) -> str:
-    import mlx.core as mx  # heavy third-party: loaded when a cache is made, after the BLAS shim
-
     w = model.layers[0].self_attn.k_proj.weight
     return "float16" if w.dtype == mx.float16 else "float32"

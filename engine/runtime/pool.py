@@ -21,7 +21,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ from engine.platform import (
 )
 from engine.runtime.generate import ChatSession, LoadedModel, PromptCache, generate
 from engine.runtime.sampling import SamplingParams
-from engine.telemetry import GenerationEvent, Timeline
+from engine.telemetry import CancelFlag, GenerationEvent, Timeline
 
 log = logging.getLogger(__name__)
 
@@ -86,14 +86,6 @@ def settings_from_options(options: Mapping[str, Any], home: Path) -> PoolSetting
                         prefix_mb=None if mb is None else max(0.0, float(mb)))
 
 
-@dataclass
-class _Load:
-    """What the last load cost, for whoever asked for the model."""
-
-    name: str
-    phases: dict[str, float] = field(default_factory=dict)
-
-
 class ModelPool:
     """The loaded model and every prompt cache of it (see the module docstring)."""
 
@@ -108,7 +100,6 @@ class ModelPool:
         self.sessions: OrderedDict[int, ChatSession] = OrderedDict()  # least recent first
         self.caches: list[PromptCache] = []  # the server's, least recently used first
         self.weights_bytes: int | None = None
-        self.last_load: _Load | None = None
         self.on_loading: Callable[[str], None] | None = None
         self.on_loaded: Callable[[dict[str, Any]], None] | None = None
         self._prefix_reason = ("no model loaded" if self.settings.prefix_cache
@@ -176,11 +167,10 @@ class ModelPool:
         self._apply(lm)
         self.lm = lm
         self.weights_bytes = parameter_bytes(lm.model)
-        self.last_load = _Load(manifest["name"], timeline.durations())
         if self.on_loaded is not None:
             self.on_loaded({"name": manifest["name"], "path": manifest["path"],
                             "weights_bytes": self.weights_bytes, "profile": lm.profile.name,
-                            "phases": dict(self.last_load.phases)})
+                            "phases": timeline.durations()})
         return lm
 
     def unload(self) -> None:
@@ -215,7 +205,7 @@ class ModelPool:
     def reply(self, key: int, model: str, text: str,
               history: Sequence[Mapping[str, str]] = (), system: str = "",
               params: SamplingParams | None = None, max_tokens: int = 512,
-              cancel: Callable[[], bool] | None = None, timeline: Timeline | None = None
+              cancel: CancelFlag | None = None, timeline: Timeline | None = None
               ) -> Iterator[GenerationEvent]:
         """Chat `key`'s reply to `text` on `model` (loaded if it is not), after `system` and
         the earlier turns `history`: the caller's record of the chat is the truth, and the
@@ -272,7 +262,7 @@ class ModelPool:
 
     # -- prewarm --------------------------------------------------------------------------
     def prewarm(self, key: int, model: str, system: str,
-                cancel: Callable[[], bool] | None = None) -> dict[str, Any] | None:
+                cancel: CancelFlag | None = None) -> dict[str, Any] | None:
         """Prefill the chat template's preamble and `system` into chat `key`'s session (or
         restore them from the prefix cache), if `model` is the loaded one; what it did, or
         None when there was nothing to do. Raises Cancelled if `cancel` stops it."""
