@@ -22,16 +22,12 @@ from typing import Any
 import numpy as np
 
 from engine.errors import Cancelled, ImportFailed
+from engine.importers.gguf_types import GROUP, SUPPORTED_TYPES, convert_tensor
 from engine.importers.vocab import write_tokenizer
 from engine.library.manifest import weight_class
 from engine.telemetry import CancelFlag, Progress
 
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
-EXACT_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
-REQUANT_TYPES = {"Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
-FLOAT_TYPES = {"F32", "F16", "BF16"}
-SUPPORTED_TYPES = FLOAT_TYPES | set(EXACT_TYPES) | set(REQUANT_TYPES)
-GROUP = 32
 SHARD_BYTES = 2 << 30
 
 _LAYER_MAP = {
@@ -287,36 +283,6 @@ def _unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _f16_field(blocks: np.ndarray, start: int) -> np.ndarray:
-    return np.ascontiguousarray(blocks[..., start : start + 2]).view(np.float16)[..., 0]
-
-
-def _pack4(values: np.ndarray) -> np.ndarray:
-    """(R, N) uint8 values < 16 to MLX's 4-bit packing: 8 per uint32, low nibble first."""
-    packed = (values[:, 0::2] | (values[:, 1::2] << 4)).astype(np.uint8)
-    return np.ascontiguousarray(packed).view(np.uint32)
-
-
-def exact_triple(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Repack Q8_0/Q4_0/Q4_1 block rows (R, bytes) into MLX (weight, scales, biases), exactly."""
-    rows = raw.shape[0]
-    if qtype == "Q8_0":
-        blocks = raw.reshape(rows, -1, 34)
-        d = _f16_field(blocks, 0)
-        q = blocks[..., 2:].view(np.int8).astype(np.int16) + 128
-        weight = np.ascontiguousarray(q.astype(np.uint8).reshape(rows, -1)).view(np.uint32)
-        return weight, d, (d * np.float16(-128)).astype(np.float16)
-    if qtype in ("Q4_0", "Q4_1"):
-        width = 18 if qtype == "Q4_0" else 20
-        blocks = raw.reshape(rows, -1, width)
-        d = _f16_field(blocks, 0)
-        qs = blocks[..., width - 16 :]
-        values = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, -1)
-        bias = (d * np.float16(-8)).astype(np.float16) if qtype == "Q4_0" else _f16_field(blocks, 2)
-        return _pack4(values), d, bias
-    raise ValueError(qtype)
-
-
 def import_gguf(
     path: Path,
     dest: Path,
@@ -345,7 +311,6 @@ def _convert(
     progress: Progress | None,
     cancel: CancelFlag | None,
 ) -> GGUFImport:
-    import gguf  # heavy: the dequantizers, only while converting
     import mlx.core as mx  # heavy: only while converting
 
     reader, meta = read_metadata(path)
@@ -385,37 +350,15 @@ def _convert(
             raw = _unpermute_rows(raw, heads if ".q_proj." in hf else kv_heads)
         n = int(np.prod([int(x) for x in t.shape]))
         module = hf.rsplit(".", 1)[0]
-        arrays: dict[str, Any]
-        if qtype in EXACT_TYPES:
-            with np.errstate(over="ignore", invalid="ignore"):
-                w, s, b = exact_triple(raw, qtype)
-            if not (np.isfinite(s).all() and np.isfinite(b).all()):
-                # d * -128 past float16's range: the file's scales are corrupt.
-                raise ImportFailed(f"{path}: tensor {t.name} has scales that are not finite "
-                                   "numbers (corrupt file)")
-            arrays = {hf: mx.array(w), f"{module}.scales": mx.array(s),
-                      f"{module}.biases": mx.array(b)}
-            bits = EXACT_TYPES[qtype]
-            fmt = f"affine {bits}-bit g{GROUP} (from {qtype}, exact)"
-        elif qtype in REQUANT_TYPES:
-            dense = gguf.quants.dequantize(raw, t.tensor_type).astype(np.float32)
-            bits = REQUANT_TYPES[qtype]
-            qw, qs, qb = mx.quantize(mx.array(dense), group_size=GROUP, bits=bits)
-            arrays = {hf: qw, f"{module}.scales": qs.astype(mx.float16),
-                      f"{module}.biases": qb.astype(mx.float16)}
-            fmt = f"affine {bits}-bit g{GROUP} (from {qtype}, requantized)"
-        else:
-            if qtype == "BF16":
-                dense = gguf.quants.dequantize(raw, t.tensor_type).astype(np.float32)
-                arr = mx.array(dense).astype(mx.bfloat16)
-            else:
-                arr = mx.array(np.ascontiguousarray(raw))
-            shape = tuple(reversed([int(x) for x in t.shape]))
-            arrays = {hf: arr.reshape(shape)}
-            bits = {"F32": 32, "F16": 16, "BF16": 16}[qtype]
-            fmt = qtype.lower()
-        if qtype in EXACT_TYPES or qtype in REQUANT_TYPES:
-            quant[module] = {"group_size": GROUP, "bits": bits}
+        shape = tuple(reversed([int(x) for x in t.shape]))
+        try:
+            conv = convert_tensor(hf, raw, qtype, shape)
+        except ImportFailed as exc:
+            raise ImportFailed(f"{path}: {exc}") from exc
+        arrays = conv.arrays
+        fmt = conv.label
+        if conv.quant is not None:
+            quant[module] = conv.quant
         result.tensor_formats.setdefault(weight_class(hf), set()).add(fmt)
         result.params += n
         result.stored_bits += sum(a.nbytes for a in arrays.values()) * 8
