@@ -22,33 +22,14 @@ from typing import Any
 import numpy as np
 
 from engine.errors import Cancelled, ImportFailed
+from engine.importers import gguf_arch
+from engine.importers.gguf_arch import Arch, Meta, arch_for, hf_name
 from engine.importers.gguf_types import GROUP, SUPPORTED_TYPES, convert_tensor
 from engine.importers.vocab import write_tokenizer
 from engine.library.manifest import weight_class
 from engine.telemetry import CancelFlag, Progress
 
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 SHARD_BYTES = 2 << 30
-
-_LAYER_MAP = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_TOP_MAP = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-# Tensors llama.cpp adds that mlx-lm recomputes itself.
-_SKIP = {"rope_freqs.weight"}
-
 
 @dataclass
 class GGUFImport:
@@ -59,15 +40,6 @@ class GGUFImport:
     params: int = 0
     stored_bits: int = 0
     tokenizer: dict[str, Any] = field(default_factory=dict)
-
-
-def _hf_name(gguf_name: str) -> str | None:
-    parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_MAP:
-        return f"model.layers.{parts[1]}.{_LAYER_MAP[parts[2]]}.{parts[3]}"
-    if len(parts) == 2 and parts[0] in _TOP_MAP:
-        return f"{_TOP_MAP[parts[0]]}.{parts[1]}"
-    return None
 
 
 # -- header bounds --------------------------------------------------------------------------
@@ -221,66 +193,19 @@ def model_config(path: Path) -> dict[str, Any]:
     """The config a GGUF file describes (see arch_config), from its metadata: no tensor read."""
     with _malformed(path):
         reader, meta = read_metadata(path)
-        return arch_config(path, meta, {t.name for t in reader.tensors})
+        return arch_config(path, meta, _shapes(reader))[1]
 
 
-def arch_config(path: Path, meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
-    """A Hugging Face-style config.json for the metadata of a supported architecture."""
-    arch = str(meta.get("general.architecture", ""))
-    if arch not in ARCHITECTURES:
-        raise ImportFailed(
-            f"{path}: unsupported architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})"
-        )
-
-    def need(key: str) -> Any:
-        value = meta.get(f"{arch}.{key}")
-        if value is None:
-            raise ImportFailed(f"{path}: missing metadata {arch}.{key}")
-        return value
-
-    hidden = int(need("embedding_length"))
-    heads = int(need("attention.head_count"))
-    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
-    vocab = len(meta.get("tokenizer.ggml.tokens") or []) or int(meta.get(f"{arch}.vocab_size", 0))
-    config: dict[str, Any] = {
-        "model_type": ARCHITECTURES[arch],
-        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
-        "hidden_size": hidden,
-        "num_hidden_layers": int(need("block_count")),
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 4096)),
-        "vocab_size": vocab,
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
-    }
-    scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling == "linear":
-        config["rope_scaling"] = {
-            "type": "linear",
-            "factor": float(meta.get(f"{arch}.rope.scaling.factor", 1.0)),
-        }
-    for key, hf in (
-        ("tokenizer.ggml.bos_token_id", "bos_token_id"),
-        ("tokenizer.ggml.eos_token_id", "eos_token_id"),
-    ):
-        if key in meta:
-            config[hf] = int(meta[key])
-    return config
+def _shapes(reader: Any) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> GGUF shape (ne0 first), as the reader lists them."""
+    return {t.name: tuple(int(x) for x in t.shape) for t in reader.tensors}
 
 
-def _unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation (interleaved RoPE -> half-split RoPE)."""
-    r = rows.shape[0]
-    return (
-        rows.reshape(n_head, r // n_head // 2, 2, *rows.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(rows.shape)
-    )
+def arch_config(path: Path, meta: dict[str, Any], tensors: dict[str, tuple[int, ...]]
+                ) -> tuple[Arch, dict[str, Any]]:
+    """The file's architecture and the config.json mlx-lm's ModelArgs read."""
+    arch = arch_for(path, meta)
+    return arch, gguf_arch.model_config(arch, Meta(path, arch.name, meta, tensors))
 
 
 def import_gguf(
@@ -314,15 +239,14 @@ def _convert(
     import mlx.core as mx  # heavy: only while converting
 
     reader, meta = read_metadata(path)
-    names = {t.name for t in reader.tensors}
-    config = arch_config(path, meta, names)
+    arch, config = arch_config(path, meta, _shapes(reader))
     if not reader.tensors:
         raise ImportFailed(f"{path}: no tensors")
     plan = []
     for t in reader.tensors:
-        if t.name in _SKIP:
+        if t.name in arch.skip:
             continue
-        hf = _hf_name(t.name)
+        hf = hf_name(arch, t.name)
         if hf is None:
             raise ImportFailed(f"{path}: unexpected tensor {t.name} for {config['model_type']}")
         qtype = t.tensor_type.name
@@ -340,14 +264,12 @@ def _convert(
     shard: dict[str, Any] = {}
     shard_bytes = 0
     shards: list[dict[str, Any]] = []
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    unpermute = config["model_type"] == "llama"
     for i, (t, hf, qtype) in enumerate(plan):
         if cancel is not None and cancel():
             raise Cancelled("import")
         raw = np.asarray(t.data)
-        if unpermute and (".q_proj." in hf or ".k_proj." in hf):
-            raw = _unpermute_rows(raw, heads if ".q_proj." in hf else kv_heads)
+        for reverse in arch.reverse:
+            raw = reverse(config, hf, raw)
         n = int(np.prod([int(x) for x in t.shape]))
         module = hf.rsplit(".", 1)[0]
         shape = tuple(reversed([int(x) for x in t.shape]))
