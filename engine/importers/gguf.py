@@ -22,8 +22,11 @@ from typing import Any
 import numpy as np
 
 from engine.errors import Cancelled, ImportFailed
-from engine.importers import gguf_arch
-from engine.importers.gguf_arch import Arch, Meta, arch_for, hf_name
+from engine.importers import (
+    gguf_arch,
+    gguf_moe,  # noqa: F401  (registers the mixture-of-experts families)
+)
+from engine.importers.gguf_arch import Arch, arch_for, hf_name
 from engine.importers.gguf_types import GROUP, SUPPORTED_TYPES, convert_tensor
 from engine.importers.vocab import write_tokenizer
 from engine.library.manifest import weight_class
@@ -193,19 +196,16 @@ def model_config(path: Path) -> dict[str, Any]:
     """The config a GGUF file describes (see arch_config), from its metadata: no tensor read."""
     with _malformed(path):
         reader, meta = read_metadata(path)
-        return arch_config(path, meta, _shapes(reader))[1]
+        return arch_config(path, meta, reader)[1]
 
 
-def _shapes(reader: Any) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> GGUF shape (ne0 first), as the reader lists them."""
-    return {t.name: tuple(int(x) for x in t.shape) for t in reader.tensors}
-
-
-def arch_config(path: Path, meta: dict[str, Any], tensors: dict[str, tuple[int, ...]]
-                ) -> tuple[Arch, dict[str, Any]]:
+def arch_config(path: Path, meta: dict[str, Any], reader: Any) -> tuple[Arch, dict[str, Any]]:
     """The file's architecture and the config.json mlx-lm's ModelArgs read."""
-    arch = arch_for(path, meta)
-    return arch, gguf_arch.model_config(arch, Meta(path, arch.name, meta, tensors))
+    by_name = {t.name: t for t in reader.tensors}
+    shapes = {t.name: tuple(int(x) for x in t.shape) for t in reader.tensors}
+    arch, m = arch_for(path, meta, shapes,
+                       lambda name: np.asarray(by_name[name].data, dtype=np.float32))
+    return arch, gguf_arch.model_config(arch, m)
 
 
 def import_gguf(
@@ -239,7 +239,7 @@ def _convert(
     import mlx.core as mx  # heavy: only while converting
 
     reader, meta = read_metadata(path)
-    arch, config = arch_config(path, meta, _shapes(reader))
+    arch, config = arch_config(path, meta, reader)
     if not reader.tensors:
         raise ImportFailed(f"{path}: no tensors")
     plan = []

@@ -2,12 +2,14 @@
 
 Contract: an `Arch` says, for one GGUF architecture, which mlx-lm model file runs it
 (`model_type`; the architecture itself is never written here), how llama.cpp's converter
-renamed its tensors (`names`: GGUF name parts -> mlx-lm parameter paths, reversed), how it
+renamed its tensors (`layer`, `top`: GGUF name parts -> mlx-lm parameter paths), how it
 changed their values (`reverse`: Q/K row permutation, norms stored with 1 added, ...) and the
-config.json mlx-lm's ModelArgs read (`config`). `ARCHS` is the registry (dense families here;
-engine.importers.gguf_moe registers the mixture-of-experts ones); `arch_for(path, meta)` is the
-entry for a file's metadata, ImportFailed naming the architecture and listing the supported
-ones otherwise. `hf_name(arch, gguf_name)` maps one tensor name (None: not the model's).
+config.json mlx-lm's ModelArgs read (`config`). `ARCHS` is the registry (dense families
+here; engine.importers.gguf_moe registers the mixture-of-experts ones);
+`arch_for(path, meta, shapes)` is the entry for a file's metadata (a registered variant may
+pick another: Mixtral is "llama" with experts), ImportFailed naming the architecture and
+listing the supported ones otherwise.
+`hf_name(arch, gguf_name)` maps one tensor name (None: not the model's).
 """
 
 from __future__ import annotations
@@ -45,8 +47,17 @@ class Meta:
     """One file's metadata under its architecture's key prefix, with one-line failures."""
 
     def __init__(self, path: Path, arch: str, meta: Mapping[str, Any],
-                 tensors: Mapping[str, tuple[int, ...]]) -> None:
+                 tensors: Mapping[str, tuple[int, ...]],
+                 read: Callable[[str], np.ndarray] | None = None) -> None:
         self.path, self.arch, self.all, self.tensors = path, arch, meta, tensors
+        self._read = read
+
+    def tensor(self, gguf_name: str) -> np.ndarray:
+        """A (small, float) tensor's values, for configs llama.cpp folded into a tensor
+        (Llama 3's rope_freqs); ImportFailed when the file lacks it."""
+        if self._read is None or gguf_name not in self.tensors:
+            raise ImportFailed(f"{self.path}: missing tensor {gguf_name}")
+        return self._read(gguf_name)
 
     def get(self, key: str, default: Any = None) -> Any:
         """`{arch}.{key}` (default when absent)."""
@@ -83,6 +94,9 @@ class Arch:
 
 
 ARCHS: dict[str, Arch] = {}
+# general.architecture -> functions that pick another Arch for some files of it (llama.cpp
+# writes Mixtral as "llama" with an expert count): the first that returns one wins.
+VARIANTS: dict[str, list[Callable[[Meta], Arch | None]]] = {}
 
 
 def register(arch: Arch) -> Arch:
@@ -90,12 +104,28 @@ def register(arch: Arch) -> Arch:
     return arch
 
 
-def arch_for(path: Path, meta: Mapping[str, Any]) -> Arch:
+def register_variant(name: str, pick: Callable[[Meta], Arch | None]) -> None:
+    VARIANTS.setdefault(name, []).append(pick)
+
+
+def supported() -> list[str]:
+    """The architectures a GGUF may name, for messages and docs."""
+    return sorted(ARCHS)
+
+
+def arch_for(path: Path, meta: Mapping[str, Any], tensors: Mapping[str, tuple[int, ...]],
+             read: Callable[[str], np.ndarray] | None = None) -> tuple[Arch, Meta]:
+    """The Arch for a file's metadata (and its Meta); ImportFailed listing the supported."""
     name = str(meta.get("general.architecture", ""))
     if name not in ARCHS:
         raise ImportFailed(f"{path}: unsupported architecture {name!r} "
-                           f"(supported: {', '.join(sorted(ARCHS))})")
-    return ARCHS[name]
+                           f"(supported: {', '.join(supported())})")
+    m = Meta(path, name, meta, tensors, read)
+    for pick in VARIANTS.get(name, []):
+        chosen = pick(m)
+        if chosen is not None:
+            return chosen, m
+    return ARCHS[name], m
 
 
 def hf_name(arch: Arch, gguf_name: str) -> str | None:
@@ -110,8 +140,8 @@ def hf_name(arch: Arch, gguf_name: str) -> str | None:
 def model_config(arch: Arch, m: Meta) -> dict[str, Any]:
     """config.json for a file: the architecture's own fields plus model_type and names."""
     config = arch.config(m)
-    config["model_type"] = arch.model_type
-    config["architectures"] = [arch.hf_class]
+    config.setdefault("model_type", arch.model_type)
+    config.setdefault("architectures", [arch.hf_class])
     for key, hf in (("tokenizer.ggml.bos_token_id", "bos_token_id"),
                     ("tokenizer.ggml.eos_token_id", "eos_token_id")):
         if key in m.all:
