@@ -13,7 +13,6 @@ F32/F16/BF16 stay as they are. Llama Q/K rows are un-permuted to the Hugging Fac
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from engine.importers import (
     gguf_moe,  # noqa: F401  (registers the mixture-of-experts families)
 )
 from engine.importers.gguf_arch import Arch, arch_for, hf_name
+from engine.importers.gguf_file import GGUFFile, read_gguf
 from engine.importers.gguf_types import GROUP, SUPPORTED_TYPES, convert_tensor
 from engine.importers.vocab import write_tokenizer
 from engine.library.manifest import weight_class
@@ -45,151 +45,18 @@ class GGUFImport:
     tokenizer: dict[str, Any] = field(default_factory=dict)
 
 
-# -- header bounds --------------------------------------------------------------------------
-# GGUF value types (gguf.GGUFValueType) by fixed size; 8 is STRING, 9 is ARRAY.
-_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY = 8, 9
-_MAX_DIMS = 4  # GGML_MAX_DIMS
-_MAX_ARRAY_DEPTH = 2
+def read_metadata(path: Path) -> tuple[GGUFFile, dict[str, Any]]:
+    """Read a GGUF's header (every part, if split) and check it is whole; (file, metadata).
 
+    An architecture Strata cannot run is refused as soon as the header names it, before the
+    vocabulary and tensor index are read."""
+    def supported(name: str) -> None:
+        if name not in gguf_arch.ARCHS:
+            raise ImportFailed(f"{path}: unsupported architecture {name!r} "
+                               f"(supported: {', '.join(gguf_arch.supported())})")
 
-def check_header(path: Path) -> None:
-    """Walk the GGUF header with every count checked against the bytes that remain.
-
-    The `gguf` reader trusts the counts a header claims: an array that claims more items
-    than the file holds makes it loop (and allocate) without end, and deep nesting
-    overflows its recursion. This walk costs at most one step per 8 bytes of header and
-    allocates nothing in proportion to a claimed count; ImportFailed names the first lie.
-    """
-    import mmap
-    import struct
-
-    import gguf  # heavy (numpy-backed reader): only when a GGUF is opened
-
-    size = os.path.getsize(path)
-    with open(path, "rb") as fh:
-        if size < 24:
-            raise ImportFailed(f"{path}: truncated GGUF header ({size} bytes)")
-        buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        (version,) = struct.unpack_from("<I", buf, 4)
-        order = ">" if version & 0xFFFF == 0 else "<"
-        u32, u64 = struct.Struct(order + "I"), struct.Struct(order + "Q")
-        off = 8
-
-        def need(n: int, what: str) -> None:
-            if n < 0 or off + n > size:
-                raise ImportFailed(f"{path}: corrupt or truncated GGUF header ({what} claims "
-                                   f"{n} bytes at offset {off}, file has {size})")
-
-        def string(what: str) -> None:
-            nonlocal off
-            need(8, what)
-            (n,) = u64.unpack_from(buf, off)
-            off += 8
-            need(n, what)
-            off += n
-
-        def value(vtype: int, what: str, depth: int) -> None:
-            nonlocal off
-            if vtype in _VALUE_SIZES:
-                need(_VALUE_SIZES[vtype], what)
-                off += _VALUE_SIZES[vtype]
-            elif vtype == _STRING:
-                string(what)
-            elif vtype == _ARRAY:
-                if depth >= _MAX_ARRAY_DEPTH:
-                    raise ImportFailed(f"{path}: corrupt GGUF header ({what}: arrays nested "
-                                       f"deeper than {_MAX_ARRAY_DEPTH})")
-                need(12, what)
-                (itype,), (count,) = u32.unpack_from(buf, off), u64.unpack_from(buf, off + 4)
-                off += 12
-                least = _VALUE_SIZES.get(itype, 8 if itype == _STRING else 12)
-                if itype not in _VALUE_SIZES and itype not in (_STRING, _ARRAY):
-                    raise ImportFailed(f"{path}: corrupt GGUF header ({what}: unknown "
-                                       f"array item type {itype})")
-                need(count * least, f"{what} ({count} items)")
-                if itype in _VALUE_SIZES:
-                    off += count * least
-                else:
-                    for _ in range(count):
-                        value(itype, what, depth + 1)
-            else:
-                raise ImportFailed(f"{path}: corrupt GGUF header ({what}: unknown value "
-                                   f"type {vtype})")
-
-        need(16, "counts")
-        (n_tensors,), (n_kv,) = u64.unpack_from(buf, off), u64.unpack_from(buf, off + 8)
-        off += 16
-        need(n_kv * 13, f"{n_kv} metadata fields")
-        for i in range(n_kv):
-            string(f"metadata field {i}")
-            need(4, f"metadata field {i}")
-            (vtype,) = u32.unpack_from(buf, off)
-            off += 4
-            value(vtype, f"metadata field {i}", 0)
-        need(n_tensors * 24, f"{n_tensors} tensors")
-        for i in range(n_tensors):
-            string(f"tensor {i} name")
-            need(4, f"tensor {i}")
-            (n_dims,) = u32.unpack_from(buf, off)
-            off += 4
-            if n_dims > _MAX_DIMS:
-                raise ImportFailed(f"{path}: corrupt GGUF header (tensor {i} claims "
-                                   f"{n_dims} dimensions)")
-            need(8 * n_dims + 12, f"tensor {i}")
-            dims = [u64.unpack_from(buf, off + 8 * d)[0] for d in range(n_dims)]
-            off += 8 * n_dims
-            (ttype,) = u32.unpack_from(buf, off)
-            off += 12
-            try:
-                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
-            except (ValueError, KeyError) as exc:
-                raise ImportFailed(f"{path}: corrupt GGUF header (tensor {i} has unknown "
-                                   f"type {ttype})") from exc
-            elems = 1
-            for d in dims:
-                elems *= d
-            if elems % block or elems // block * type_size > size:
-                raise ImportFailed(f"{path}: corrupt or truncated GGUF (tensor {i} claims "
-                                   f"{elems} elements of type {ttype}, file has {size} bytes)")
-    finally:
-        buf.close()
-
-
-def read_metadata(path: Path) -> tuple[Any, dict[str, Any]]:
-    """Open a GGUF with the `gguf` reader and check it is whole; (reader, metadata dict)."""
-    if not path.exists():
-        raise ImportFailed(f"{path}: no such file")
-    if not path.is_file():
-        raise ImportFailed(f"{path}: not a file")
-    with open(path, "rb") as fh:
-        magic = fh.read(4)
-    if magic != b"GGUF":
-        raise ImportFailed(f"{path}: not a GGUF file (bad magic {magic!r})")
-    check_header(path)
-    import gguf  # heavy (numpy-backed reader): only when a GGUF is opened
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (ValueError, KeyError, IndexError, OverflowError, TypeError, MemoryError) as exc:
-        raise ImportFailed(f"{path}: corrupt or truncated GGUF ({exc})") from exc
-    meta: dict[str, Any] = {}
-    for key, fld in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = fld.contents()
-        except (ValueError, IndexError, UnicodeDecodeError) as exc:
-            raise ImportFailed(f"{path}: unreadable metadata field {key} ({exc})") from exc
-    size = os.path.getsize(path)
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size or t.data.nbytes != int(t.n_bytes):
-            raise ImportFailed(
-                f"{path}: truncated: tensor {t.name} needs bytes up to {end}, file has {size}"
-            )
-    return reader, meta
+    f = read_gguf(path, on_architecture=supported)
+    return f, f.meta
 
 
 def model_config(path: Path) -> dict[str, Any]:
