@@ -9,11 +9,12 @@ export QT_QPA_PLATFORM ?= $(if $(filter Linux,$(shell uname -s)),$(if $(DISPLAY)
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml scripts/system-deps.sh
+$(VENV)/.installed: pyproject.toml scripts/system-deps.sh scripts/llama-cpp.sh
 	./scripts/system-deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	./scripts/llama-cpp.sh $(BIN)/python
 	touch $@
 
 run: setup

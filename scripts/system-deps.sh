@@ -4,7 +4,8 @@
 set -e
 [ "$(uname -s)" = "Linux" ] || exit 0
 command -v apt-get >/dev/null 2>&1 || { echo "system-deps: not Debian; install OpenBLAS and Qt's libraries yourself" >&2; exit 0; }
-PKGS="libopenblas0-pthread libgl1 libegl1 libxkbcommon0 libfontconfig1 libdbus-1-3 libglib2.0-0"
+# g++ and cmake build llama-cpp-python (the tests' GGUF reference; scripts/llama-cpp.sh).
+PKGS="libopenblas0-pthread libgl1 libegl1 libxkbcommon0 libfontconfig1 libdbus-1-3 libglib2.0-0 g++ cmake"
 missing=""
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
