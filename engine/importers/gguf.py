@@ -1,13 +1,13 @@
 """GGUF (llama.cpp) files to an MLX-format folder that mlx_lm.load can open.
 
 Contract: `import_gguf(path, dest, progress, cancel)` validates the file (magic, version,
-truncation, architecture, tensor types) before writing anything, then writes config.json,
-model*.safetensors and tokenizer files into `dest` (a temporary folder owned by the library).
-Q4_0, Q4_1 and Q8_0 are repacked exactly into MLX affine triples (group 32); K-quants and
-Q5 types are dequantized with the `gguf` package and requantized at the nearest MLX width;
-F32/F16/BF16 stay as they are. Llama Q/K rows are un-permuted to the Hugging Face layout.
-`model_config(path)` is the Hugging Face-style config a file describes, from its metadata alone
-(no tensor read); a malformed file is an ImportFailed from either.
+truncation, split parts, architecture, tensor types) before writing anything, then writes
+config.json, model*.safetensors and tokenizer files into `dest` (a temporary folder owned by
+the library). The pieces: gguf_file reads the header (an unsupported architecture is refused
+as soon as the header names it), gguf_arch/gguf_moe say what each architecture is in mlx-lm's
+terms (names, value changes reversed, config), gguf_types converts each tensor type, vocab
+writes the tokenizer. `model_config(path)` is the config a file describes, from its metadata
+alone (no tensor read); a malformed file is an ImportFailed from either.
 """
 
 from __future__ import annotations
