@@ -6,7 +6,8 @@ same weights, each subject in a worker.py process); kv.py (paged KV decode again
 KVCache) with fill.py (synthetic KV fill), passkey.py (pass-key retrieval) and longrun.py
 (one long context on the SSD tier); kvbits.py (KV pages at 8 and 4 bits: KL and bytes);
 prefix.py (the SSD prefix cache and multi-turn reuse, each figure from a prefix_worker.py
-process); smoke.py (the engine's half of `strata --smoke`); and what they share: stats.py
+process); importing.py (import time and peak memory per file, llama.cpp's load as the
+peer); smoke.py (the engine's half of `strata --smoke`); and what they share: stats.py
 (statistics, ratios, the result schema), system.py (RSS, I/O counters, dropping files from
 the page cache), common.py (prompt ids, machine facts). Modules here may import every floor
 below (the leaves, kv, library, runtime, importers, quant, server), never the window or the
@@ -24,14 +25,15 @@ from __future__ import annotations
 
 import argparse
 
-SUITES = ("quick", "full", "kv", "prefix", "kvbits")
+SUITES = ("quick", "full", "kv", "prefix", "kvbits", "import")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The suite (default quick) and the options of every suite; each help says whose."""
     p.add_argument("suite", nargs="?", default="quick", choices=SUITES,
                    help="quick (about 2 minutes), full (depth sweep, KV modes), kv (paged KV "
-                        "decode), prefix (the SSD prefix cache) or kvbits (KV precision)")
+                        "decode), prefix (the SSD prefix cache), kvbits (KV precision) or "
+                        "import (import time and peak memory of --files)")
     p.add_argument("--model", default="starter",
                    help="library name or alias; comma-separated for several (e.g. recipes)")
     p.add_argument("--depths", help="context depths, comma-separated (quick: 0,512)")
@@ -49,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", help="compute profile (default: the backend's)")
     p.add_argument("--json", dest="json_out", help="write results to this file")
     p.add_argument("--csv", dest="csv_out", help="write one row per figure to this file")
+    p.add_argument("--files", help="import: comma-separated GGUF files or model folders")
     _add_kv(p)
     _add_prefix(p)
     _add_kvbits(p)
@@ -134,6 +137,10 @@ def run_cli(args: argparse.Namespace) -> int:
         from engine.bench import prefix  # the suite's modules load when it runs
 
         return prefix.run(args)
+    if args.suite == "import":
+        from engine.bench import importing  # the suite's modules load when it runs
+
+        return importing.run(args)
     if args.suite == "kvbits":
         from engine.bench import kvbits  # the suite's modules load when it runs
 
