@@ -2,8 +2,9 @@
 with llama.cpp loading the same file in the same run as the peer.
 
 Contract: `run(args)` takes `--files` (comma-separated GGUF files or model folders) and, per
-file and trial, runs the real command (`python -m app import FILE`) in a fresh process against
-an empty temporary STRATA_HOME, timing it from start to exit and reading its peak resident set
+file and trial, imports it in a fresh process (this module run as a script: the engine's
+import_path, what `strata import` calls) into an empty temporary library, timing it from start
+to exit and reading its peak resident set
 from the OS (wait4's ru_maxrss); for a GGUF, llama.cpp (llama-cpp-python) loading the same file
 in a child process is timed the same way when it is installed. It prints one line per file
 (median of --trials, default 3) and writes the result schema of engine.bench.stats to --json.
@@ -53,8 +54,7 @@ def measure(path: Path, trials: int) -> dict[str, Any]:
     for _ in range(trials):
         with tempfile.TemporaryDirectory(prefix="strata-bench-import-") as home:
             env = dict(os.environ, STRATA_HOME=home)
-            s, peak, rc, last = _timed([sys.executable, "-m", "app", "import", str(path),
-                                        "--name", "bench"], env)
+            s, peak, rc, last = _timed([sys.executable, "-m", __name__, str(path), home], env)
             runs.append({"seconds": s, "peak_rss_bytes": peak, "ok": rc == 0, "error": last
                          if rc else None})
     out: dict[str, Any] = {
@@ -99,3 +99,22 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json_out).write_text(json.dumps(
             {"suite": "import", "machine": machine_facts(), "results": results}, indent=2))
     return 0 if all(r["ok"] for r in results) else 1
+
+
+def _child(path: str, home: str) -> int:
+    """One import, in the process being measured."""
+    # The subject and what it needs: loaded inside the process being measured.
+    from engine.errors import StrataError
+    from engine.importers import import_path
+    from engine.library import Library
+
+    try:
+        import_path(Library(Path(home)), Path(path), name="bench")
+    except StrataError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1], sys.argv[2]))
