@@ -7,7 +7,10 @@ It reads no weight; a source that cannot be imported or quantized is a StrataErr
 line that names it. `Source.float_weights(progress, cancel)` reads the weights expanded to
 float32 (quantized ones dequantized exactly) as MLX arrays named as mlx-lm's model class names
 its parameters, with the folder that holds the tokenizer files (a GGUF is converted into a
-temporary folder first, which `FloatWeights.close()` removes). A Source is plain data:
+temporary folder first, which `FloatWeights.close()` removes). `Source.weight_sizes()` and
+`Source.preflight(profile, context)` say, from the config and the weights' sizes alone (a GGUF's
+tensor table, safetensors headers: no tensor is read), whether the model would fit in this
+machine's memory once imported and loaded (engine.runtime.fit.Fit). A Source is plain data:
 `to_job()` writes it as JSON that `reopen` turns back into one, so a calibrated quantization
 reopens it in a child process. engine.quant.source says what quantization needs of a source;
 this class is one, structurally.
@@ -16,7 +19,9 @@ this class is one, structurally.
 from __future__ import annotations
 
 import json
+import math
 import shutil
+import struct
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ImportFailed, LoadFailed, StrataError
-from engine.importers.gguf import import_gguf, model_config
+from engine.importers.gguf import import_gguf, model_config, read_metadata
 from engine.importers.hf import (
     DEFAULT_RECIPE,
     TOKENIZER_FILES,
@@ -33,10 +38,12 @@ from engine.importers.hf import (
 )
 from engine.library.store import MANIFEST, Library, clean_name
 from engine.platform import ComputeProfile
+from engine.runtime.fit import Fit, WeightSizes, estimate
 from engine.runtime.model import load_weights_into_model, read_config
 from engine.telemetry import CancelFlag, Progress
 
 KINDS = ("gguf", "hf", "mlx", "library")
+GGUF_FLOATS = ("F32", "F16", "BF16", "F64")  # GGUF tensor types kept as floats
 # Every stored weight dequantized (exactly, for affine and GGUF Q4_0/Q4_1/Q8_0) into float32.
 EXPAND = ComputeProfile("expand-f32", dequantize=True, dtype="float32")
 # Files of a model folder that are not the tokenizer's (the weights are *.safetensors).
@@ -135,6 +142,50 @@ class Source:
                                else "the folder's weights, copied",
                 "bits_per_weight": None, "bytes": sum(f.stat().st_size for f in weights)}
 
+    def weight_sizes(self) -> WeightSizes:
+        """The weights by how they are stored (engine.runtime.fit.WeightSizes), from the GGUF's
+        tensor table or the safetensors headers; no tensor is read. A Hugging Face folder's
+        are counted as the importer's default quantization will store them."""
+        if self.kind == "gguf":
+            reader, _ = read_metadata(self.path)
+            qp = qb = fp = 0
+            for t in reader.tensors:
+                n = math.prod(int(x) for x in t.shape)
+                if getattr(t.tensor_type, "name", str(t.tensor_type)) in GGUF_FLOATS:
+                    fp += n
+                else:
+                    qp, qb = qp + n, qb + int(t.n_bytes)
+            return WeightSizes(qp, qb, fp)
+        items = _safetensors_items(self.path)
+        if self.kind != "hf":
+            return WeightSizes.from_items(self.config, items)
+        # The importer's default: 2-D weights at its bits (embeddings and head at the higher
+        # ones) with a float16 scale and bias per group, everything else in float16.
+        r = DEFAULT_RECIPE
+        qp = qb = fp = 0
+        for key, (n, _, _) in items.items():
+            if key.endswith("rotary_emb.inv_freq"):
+                continue  # an old checkpoint's RoPE buffer: mlx-lm's sanitize drops it
+            quantizable = key.endswith(".weight") and n % (r["group_size"] * 8) == 0
+            if quantizable and not key.endswith("norm.weight"):
+                bits = r["high_bits"] if ("embed" in key or "lm_head" in key) else r["bits"]
+                qp, qb = qp + n, qb + int(n * (bits + 32 / r["group_size"]) / 8)
+            else:
+                fp += n
+        return WeightSizes(qp, qb, fp)
+
+    def preflight(self, profile: ComputeProfile, context: int | None = None, *,
+                  stored_bytes: int | None = None, kv_bits: int = 16,
+                  kv_group: int | None = None, kv_ram_limit: int | None = None,
+                  freed_bytes: int = 0) -> Fit:
+        """Would this model fit once imported and loaded in `profile` at `context` (None: the
+        chosen context, engine.runtime.fit.chosen_context)? `stored_bytes`: the size an import
+        option (a recipe) would give the weights on disk; the rest as engine.runtime.fit's
+        estimate takes them."""
+        return estimate(self.config, self.weight_sizes(), profile, context,
+                        stored_bytes=stored_bytes, kv_bits=kv_bits, kv_group=kv_group,
+                        kv_ram_limit=kv_ram_limit, freed_bytes=freed_bytes)
+
     def float_weights(self, progress: Progress | None = None,
                       cancel: CancelFlag | None = None) -> FloatWeights:
         """Read every weight, expanded to float32; see the module docstring."""
@@ -184,6 +235,28 @@ def open_source(where: str | Path, library: Library | None = None) -> Source:
     if kind == "hf":
         check_config(config, str(path))
     return Source(kind, path, config, str(path))
+
+
+def _safetensors_items(folder: Path) -> dict[str, tuple[int, int, str]]:
+    """name -> (elements, bytes, dtype) of every tensor of a folder's *.safetensors, from their
+    JSON headers (8 bytes of length, then the header); ImportFailed for one that has none."""
+    items: dict[str, tuple[int, int, str]] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with open(f, "rb") as fh:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                if size > 100 << 20:
+                    raise ValueError(f"header of {size} bytes")
+                header = json.loads(fh.read(size))
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                start, end = info["data_offsets"]
+                items[name] = (math.prod(int(x) for x in info["shape"]), int(end) - int(start),
+                               str(info["dtype"]))
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+            raise ImportFailed(f"{f}: unreadable safetensors header ({exc})") from exc
+    return items
 
 
 def tokenizer_info(folder: Path) -> dict[str, Any]:
