@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.library.manifest import class_formats
+
 UNAVAILABLE = "unavailable"
+_FLOATS = ("f32", "f16", "bf16", "float32", "float16", "bfloat16")
 
 
 def human_bytes(n: int | float | None) -> str:
@@ -45,19 +48,20 @@ def reply_stats_line(stats: dict[str, Any], status: str = "complete") -> str:
     return " · ".join(parts)
 
 
+def _short(stored: str) -> str:
+    """'affine 4-bit g32' -> '4-bit'; 'mxfp4 g32' -> 'mxfp4'; 'f16' -> 'f16'."""
+    return stored.replace("affine ", "").split(" g")[0]
+
+
 def quantization_summary(manifest: dict[str, Any]) -> str:
     """A short label for a manifest's quantization: '4-bit, 8-bit embedding'."""
-    quant = manifest.get("quantization") or {}
-    if not isinstance(quant, dict) or not quant:
-        return UNAVAILABLE
     by_format: dict[str, list[str]] = {}
-    for group, formats in quant.items():
-        for fmt in formats if isinstance(formats, list) else [str(formats)]:
-            short = str(fmt).split(" (")[0].replace("affine ", "")
-            short = short.split(" g")[0]
-            by_format.setdefault(short, []).append(str(group))
-    weights = {k: v for k, v in by_format.items() if k not in ("f32", "f16", "bf16")
-               or len(by_format) == 1}
+    for group, formats in class_formats(manifest).items():
+        for fmt in formats:
+            by_format.setdefault(_short(fmt["stored"]), []).append(group)
+    if not by_format:
+        return UNAVAILABLE
+    weights = {k: v for k, v in by_format.items() if k not in _FLOATS or len(by_format) == 1}
     if not weights:
         weights = by_format
     main = max(weights, key=lambda k: len(weights[k]))
@@ -66,8 +70,15 @@ def quantization_summary(manifest: dict[str, Any]) -> str:
 
 
 def quantization_details(manifest: dict[str, Any]) -> str:
+    """One line per tensor class: its stored formats and, for converted ones, the source type
+    and whether the values are exactly the source's ('mlp: Q4_K -> affine 4-bit g32, same
+    grid, float16 scales')."""
     quant = manifest.get("quantization") or {}
     if not isinstance(quant, dict):
         return str(quant)
-    return "\n".join(f"{group}: {', '.join(map(str, formats))}"
-                     for group, formats in sorted(quant.items()))
+    lines = []
+    for group, formats in class_formats(manifest).items():
+        parts = [fmt["stored"] if fmt["source"] is None
+                 else f"{fmt['source']} -> {fmt['stored']}, {fmt['how']}" for fmt in formats]
+        lines.append(f"{group}: {'; '.join(parts)}")
+    return "\n".join(lines)

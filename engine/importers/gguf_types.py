@@ -4,12 +4,23 @@ Contract: `convert_tensor(name, data, qtype, shape)` takes one tensor as the `gg
 gives it (`data`: float rows for F32/F16, else uint8 block rows, already in the row order the
 architecture wants), its parameter path in the MLX model (`name`) and its Hugging Face shape,
 and returns a `Converted`: the arrays to save by parameter path (`name` itself, plus the
-module's `.scales` and `.biases` when quantized), the per-module quantization
-entry for config.json (None when stored as floats), and what the manifest says of it: the
-source type, the stored format and whether the conversion was exact. Q4_0, Q4_1 and Q8_0 are
-repacked exactly into MLX affine triples (group 32); other quantized types are dequantized with
-the `gguf` package and requantized at `REQUANT_TYPES`' width; F32/F16 stay as they are, BF16
-stays bfloat16. ImportFailed names the tensor when the stored numbers are not finite.
+module's `.scales` and `.biases` when quantized), the per-module quantization entry for
+config.json (None when stored as floats; it carries "mode" when that is not affine), and what
+the manifest says of it: the source type, the stored format, how it got there (`how`: "exact",
+"same grid" or "requantized") and the largest difference from the source's values.
+
+Every type the `gguf` package dequantizes is accepted (`SUPPORTED_TYPES`); `PLANS` says where
+each goes. Where MLX holds the same numbers, the codes are carried over and the block scales
+become MLX's (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TQ1_0, TQ2_0 onto affine group 32; MXFP4 onto mode
+"mxfp4", NVFP4 onto "nvfp4"); for Q4_K, Q5_K and IQ1_S the codes carry over too, but their
+per-32 scales (products of a float16 and a small integer) are rounded to float16. Exactness is
+never assumed: every tensor's stored values are compared with the `gguf` package's
+dequantization of the source, and only equal ones are called exact. Types whose grids MLX has
+no counterpart for (sub-blocks of 16, lattice codebooks, non-uniform levels) are dequantized
+and requantized at the width in `PLANS` (one above the source's code width, see there),
+group 32. A quantized tensor that is not a matrix's
+weight (a norm, a bias) is stored as float32, its dequantized values exactly. ImportFailed
+names the tensor when the stored numbers are not finite.
 """
 
 from __future__ import annotations
@@ -21,11 +32,70 @@ import numpy as np
 
 from engine.errors import ImportFailed
 
-EXACT_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}
-REQUANT_TYPES = {"Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
-FLOAT_TYPES = {"F32", "F16", "BF16"}
-SUPPORTED_TYPES = FLOAT_TYPES | set(EXACT_TYPES) | set(REQUANT_TYPES)
 GROUP = 32
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where one GGUF type goes in MLX."""
+
+    mode: str  # "float", "affine", "mxfp4" or "nvfp4"
+    bits: int
+    group: int
+    way: str  # "float": kept as floats; "repack": codes carried over; "requantize"
+    why: str = ""  # for requantized types: why this width
+
+    @property
+    def stored(self) -> str:
+        if self.mode == "float":
+            return {16: "float16", 32: "float32"}[self.bits]
+        if self.mode == "affine":
+            return f"affine {self.bits}-bit g{self.group}"
+        return f"{self.mode} g{self.group}"
+
+
+def _repack(bits: int, mode: str = "affine", group: int = GROUP) -> Plan:
+    return Plan(mode, bits, group, "repack")
+
+
+def _requant(bits: int, why: str) -> Plan:
+    return Plan("affine", bits, GROUP, "requantize", why)
+
+
+PLANS: dict[str, Plan] = {
+    "F32": Plan("float", 32, 0, "float"),
+    "F16": Plan("float", 16, 0, "float"),
+    "BF16": Plan("float", 16, 0, "float"),  # stored as bfloat16 (see convert_tensor)
+    "Q8_0": _repack(8),
+    "Q4_0": _repack(4),
+    "Q4_1": _repack(4),
+    "Q5_0": _repack(5),
+    "Q5_1": _repack(5),
+    "Q4_K": _repack(4),
+    "Q5_K": _repack(5),
+    "TQ1_0": _repack(2),  # ternary codes, one scale per 256: a 2-bit affine grid
+    "TQ2_0": _repack(2),
+    "IQ1_S": _repack(2),  # three levels (-1, 0, 1 plus a shift) per 32: a 2-bit affine grid
+    "MXFP4": _repack(4, "mxfp4", 32),
+    "NVFP4": _repack(4, "nvfp4", 16),
+    # Requantized one MLX width above the source's own code width: re-rounding onto another
+    # grid at the same width adds about as much error again as the file's own quantization
+    # (measured on llama.cpp's files: 0.7 to 1.2 times its logit error), one width up a
+    # quarter to two thirds of it (tests/engine/importers/test_gguf_types.py, MATRIX).
+    "Q6_K": _requant(8, "6-bit codes with scales per 16 (MLX groups are 32); no 7-bit"),
+    "Q3_K": _requant(4, "3-bit codes with scales per 16"),
+    "Q2_K": _requant(3, "2-bit codes with scales and mins per 16"),
+    "IQ4_NL": _requant(5, "16 non-uniform levels per 32"),
+    "IQ4_XS": _requant(5, "16 non-uniform levels per 32"),
+    "IQ3_S": _requant(4, "lattice codebook, about 3.4 bits per weight"),
+    "IQ3_XXS": _requant(4, "lattice codebook, about 3.1 bits per weight"),
+    "IQ2_S": _requant(3, "lattice codebook, about 2.5 bits per weight"),
+    "IQ2_XS": _requant(3, "lattice codebook, about 2.3 bits per weight"),
+    "IQ2_XXS": _requant(3, "lattice codebook, about 2.1 bits per weight"),
+    "IQ1_M": _requant(3, "three levels with shifts per 8 and scales per 16"),
+}
+SUPPORTED_TYPES = set(PLANS)
+FLOAT_TYPES = {k for k, p in PLANS.items() if p.way == "float"}
 
 
 @dataclass
@@ -35,87 +105,201 @@ class Converted:
     arrays: dict[str, Any]  # parameter path -> mx.array
     quant: dict[str, Any] | None  # config.json's entry for the module ({group_size, bits...})
     source: str  # the GGUF type: "Q4_K", "F32", ...
-    stored: str  # "affine 4-bit g32", "float16", ...
+    stored: str  # "affine 4-bit g32", "mxfp4 g32", "float16", ...
     exact: bool  # True when the stored values equal the source's dequantized ones
     bits: int  # stored bits per weight of the values (not counting scales)
+    how: str = ""  # "exact", "same grid" (codes kept, scales rounded) or "requantized"
+    max_error: float = 0.0  # largest |stored - source| over the tensor
+    max_abs: float = 0.0  # largest |source|, to read max_error against
+
+    def __post_init__(self) -> None:
+        if not self.how:
+            self.how = "exact" if self.exact else "requantized"
 
     @property
     def label(self) -> str:
-        """The manifest's line for it: stored format (from source, exact or requantized)."""
+        """The manifest's line for it: 'stored (from source, how)', or just 'float32'."""
         if self.quant is None and self.source.lower() == self.stored:
             return self.stored
-        how = "exact" if self.exact else "requantized"
+        how = "same grid, float16 scales" if self.how == "same grid" else self.how
         return f"{self.stored} (from {self.source}, {how})"
 
 
-def _f16_field(blocks: np.ndarray, start: int) -> np.ndarray:
-    return np.ascontiguousarray(blocks[..., start : start + 2]).view(np.float16)[..., 0]
+# -- bit fields -----------------------------------------------------------------------------
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The float16 field at byte `start` of every block, as float32."""
+    return (np.ascontiguousarray(blocks[..., start : start + 2]).view(np.float16)[..., 0]
+            .astype(np.float32))
 
 
-def _pack4(values: np.ndarray) -> np.ndarray:
-    """(R, N) uint8 values < 16 to MLX's 4-bit packing: 8 per uint32, low nibble first."""
-    packed = (values[:, 0::2] | (values[:, 1::2] << 4)).astype(np.uint8)
-    return np.ascontiguousarray(packed).view(np.uint32)
+def _affine_fields(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per group of 32: (scale, bias) in float32, such that value = scale * code + bias with
+    integer codes, as the type's own dequantization computes them."""
+    import gguf  # heavy: the type tables, only while converting
 
-
-def exact_triple(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Repack Q8_0/Q4_0/Q4_1 block rows (R, bytes) into MLX (weight, scales, biases), exactly."""
     rows = raw.shape[0]
-    if qtype == "Q8_0":
-        blocks = raw.reshape(rows, -1, 34)
-        d = _f16_field(blocks, 0)
-        q = blocks[..., 2:].view(np.int8).astype(np.int16) + 128
-        weight = np.ascontiguousarray(q.astype(np.uint8).reshape(rows, -1)).view(np.uint32)
-        return weight, d, (d * np.float16(-128)).astype(np.float16)
-    if qtype in ("Q4_0", "Q4_1"):
-        width = 18 if qtype == "Q4_0" else 20
-        blocks = raw.reshape(rows, -1, width)
-        d = _f16_field(blocks, 0)
-        qs = blocks[..., width - 16 :]
-        values = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, -1)
-        bias = (d * np.float16(-8)).astype(np.float16) if qtype == "Q4_0" else _f16_field(blocks, 2)
-        return _pack4(values), d, bias
+    _, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    blocks = raw.reshape(rows, -1, size)
+    if qtype in ("Q4_0", "Q5_0", "Q8_0"):
+        d = _f16(blocks, 0)
+        return d, d * np.float32({"Q4_0": -8, "Q5_0": -16, "Q8_0": -128}[qtype])
+    if qtype in ("Q4_1", "Q5_1"):
+        return _f16(blocks, 0), _f16(blocks, 2)
+    if qtype in ("Q4_K", "Q5_K"):
+        sc, mn = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16])
+                                                .reshape(-1, 12))
+        d, dmin = _f16(blocks, 0)[..., None], _f16(blocks, 2)[..., None]
+        scale = d * sc.reshape(rows, -1, 8).astype(np.float32)
+        bias = -(dmin * mn.reshape(rows, -1, 8).astype(np.float32))
+        return scale.reshape(rows, -1), bias.reshape(rows, -1)
+    if qtype in ("TQ1_0", "TQ2_0"):
+        d = np.repeat(_f16(blocks, size - 2), 8, axis=-1)  # one scale per 256: 8 groups
+        return d, -d
+    if qtype == "IQ1_S":
+        d = _f16(blocks, 0)[..., None]
+        qh = np.ascontiguousarray(blocks[..., 34:50]).view(np.uint16)  # one per 32
+        dl = d * (2 * ((qh >> 12) & 7) + 1).astype(np.float32)
+        delta = np.where(qh & 0x8000, -gguf.quants.IQ1_S.delta, gguf.quants.IQ1_S.delta)
+        return dl.reshape(rows, -1), (dl * (delta - 1).astype(np.float32)).reshape(rows, -1)
     raise ValueError(qtype)
+
+
+def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """(R, N) integer codes < 2**bits to MLX's packing: a little-endian bit stream in uint32
+    words (element i at bit i * bits), for any width MLX has."""
+    rows, n = codes.shape
+    groups = codes.reshape(rows, -1, 32).astype(np.uint64)
+    out = np.zeros((rows, groups.shape[1], bits), dtype=np.uint64)
+    for i in range(32):  # 32 codes fill exactly `bits` words
+        word, shift = divmod(i * bits, 32)
+        out[..., word] |= (groups[..., i] << np.uint64(shift)) & np.uint64(0xFFFFFFFF)
+        if shift + bits > 32:
+            out[..., word + 1] |= groups[..., i] >> np.uint64(32 - shift)
+    return out.astype(np.uint32).reshape(rows, -1)
+
+
+def _fp4_codes(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """MXFP4/NVFP4 blocks to (MLX-packed codes, uint8 scales).
+
+    ggml keeps E2M1 codes with doubled magnitudes (0, 1, 2, 3, 4, 6, 8, 12) and halves the
+    scale to match, so code and scale bits are MLX's own: MXFP4's E8M0 byte is MLX's mxfp4
+    scale, NVFP4's UE4M3 byte MLX's nvfp4 E4M3 scale (sign clear). Only the nibble order
+    differs: ggml puts element j of a block (16 or 32 values) in the low nibble and j + half
+    in the high one, MLX packs neighbours.
+    """
+    rows = raw.shape[0]
+    if qtype == "MXFP4":
+        blocks = raw.reshape(rows, -1, 17)
+        scales, qs = blocks[..., 0], blocks[..., 1:]
+    else:
+        blocks = raw.reshape(rows, -1, 36)
+        scales = blocks[..., :4].reshape(rows, -1)
+        qs = blocks[..., 4:].reshape(rows, -1, 4, 8)
+        # ggml reads 0x7F as zero and ignores the sign bit; MLX reads 0x7F as NaN.
+        scales = scales & np.uint8(0x7F)
+        scales = np.where(scales == 0x7F, np.uint8(0), scales)
+    values = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, -1)
+    packed = np.ascontiguousarray(values[:, 0::2] | (values[:, 1::2] << 4)).astype(np.uint8)
+    return (np.ascontiguousarray(packed).view(np.uint32),
+            np.ascontiguousarray(scales.reshape(rows, -1)).astype(np.uint8))
+
+
+# -- conversion -----------------------------------------------------------------------------
+def _not_finite(name: str) -> ImportFailed:
+    return ImportFailed(f"tensor {name} has values or scales that are not finite numbers "
+                        "(corrupt file)")
+
+
+def _dequantize(name: str, data: np.ndarray, qtype: str, rows: int) -> np.ndarray:
+    import gguf  # heavy: the dequantizers, only while converting
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        dense = gguf.quants.dequantize(data.reshape(rows, -1), gguf.GGMLQuantizationType[qtype])
+    dense = np.asarray(dense, dtype=np.float32).reshape(rows, -1)
+    if not np.isfinite(dense).all():
+        raise _not_finite(name)
+    return dense
+
+
+def _affine_repack(name: str, raw: np.ndarray, dense: np.ndarray, qtype: str, bits: int
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Codes and scales carried over; None when the codes do not fit (then requantize)."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        scale, bias = _affine_fields(raw, qtype)
+        s16, b16 = scale.astype(np.float16), bias.astype(np.float16)
+    if not (np.isfinite(s16).all() and np.isfinite(b16).all()):
+        raise _not_finite(name)
+    rows = dense.shape[0]
+    g = dense.reshape(rows, -1, GROUP)
+    s, b = scale[..., None], bias[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        codes = np.where(s == 0, 0.0, np.rint((g - b) / np.where(s == 0, 1, s)))
+    codes = np.clip(codes, 0, 2**bits - 1)
+    # The codes must rebuild the source's values from its own scales: else the fields were
+    # not what this type's layout says (a file we misread), and requantizing is safe.
+    if (np.abs(codes * s + b - g) > 1e-3 * np.abs(s) + 1e-30).any():
+        return None
+    q = pack_codes(codes.astype(np.uint32).reshape(rows, -1), bits)
+    return q, s16, b16
+
+
+def _result(name: str, module: str, shape: tuple[int, ...], qtype: str, plan: Plan,
+            arrays: tuple[Any, ...], dense: np.ndarray, how: str) -> Converted:
+    import mlx.core as mx  # heavy: only while converting
+
+    lead = shape[:-1]
+    w, s, *b = (mx.array(a) if isinstance(a, np.ndarray) else a for a in arrays)
+    stored = np.array(mx.dequantize(w, s if plan.mode != "affine" else s.astype(mx.float32),
+                                    b[0].astype(mx.float32) if b else None,
+                                    group_size=plan.group, bits=plan.bits, mode=plan.mode,
+                                    dtype=mx.float32))
+    err = float(np.abs(stored - dense).max(initial=0.0))
+    if how != "requantized":
+        how = "exact" if err == 0.0 else "same grid"
+    out = {name: w.reshape(*lead, -1), f"{module}.scales": s.reshape(*lead, -1)}
+    if b:
+        out[f"{module}.biases"] = b[0].reshape(*lead, -1)
+    quant: dict[str, Any] = {"group_size": plan.group, "bits": plan.bits}
+    if plan.mode != "affine":
+        quant["mode"] = plan.mode
+    return Converted(out, quant, qtype, plan.stored, how == "exact", plan.bits, how, err,
+                     float(np.abs(dense).max(initial=0.0)))
 
 
 def convert_tensor(name: str, data: np.ndarray, qtype: str, shape: tuple[int, ...]
                    ) -> Converted:
     """One GGUF tensor to MLX arrays; see the module docstring. `shape` is the Hugging Face
     shape ((out, in), or (experts, out, in) for stacked experts)."""
-    import gguf  # heavy: the dequantizers, only while converting
     import mlx.core as mx  # heavy: only while converting
+
+    plan = PLANS[qtype]
+    if plan.way == "float":
+        if qtype == "BF16":
+            dense = _dequantize(name, data, qtype, 1)
+            arr = mx.array(dense).astype(mx.bfloat16)
+        else:
+            arr = mx.array(np.ascontiguousarray(data))
+        return Converted({name: arr.reshape(shape)}, None, qtype, qtype.lower(), True,
+                         plan.bits, "exact")
 
     rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
     module = name.rsplit(".", 1)[0]
-    if qtype in EXACT_TYPES:
-        raw = data.reshape(rows, -1)
-        with np.errstate(over="ignore", invalid="ignore"):
-            w, s, b = exact_triple(raw, qtype)
-        if not (np.isfinite(s).all() and np.isfinite(b).all()):
-            # d * -128 past float16's range: the file's scales are corrupt.
-            raise ImportFailed(f"tensor {name} has scales that are not finite numbers "
-                               "(corrupt file)")
-        bits = EXACT_TYPES[qtype]
-        lead = shape[:-1]
-        return Converted(
-            {name: mx.array(w.reshape(*lead, -1)),
-             f"{module}.scales": mx.array(s.reshape(*lead, -1)),
-             f"{module}.biases": mx.array(b.reshape(*lead, -1))},
-            {"group_size": GROUP, "bits": bits}, qtype, f"affine {bits}-bit g{GROUP}", True, bits)
-    if qtype in REQUANT_TYPES:
-        dense = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype])
-        bits = REQUANT_TYPES[qtype]
-        qw, qs, qb = mx.quantize(mx.array(dense.astype(np.float32).reshape(shape)),
-                                 group_size=GROUP, bits=bits)
-        return Converted(
-            {name: qw, f"{module}.scales": qs.astype(mx.float16),
-             f"{module}.biases": qb.astype(mx.float16)},
-            {"group_size": GROUP, "bits": bits}, qtype, f"affine {bits}-bit g{GROUP}", False,
-            bits)
-    if qtype == "BF16":
-        dense = gguf.quants.dequantize(data, gguf.GGMLQuantizationType.BF16).astype(np.float32)
-        arr = mx.array(dense).astype(mx.bfloat16)
-    else:
-        arr = mx.array(np.ascontiguousarray(data))
-    bits = {"F32": 32, "F16": 16, "BF16": 16}[qtype]
-    return Converted({name: arr.reshape(shape)}, None, qtype, qtype.lower(), True, bits)
+    dense = _dequantize(name, data, qtype, rows)
+    if len(shape) < 2 or not name.endswith(".weight") or shape[-1] % plan.group:
+        # Not a matrix MLX quantizes (a norm, a bias): its values exactly, as float32.
+        return Converted({name: mx.array(dense.reshape(shape))}, None, qtype, "float32", True,
+                         32, "exact", 0.0, float(np.abs(dense).max(initial=0.0)))
+    raw = np.ascontiguousarray(data).reshape(rows, -1)
+    if plan.way == "repack" and plan.mode == "affine":
+        triple = _affine_repack(name, raw, dense, qtype, plan.bits)
+        if triple is not None:
+            return _result(name, module, shape, qtype, plan, triple, dense, "repack")
+    elif plan.way == "repack":
+        q, scales = _fp4_codes(raw, qtype)
+        conv = _result(name, module, shape, qtype, plan, (q, scales), dense, "repack")
+        if conv.exact:  # else a scale MLX cannot hold (NVFP4 with its sign bit set)
+            return conv
+    qw, qs, qb = mx.quantize(mx.array(dense), group_size=GROUP, bits=plan.bits)
+    plan = Plan("affine", plan.bits, GROUP, "requantize")
+    return _result(name, module, shape, qtype, plan,
+                   (qw, qs.astype(mx.float16), qb.astype(mx.float16)), dense, "requantized")

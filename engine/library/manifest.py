@@ -4,6 +4,10 @@ Contract: `weight_stats(arrays, config)` reads per-class formats, bits per weigh
 parameter count from the arrays as saved (MLX affine triples counted at their bits, anything
 else at its dtype); `manifest_fields(...)` is the dict an importer or the quantizer returns
 from its Library.install builder (the library adds name, aliases, bytes, fingerprint, dates).
+A manifest's "quantization" maps each tensor class to its format labels; an importer that
+converted from another format writes 'stored (from SOURCE, how)' ("affine 4-bit g32 (from
+Q4_K, same grid, float16 scales)"), and `parse_format(label)` / `class_formats(manifest)` read
+them back as (source, stored, how, exact) for the library's display.
 Plain data only: no MLX import (the arrays' nbytes, size and dtype are all it reads).
 """
 
@@ -56,6 +60,30 @@ def weight_stats(arrays: Mapping[str, Any], config: Mapping[str, Any]
             fmt = str(arr.dtype).split(".")[-1]
         formats.setdefault(weight_class(key), set()).add(fmt)
     return {k: sorted(v) for k, v in sorted(formats.items())}, bits_total / max(params, 1), params
+
+
+def parse_format(label: str) -> dict[str, Any]:
+    """One format label as {"stored", "source", "how", "exact"}.
+
+    'affine 4-bit g32 (from Q4_0, exact)' -> source Q4_0, stored 'affine 4-bit g32', how
+    'exact', exact True; a bare label ('f16', 'affine 4-bit g64') was stored as it came:
+    source None, how 'as stored', exact True (nothing was converted)."""
+    text = str(label)
+    if text.endswith(")") and " (from " in text:
+        stored, rest = text[:-1].split(" (from ", 1)
+        source, _, how = rest.partition(", ")
+        how = how or "exact"
+        return {"stored": stored, "source": source, "how": how, "exact": how == "exact"}
+    return {"stored": text, "source": None, "how": "as stored", "exact": True}
+
+
+def class_formats(manifest: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Per tensor class, its formats parsed (`parse_format`), in the manifest's order."""
+    quant = manifest.get("quantization") or {}
+    if not isinstance(quant, Mapping):
+        return {}
+    return {str(cls): [parse_format(f) for f in (fmts if isinstance(fmts, list) else [fmts])]
+            for cls, fmts in sorted(quant.items())}
 
 
 def manifest_fields(

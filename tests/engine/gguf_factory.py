@@ -1,7 +1,8 @@
 """Tiny random-weight llama/qwen2 GGUF files for tests, written with `gguf.GGUFWriter`.
 
 Contract: `write_gguf(path, spec, qtype, vocab)` writes a small model whose 2-D weights are
-stored as `qtype` (floats, gguf-quantized Q4/Q5/Q8 types, or valid random K-quant blocks) and
+stored as `qtype` (floats, the types gguf quantizes (`GGUF_QUANTIZES`), NVFP4 quantized here,
+or valid random blocks of any other type: K-quants, i-quants) and
 returns what the file holds in Hugging Face layout: `source` (the random float weights before
 encoding) and `expected` (the stored values dequantized with `gguf`, llama Q/K rows permuted
 back), for comparison with what an importer produced. `bpe_vocab` and `spm_vocab` train real
@@ -54,6 +55,18 @@ _KQUANT_F16_FIELDS: dict[QT, tuple[int, ...]] = {
 }
 # Scales that keep the dequantized values around +-0.5 for random codes.
 _KQUANT_F16_RANGE = {QT.Q4_K: (1e-4, 6e-4), QT.Q5_K: (5e-5, 3e-4), QT.Q6_K: (3e-5, 1.2e-4)}
+# Types whose values are d times a function of the codes: where d sits in a block. Their
+# random blocks get d scaled so that the values have RANDOM_STD (IQ1_M spreads its d over
+# the top nibbles of its last 8 bytes, see _set_iq1m_d).
+_SCALED_D_FIELDS: dict[QT, tuple[int, ...]] = {
+    QT.Q3_K: (108,), QT.IQ4_XS: (0,), QT.IQ3_S: (0,), QT.IQ3_XXS: (0,), QT.IQ2_S: (0,),
+    QT.IQ2_XS: (0,), QT.IQ2_XXS: (0,), QT.IQ1_S: (0,), QT.IQ1_M: (), QT.NVFP4: (),
+}
+RANDOM_STD = 0.05
+# Types the gguf package quantizes from floats (the others get valid random blocks).
+GGUF_QUANTIZES = ("BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "TQ1_0", "TQ2_0", "MXFP4")
+# E2M1 values in ggml's doubled convention (NVFP4 and MXFP4 code tables).
+_FP4_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
 
 
 # -- tokenizers -----------------------------------------------------------------------------
@@ -195,12 +208,41 @@ def unpermute_index(rows: int, n_head: int) -> np.ndarray:
     return permute_qk(np.arange(rows)[:, None], n_head)[:, 0]
 
 
+def _set_iq1m_d(blocks: np.ndarray, d: np.ndarray) -> None:
+    """IQ1_M's float16 d is the top nibbles of its four last uint16 words."""
+    bits = d.astype(np.float16).view(np.uint16)
+    words = np.ascontiguousarray(blocks[..., -8:]).view(np.uint16)
+    for k, shift in enumerate((0, 4, 8, 12)):
+        words[..., k] = (words[..., k] & 0x0FFF) | (((bits >> shift) & 0xF) << 12)
+    blocks[..., -8:] = words.view(np.uint8)
+
+
 def random_blocks(rows: int, cols: int, qtype: QT, rng: np.random.Generator) -> np.ndarray:
     """Valid random blocks (R, bytes) for a type gguf cannot quantize: random codes, sane scales."""
     shape = gguf.quants.quant_shape_to_byte_shape((rows, cols), qtype)
     raw = rng.integers(0, 256, size=shape, dtype=np.uint8)
     _, type_size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = raw.reshape(rows, -1, type_size)
+    if qtype in _SCALED_D_FIELDS:
+        # d = 1 first, then d scaled so that the values come out with RANDOM_STD.
+        if qtype == QT.NVFP4:
+            blocks[..., :4] = 0x38  # UE4M3 1.0
+        offsets = _SCALED_D_FIELDS[qtype]
+        one = np.ones(blocks.shape[:2], np.float32)
+        if qtype == QT.IQ1_M:
+            _set_iq1m_d(blocks, one)
+        for off in offsets:
+            blocks[..., off : off + 2] = one.astype(np.float16)[..., None].view(np.uint8)
+        std = float(gguf.quants.dequantize(raw, qtype).std()) or 1.0
+        d = (RANDOM_STD / std) * rng.uniform(0.8, 1.2, size=blocks.shape[:2])
+        if qtype == QT.IQ1_M:
+            _set_iq1m_d(blocks, d)
+        for off in offsets:
+            blocks[..., off : off + 2] = d.astype(np.float16)[..., None].view(np.uint8)
+        if qtype == QT.NVFP4:
+            blocks[..., :4] = gguf.quants.NVFP4.fp32_to_ue4m3(
+                np.repeat(d, 4).reshape(*d.shape, 4).astype(np.float32))
+        return raw
     lo, hi = _KQUANT_F16_RANGE.get(qtype, (1e-4, 5e-4))
     for off in _KQUANT_F16_FIELDS.get(qtype, ()):
         vals = rng.uniform(lo, hi, size=blocks.shape[:2]).astype(np.float16)
@@ -208,9 +250,29 @@ def random_blocks(rows: int, cols: int, qtype: QT, rng: np.random.Generator) -> 
     return raw
 
 
+def quantize_nvfp4(w: np.ndarray) -> np.ndarray:
+    """Float rows to NVFP4 blocks as ggml lays them out: per 64 values four UE4M3 scales (one
+    per 16, in ggml's halved convention) then 32 bytes of codes, element j of a 16 in the
+    low nibble and j + 8 in the high one. Round to nearest code under the rounded scale."""
+    rows = w.shape[0]
+    sub = w.astype(np.float32).reshape(rows, -1, 16)
+    amax = np.abs(sub).max(-1)
+    scale = gguf.quants.NVFP4.fp32_to_ue4m3(amax / 6)  # true scale: decoded value
+    d = gguf.quants.NVFP4.ue4m3_to_fp32(scale)  # halved, against the doubled table
+    err = np.abs(d[..., None, None] * _FP4_DOUBLED - sub[..., None])
+    codes = err.argmin(-1).astype(np.uint8)
+    qs = codes[..., :8] | (codes[..., 8:] << 4)
+    n_super = sub.shape[1] // 4
+    return np.concatenate([scale.reshape(rows, n_super, 4),
+                           qs.reshape(rows, n_super, 32)], axis=-1).reshape(rows, -1)
+
+
 def encode(w: np.ndarray, qtype: str, rng: np.random.Generator
            ) -> tuple[np.ndarray, QT | None, np.ndarray]:
-    """(array to write, raw dtype for GGUFWriter, float32 values the file then holds)."""
+    """(array to write, raw dtype for GGUFWriter, float32 values the file then holds).
+
+    Types gguf cannot dequantize (Q8_K, Q1_0...) get random bytes and NaN values: such a
+    file is for testing that the type is refused."""
     qt = QT[qtype]
     if qtype == "F32":
         w32 = w.astype(np.float32)
@@ -218,11 +280,17 @@ def encode(w: np.ndarray, qtype: str, rng: np.random.Generator
     if qtype == "F16":
         w16 = w.astype(np.float16)
         return w16, None, w16.astype(np.float32)
-    if qtype in ("BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+    if qtype in GGUF_QUANTIZES:
         raw = gguf.quants.quantize(w.astype(np.float32), qt)
+    elif qtype == "NVFP4":
+        raw = quantize_nvfp4(w)
     else:
         raw = random_blocks(w.shape[0], w.shape[1], qt, rng)
-    return raw, qt, gguf.quants.dequantize(raw, qt).astype(np.float32)
+    try:
+        held = gguf.quants.dequantize(raw, qt).astype(np.float32)
+    except NotImplementedError:
+        held = np.full(w.shape, np.nan, np.float32)
+    return raw, qt, held
 
 
 def _tensor_shapes(spec: ModelSpec, n_vocab: int) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -301,8 +369,7 @@ def write_gguf(
             hf_held = np.empty_like(held)
             hf_held[unpermute_index(shape[0], n_head)] = held
             held = hf_held
-        is_random = raw_dtype is not None and t not in ("BF16", "Q8_0", "Q4_0", "Q4_1",
-                                                        "Q5_0", "Q5_1")
+        is_random = raw_dtype is not None and t not in (*GGUF_QUANTIZES, "NVFP4")
         out.qtypes[hf], out.source[hf], out.expected[hf] = t, None if is_random else src, held
     w.write_header_to_file()
     w.write_kv_data_to_file()
