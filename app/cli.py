@@ -113,6 +113,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     # An import with a recipe: the importer opens the source, quantization makes the model.
     requantize = requantize_from_args(args)  # None without --recipe
+    _check_import_fits(Path(args.path), args.recipe)
     m = import_path(_library(), Path(args.path), name=args.name,
                     progress=_progress_printer("importing"), requantize=requantize)
     if requantize is not None:
@@ -123,6 +124,28 @@ def cmd_import(args: argparse.Namespace) -> int:
         print(f"imported {m['name']} ({m['bytes'] / 1e6:.1f} MB, "
               f"{m['bits_per_weight']} bits/weight)")
     return 0
+
+
+def _check_import_fits(path: Path, recipe: str | None) -> None:
+    """Refuse, in one line with the numbers and the largest context that would fit, an import
+    of a model that would not fit in this machine's memory once loaded (STRATA_CONTEXT: the
+    context it is counted at); nothing is written before."""
+    from engine.errors import ImportFailed  # start-up: with the importers, below
+    from engine.importers import open_source
+    from engine.platform import compute_profile
+    from engine.quant.quantize import expected_sizes
+
+    source = open_source(path)
+    profile = compute_profile()
+    size = None
+    if recipe and not profile.dequantize:  # kept quantized: the recipe's size on disk
+        try:
+            size = expected_sizes(source, [recipe])[recipe][1]
+        except StrataError:
+            size = None  # 'auto' or a recipe file: sized when it runs
+    fit = source.preflight(profile, stored_bytes=size)
+    if not fit.fits:
+        raise ImportFailed(fit.refusal(source.path.name))
 
 
 def cmd_rm(args: argparse.Namespace) -> int:

@@ -14,11 +14,18 @@ engine.runtime.pool.ModelPool's. `apply_settings` hands the window's engine sett
 pool (for sessions made after them); `prewarm(chat, model, system)` asks it to prefill a chat's
 system prompt. Server jobs (app/server.py) run on the same thread between chat jobs, over the
 same pool, so they share the model and the prefix cache.
+
+Will it fit: the worker settles the compute profile on the engine thread as it starts
+(`profile_chosen`); an import plan gives each option a `fit` (engine.runtime.fit.Fit: weights
+plus KV at the chosen context against this machine's memory) and an import that would not fit
+is refused before anything is written; `Engine.fits(manifests)` gives the library's models
+theirs from their config and manifest (file reads and psutil: the GUI thread may call it).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import threading
 import time
@@ -31,12 +38,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 from PySide6.QtCore import QObject, QThread, QTimer, Signal, SignalInstance, Slot
 
 import app.compat  # noqa: F401  (PySide6 work-around, see there)
-from engine.errors import Cancelled, StrataError
+from engine.errors import Cancelled, ImportFailed, StrataError
 from engine.library import Library
+from engine.platform import ComputeProfile
+from engine.runtime.fit import Fit, WeightSizes, chosen_context, estimate, gpu_memory_limit
 from engine.runtime.sampling import SamplingParams
 from engine.telemetry import Timeline
 
 if TYPE_CHECKING:
+    from engine.importers import Source
     from engine.runtime.pool import ModelPool
     from engine.server.host import Job
 
@@ -92,6 +102,7 @@ class EngineWorker(QObject):
     prefix_warmed = Signal(int, int, dict)  # job, chat, {tokens, cached, prefilled, seconds}
     settings_applied = Signal(dict)  # the engine settings now in force
     prefix_cleared = Signal(int, dict)  # job, {"runs", "bytes"} removed from the disk
+    profile_chosen = Signal(object)  # engine.platform.ComputeProfile models load in
 
     def __init__(self, home: Path) -> None:
         super().__init__()
@@ -103,6 +114,7 @@ class EngineWorker(QObject):
         self._lock = threading.Lock()
         self._last_sample = 0.0
         self._timer: QTimer | None = None
+        self.profile: ComputeProfile | None = None  # set on the engine thread as it starts
 
     # -- called from any thread --------------------------------------------------------
     def cancel(self, job: int) -> None:
@@ -129,6 +141,11 @@ class EngineWorker(QObject):
         self.pool = ModelPool(self.library, settings_from_options({}, self.home))
         self.pool.on_loading = self.model_loading.emit
         self.pool.on_loaded = self.model_loaded.emit
+        from engine.platform import compute_profile  # MLX decides it: here, on this thread
+
+        self.profile = compute_profile()
+        gpu_memory_limit()  # macOS asks Metal once, here; later calls read the cached figure
+        self.profile_chosen.emit(self.profile)
         self._timer = QTimer(self)
         self._timer.setInterval(int(MEMORY_INTERVAL_S * 1000))
         self._timer.timeout.connect(self._on_timer_timeout)
@@ -164,9 +181,10 @@ class EngineWorker(QObject):
     def _on_import_planned_requested(self, job: int, path: str) -> None:
         self._run(job, "import", self._plan_steps(job, Path(path)))
 
-    @Slot(int, str, str)
-    def _on_import_requested(self, job: int, path: str, recipe: str) -> None:
-        self._run(job, "import", self._import_steps(job, Path(path), recipe or None))
+    @Slot(int, str, str, int)
+    def _on_import_requested(self, job: int, path: str, recipe: str, context: int) -> None:
+        self._run(job, "import", self._import_steps(job, Path(path), recipe or None,
+                                                    context or None))
 
     @Slot(int, str)
     def _on_remove_requested(self, job: int, name: str) -> None:
@@ -311,14 +329,52 @@ class EngineWorker(QObject):
         from engine.importers import open_source  # start-up: loaded when an import is planned
         from engine.quant.quantize import import_options  # start-up: as above
 
-        yield self.import_planned, (job, import_options(open_source(path)))
+        source = open_source(path)
+        info = import_options(source)
+        for opt in info["options"]:
+            opt["fit"] = self._import_fit(source, opt.get("recipe"), opt.get("bytes"))
+        yield self.import_planned, (job, info)
 
-    def _import_steps(self, job: int, path: Path, recipe: str | None) -> Iterator[Step]:
-        from engine.importers import detect, import_path  # start-up: loaded when one runs
-        from engine.quant.quantize import Requantize  # start-up: as above
+    def kv_fit_args(self) -> dict[str, Any]:
+        """The pool's figures as the fit estimate counts them: the KV bits, the RAM budget
+        where a paged cache puts the rest of its pages on the SSD, and the loaded model's
+        weights, which any load frees first (one model at a time)."""
+        pool: ModelPool | None = getattr(self, "pool", None)
+        if pool is None:
+            return {}
+        out: dict[str, Any] = {"freed_bytes": int(pool.weights_bytes or 0)}
+        kv = pool.settings.kv
+        if kv is not None and kv.mode != "mlx":
+            out.update(kv_bits=kv.bits, kv_group=kv.group(),
+                       kv_ram_limit=kv.ram_bytes() if kv.ssd else None)
+        return out
+
+    def _import_fit(self, source: Source, recipe: str | None, size: int | None,
+                    context: int | None = None) -> Fit:
+        """The fit of `source` imported by `recipe` (None: as the import does by default;
+        `size`: that option's bytes on disk, what the weights weigh when kept quantized)."""
+        assert self.profile is not None
+        return source.preflight(self.profile, context, stored_bytes=size if recipe else None,
+                                **self.kv_fit_args())
+
+    def _import_steps(self, job: int, path: Path, recipe: str | None,
+                      context: int | None = None) -> Iterator[Step]:
+        from engine.importers import detect, import_path, open_source  # start-up: when one runs
+        from engine.quant.quantize import Requantize, expected_sizes  # start-up: as above
 
         kind = detect(path)
         yield self.import_started, (job, {"path": str(path), "kind": kind})
+        # Will it fit: refused here, before the library is touched.
+        source = open_source(path)
+        size = None
+        if recipe and self.profile is not None and not self.profile.dequantize:
+            try:
+                size = expected_sizes(source, [recipe])[recipe][1]
+            except StrataError:
+                size = None  # 'auto' or a file: its size is known once it is planned
+        fit = self._import_fit(source, recipe, size, context)
+        if not fit.fits:
+            raise ImportFailed(fit.refusal(source.path.name))
         last = [-1]
 
         def on_progress(done: int, total: int) -> None:
@@ -372,12 +428,13 @@ class Engine(QObject):
     prefix_warmed = Signal(int, int, dict)
     settings_applied = Signal(dict)
     prefix_cleared = Signal(int, dict)
+    profile_chosen = Signal(object)
 
     starter_requested = Signal(int, bool)
     load_requested = Signal(int, str)
     reply_requested = Signal(int, object)
     import_planned_requested = Signal(int, str)
-    import_requested = Signal(int, str, str)  # job, path, recipe ("": as stored)
+    import_requested = Signal(int, str, str, int)  # job, path, recipe ("": as stored), context
     remove_requested = Signal(int, str)
     chat_forgotten = Signal(int)
     prewarm_requested = Signal(int, int, str, str)
@@ -410,7 +467,7 @@ class Engine(QObject):
                      "model_loaded", "reply_started", "reply_delta", "reply_finished",
                      "import_planned", "import_started", "import_progress", "import_finished",
                      "model_removed", "error_occurred", "memory_sampled", "prefix_warmed",
-                     "settings_applied", "prefix_cleared"):
+                     "settings_applied", "prefix_cleared", "profile_chosen"):
             getattr(self.worker, name).connect(getattr(self, name))  # queued: GUI thread
         self.busy_changed.connect(self._on_busy_changed)
         self._busy = False
@@ -457,11 +514,42 @@ class Engine(QObject):
         self.import_planned_requested.emit(job, str(path))
         return job
 
-    def import_path(self, path: Path | str, recipe: str | None = None) -> int:
-        """Import `path` as stored, or requantized by `recipe` (a built-in name or file)."""
+    def import_path(self, path: Path | str, recipe: str | None = None,
+                    context: int | None = None) -> int:
+        """Import `path` as stored, or requantized by `recipe` (a built-in name or file); an
+        import that would not fit at `context` (None: the chosen one) is refused first."""
         job = self._next()
-        self.import_requested.emit(job, str(path), recipe or "")
+        self.import_requested.emit(job, str(path), recipe or "", int(context or 0))
         return job
+
+    @property
+    def profile(self) -> ComputeProfile | None:
+        """The compute profile models load in (None until the engine thread has started)."""
+        return self.worker.profile
+
+    def fits(self, manifests: list[dict[str, Any]]) -> dict[str, Fit]:
+        """Each library model's fit at its chosen context, from its config.json and manifest
+        (params, bytes): file reads and psutil only. The loaded model's weights count as
+        free (a load replaces it). Empty until the profile is known."""
+        profile = self.profile
+        if profile is None:
+            return {}
+        kv = self.worker.kv_fit_args()
+        out: dict[str, Fit] = {}
+        for m in manifests:
+            folder = Path(str(m.get("path", "")))
+            try:
+                config = json.loads((folder / "config.json").read_text())
+            except (OSError, ValueError):
+                continue  # no figure rather than a wrong one
+            params, size = int(m.get("params") or 0), int(m.get("bytes") or 0)
+            try:
+                out[str(m["name"])] = estimate(
+                    config, WeightSizes(quant_params=params, quant_bytes=size), profile,
+                    chosen_context(config, folder), **kv)
+            except StrataError:
+                continue  # a bad STRATA_CONTEXT or memory cap: the load will say so
+        return out
 
     def remove(self, name: str) -> int:
         job = self._next()

@@ -4,8 +4,10 @@ Contract: the listing reads manifests (cheap file reads) on the GUI thread; impo
 deletes run on the engine thread. Each import gets an `ImportDialog`: the engine first
 reports what the file is and what each recipe would weigh (a planning job), the user picks
 one and the import job starts; both jobs map to the same dialog in `dialogs`. A refusal shows
-the engine's one-line reason and leaves the library as it was. `models_changed(names,
-default)` fires whenever either changes.
+the engine's one-line reason and leaves the library as it was (a model that would not fit in
+memory is refused in the dialog, before the job, and again by the engine). The listing carries
+each model's fit (app.worker.Engine.fits), refreshed when the engine has settled its compute
+profile and after each load. `models_changed(names, default)` fires whenever either changes.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class LibraryController(QObject):
         w.model_removed.connect(self._on_model_removed)
         w.starter_ready.connect(self._on_starter_ready)
         w.error_occurred.connect(self._on_error_occurred)
+        w.profile_chosen.connect(self._on_profile_chosen)
+        w.model_loaded.connect(self._on_model_loaded)
 
     # -- public ----------------------------------------------------------------------------
     def manifests(self) -> list[dict[str, Any]]:
@@ -68,7 +72,7 @@ class LibraryController(QObject):
         manifests = self.manifests()
         default = self.default_model(manifests)
         selected = self.view.selected_name()
-        self.model.set_manifests(manifests, default)
+        self.model.set_manifests(manifests, default, self.engine.fits(manifests))
         if selected:
             self.view.select_name(selected)
         self.models_changed.emit([m["name"] for m in manifests], default)
@@ -85,7 +89,8 @@ class LibraryController(QObject):
             job = self.engine.plan_import(path)
             dialog = ImportDialog(str(path), parent or self.view.window())
             dialog.import_confirmed.connect(
-                lambda recipe, d=dialog, p=path: self._start_import(d, p, recipe))
+                lambda recipe, context, d=dialog, p=path: self._start_import(d, p, recipe,
+                                                                             context))
             dialog.finished.connect(lambda _r, d=dialog: self._forget(d))
             self.dialogs[job] = dialog
             dialog.open()
@@ -96,8 +101,9 @@ class LibraryController(QObject):
         for job in [j for j, d in self.dialogs.items() if d is dialog]:
             del self.dialogs[job]
 
-    def _start_import(self, dialog: ImportDialog, path: Path, recipe: str) -> int:
-        job = self.engine.import_path(path, recipe or None)
+    def _start_import(self, dialog: ImportDialog, path: Path, recipe: str,
+                      context: int = 0) -> int:
+        job = self.engine.import_path(path, recipe or None, context or None)
         self.dialogs[job] = dialog
         dialog.cancel_requested.connect(lambda: self.engine.cancel(job))
         return job
@@ -160,6 +166,14 @@ class LibraryController(QObject):
     @Slot(dict)
     def _on_starter_ready(self, manifest: dict[str, Any]) -> None:
         self.refresh()
+
+    @Slot(object)
+    def _on_profile_chosen(self, _profile: object) -> None:
+        self.refresh()  # the fits can be reckoned now
+
+    @Slot(dict)
+    def _on_model_loaded(self, _info: dict[str, Any]) -> None:
+        self.refresh()  # the loaded model's weights are what a load frees first
 
     @Slot(int, str, str)
     def _on_error_occurred(self, job: int, what: str, message: str) -> None:

@@ -1,7 +1,9 @@
 """The library as a Qt table model over manifests (engine.library): one row per model.
 
-Contract: read-only; `set_manifests(manifests, default)` replaces the rows. The default model
-is shown in bold with "(default)" after its name.
+Contract: read-only; `set_manifests(manifests, default, fits)` replaces the rows. The default
+model is shown in bold with "(default)" after its name. The Memory column says whether each
+model fits in this machine's memory at its chosen context (`fits`: name ->
+engine.runtime.fit.Fit, from app.worker.Engine.fits), with the numbers in its tooltip.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from PySide6.QtCore import QAbstractTableModel, QModelIndex, QPersistentModelInd
 from PySide6.QtGui import QFont
 
 from app.format import UNAVAILABLE, human_bytes, quantization_details, quantization_summary
+from engine.runtime.fit import Fit
 
 NameRole = int(Qt.ItemDataRole.UserRole) + 1
-COLUMNS = ("Name", "Size", "Bits/weight", "Quantization", "Context", "Source")
+COLUMNS = ("Name", "Size", "Bits/weight", "Quantization", "Context", "Memory", "Source")
+MEMORY, SOURCE = 5, 6
 Index = QModelIndex | QPersistentModelIndex
 
 
@@ -29,17 +33,41 @@ def source_label(manifest: dict[str, Any]) -> str:
     return kind or UNAVAILABLE
 
 
+def fit_text(fit: Fit | None) -> str:
+    """The Memory column: 'fits (0.92 GB)', 'up to 4,096 tokens' or 'too large'."""
+    if fit is None:
+        return UNAVAILABLE
+    if fit.fits:
+        return f"fits ({fit.needed_bytes / 1e9:.2f} GB)"
+    most = fit.max_context
+    return f"up to {most:,} tokens" if most > 0 else "too large"
+
+
+def fit_tooltip(fit: Fit) -> str:
+    lines = [fit.summary()]
+    if not fit.fits:
+        lines.append(fit.offer())
+    return "\n".join(lines)
+
+
 class LibraryModel(QAbstractTableModel):
     def __init__(self, parent: Any = None) -> None:
         super().__init__(parent)
         self._rows: list[dict[str, Any]] = []
         self._default = ""
+        self._fits: dict[str, Fit] = {}
 
-    def set_manifests(self, manifests: list[dict[str, Any]], default: str) -> None:
+    def set_manifests(self, manifests: list[dict[str, Any]], default: str,
+                      fits: dict[str, Fit] | None = None) -> None:
         self.beginResetModel()
         self._rows = list(manifests)
         self._default = default
+        self._fits = dict(fits or {})
         self.endResetModel()
+
+    def fit(self, name: str) -> Fit | None:
+        """Whether model `name` fits at its chosen context (None: not known)."""
+        return self._fits.get(name)
 
     @property
     def default(self) -> str:
@@ -71,11 +99,16 @@ class LibraryModel(QAbstractTableModel):
         col = index.column()
         is_default = m["name"] == self._default
         if role == Qt.ItemDataRole.DisplayRole:
+            if col == MEMORY:
+                return fit_text(self._fits.get(str(m["name"])))
             return self._text(m, col, is_default)
         if role == Qt.ItemDataRole.ToolTipRole:
             if col == 3:
                 return quantization_details(m)
-            if col == 5:
+            if col == MEMORY:
+                fit = self._fits.get(str(m["name"]))
+                return fit_tooltip(fit) if fit is not None else None
+            if col == SOURCE:
                 return str(m.get("source", ""))
             if col == 0:
                 aliases = ", ".join(m.get("aliases", [])) or "none"

@@ -1,10 +1,14 @@
 """The library screen's widgets and the import dialog.
 
 Contract: widgets only. `LibraryView` emits `import_requested` (no path: ask for one),
-`delete_requested(name)` and `default_requested(name)`; `ImportDialog` shows one import: first
-the choice of how to quantize (as stored, or a recipe, each with the size it would have on
-disk, from `show_options`), then the job (progress, result or refusal). It emits
-`import_confirmed(recipe)` ("" for as stored) and `cancel_requested`.
+`delete_requested(name)` and `default_requested(name)`; its details pane says whether the
+selected model fits in memory. `ImportDialog` shows one import: first the choice of how to
+quantize (as stored, or a recipe, each with the size it would have on disk, from
+`show_options`) and the context, with whether the model would then fit in this machine's memory
+(each option's engine.runtime.fit.Fit); one that would not is refused there, with the numbers
+and the largest context that would fit offered instead. Then the job (progress, result or
+refusal). It emits `import_confirmed(recipe, context)` ("" for as stored) and
+`cancel_requested`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from PySide6.QtWidgets import (
     QLabel,
     QProgressBar,
     QPushButton,
+    QSpinBox,
     QStackedWidget,
     QTableView,
     QVBoxLayout,
@@ -31,6 +36,7 @@ from PySide6.QtWidgets import (
 
 from app.format import human_bytes, quantization_details, quantization_summary
 from app.library.model import LibraryModel, NameRole
+from engine.runtime.fit import Fit
 
 KIND_LABELS = {"gguf": "GGUF file", "mlx": "MLX folder", "hf": "Hugging Face folder"}
 EMPTY_TEXT = ("No models yet.\n\nDrop a .gguf file or a model folder (MLX or Hugging Face) "
@@ -135,6 +141,9 @@ class LibraryView(QWidget):
             f"source: {m.get('source', '')}",
             f"folder: {m.get('path', '')}",
         ]
+        fit = self.model.fit(str(m["name"]))
+        if fit is not None:
+            lines.insert(3, "memory: " + fit_html(fit))
         self.details.setText("<br>".join(lines))
 
     @Slot()
@@ -153,7 +162,7 @@ class LibraryView(QWidget):
 class ImportDialog(QDialog):
     """One import: how to quantize (with sizes), progress, then the result or the refusal."""
 
-    import_confirmed = Signal(str)  # recipe name, "" for as stored
+    import_confirmed = Signal(str, int)  # recipe name ("" for as stored), context in tokens
     cancel_requested = Signal()
 
     def __init__(self, path: str, parent: QWidget | None = None) -> None:
@@ -171,6 +180,24 @@ class ImportDialog(QDialog):
         self.recipe_label = QLabel("")
         self.recipe_label.setAccessibleName("Recipe details")
         self.recipe_label.setWordWrap(True)
+        self.context_box = QSpinBox()
+        self.context_box.setAccessibleName("Context tokens")
+        self.context_box.setRange(1, 1)
+        self.context_box.setSingleStep(1024)
+        self.context_box.setGroupSeparatorShown(True)
+        self.context_box.setSuffix(" tokens")
+        self.context_box.setEnabled(False)
+        self.offer_button = QPushButton("")
+        self.offer_button.setAccessibleName("Use the largest context that fits")
+        self.offer_button.setVisible(False)
+        context_row = QHBoxLayout()
+        context_row.addWidget(self.context_box)
+        context_row.addWidget(self.offer_button)
+        context_row.addStretch(1)
+        self.fit_label = QLabel("")
+        self.fit_label.setAccessibleName("Memory fit")
+        self.fit_label.setWordWrap(True)
+        self.fit_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.progress = QProgressBar()
         self.progress.setAccessibleName("Import progress")
         self.progress.setRange(0, 0)  # busy until the first progress report
@@ -191,6 +218,9 @@ class ImportDialog(QDialog):
         self.form.addRow("Kind", self.kind_label)
         self.form.addRow("Quantization", self.recipe_box)
         self.form.addRow("", self.recipe_label)
+        self._context_row = self.form.rowCount()
+        self.form.addRow("Context", context_row)
+        self.form.addRow("Memory", self.fit_label)
         layout = QVBoxLayout(self)
         layout.addLayout(self.form)
         layout.addWidget(self.progress)
@@ -199,6 +229,8 @@ class ImportDialog(QDialog):
         self.buttons.rejected.connect(self._on_rejected)
         self.buttons.accepted.connect(self._on_accepted)
         self.recipe_box.currentIndexChanged.connect(self._on_recipe_changed)
+        self.context_box.valueChanged.connect(self._on_context_changed)
+        self.offer_button.clicked.connect(self._on_offer_clicked)
         self.options: list[dict[str, Any]] = []
         self.started = False
         self.finished_ok: bool | None = None
@@ -215,9 +247,16 @@ class ImportDialog(QDialog):
         self.recipe_box.blockSignals(False)
         self.recipe_box.setEnabled(bool(self.options))
         self.import_button.setEnabled(bool(self.options))
+        fit = self.option_fit(0)
+        if fit is not None:  # the chosen context; up to the larger of it and the trained one
+            self.context_box.blockSignals(True)
+            self.context_box.setRange(1, max(fit.context, fit.trained_context))
+            self.context_box.setValue(fit.context)
+            self.context_box.blockSignals(False)
+            self.context_box.setEnabled(True)
+        self.message.setText("Choose how to quantize it, then Import.")
         self.recipe_box.setCurrentIndex(0)
         self._on_recipe_changed(0)
-        self.message.setText("Choose how to quantize it, then Import.")
 
     def selected_recipe(self) -> str:
         return str(self.recipe_box.currentData() or "")
@@ -227,21 +266,79 @@ class ImportDialog(QDialog):
         if i >= 0:
             self.recipe_box.setCurrentIndex(i)
 
+    def option_fit(self, index: int | None = None) -> Fit | None:
+        """The fit of option `index` (None: the selected one) at the context chosen here."""
+        index = self.recipe_box.currentIndex() if index is None else index
+        opt = self.options[index] if 0 <= index < len(self.options) else None
+        fit = opt.get("fit") if opt else None
+        if not isinstance(fit, Fit):
+            return None
+        return fit.at(self.context_box.value()) if self.context_box.isEnabled() else fit
+
+    def selected_context(self) -> int:
+        return int(self.context_box.value()) if self.context_box.isEnabled() else 0
+
     @Slot(int)
     def _on_recipe_changed(self, index: int) -> None:
         opt = self.options[index] if 0 <= index < len(self.options) else None
         self.recipe_label.setText(str(opt.get("description", "")) if opt else "")
+        self._show_fit()
+
+    @Slot(int)
+    def _on_context_changed(self, _value: int) -> None:
+        self._show_fit()
+
+    @Slot()
+    def _on_offer_clicked(self) -> None:
+        fit = self.option_fit()
+        if fit is not None and fit.max_context > 0:
+            self.context_box.setValue(fit.max_context)
+
+    def _show_fit(self) -> None:
+        """The selected option's fit at the chosen context; one that does not fit is refused
+        here (Import stays off) with the largest context that would fit offered."""
+        if self.started or self.finished_ok is not None:
+            return
+        fit = self.option_fit()
+        self.offer_button.setVisible(False)
+        if fit is None:
+            self.fit_label.setText("")
+            return
+        self.fit_label.setText(fit_html(fit))
+        self.import_button.setEnabled(fit.fits)
+        if fit.fits:
+            self.message.setText("Choose how to quantize it, then Import.")
+            return
+        most = fit.max_context
+        text = (f"<b>This model does not fit in memory at {fit.context:,} tokens.</b><br>"
+                f"It {_escape(fit.numbers())} but only {fit.available_bytes / 1e9:.2f} GB is "
+                f"available ({_escape(fit.limit)}).<br>")
+        if most > 0:
+            text += (f"It would fit with a context of up to {most:,} tokens: take it with "
+                     f"the Use {most:,} tokens button, then Import.")
+            self.offer_button.setText(f"Use {most:,} tokens")
+            self.offer_button.setVisible(True)
+        else:
+            text += ("The weights alone are more than that: close other programs or choose a "
+                     "smaller quantization.")
+        self.message.setText(text)
 
     @Slot()
     def _on_accepted(self) -> None:
         if self.started or not self.options:
             return
+        fit = self.option_fit()
+        if fit is not None and not fit.fits:
+            return  # refused above; the button is off
+        recipe, context = self.selected_recipe(), self.selected_context()
         self.started = True
         self.recipe_box.setEnabled(False)
+        self.context_box.setEnabled(False)
+        self.offer_button.setVisible(False)
         self.import_button.setEnabled(False)
         self.progress.setVisible(True)
         self.message.setText("Importing…")
-        self.import_confirmed.emit(self.selected_recipe())
+        self.import_confirmed.emit(recipe, context)
 
     # -- the job ---------------------------------------------------------------------------
     def show_started(self, kind: str) -> None:
@@ -268,6 +365,8 @@ class ImportDialog(QDialog):
         self.progress.setValue(0)
         self.progress.setVisible(False)
         self.recipe_box.setEnabled(False)
+        self.context_box.setEnabled(False)
+        self.offer_button.setVisible(False)
         if cancelled:
             self.message.setText("Import cancelled. The library is unchanged.")
         else:
@@ -275,8 +374,9 @@ class ImportDialog(QDialog):
                                  f"{_escape(reason)}<br>The library is unchanged.")
         if self.kind_label.text() == "checking…":
             self.kind_label.setText("not a model")
-            self.form.setRowVisible(self.recipe_box, False)
-            self.form.setRowVisible(self.recipe_label, False)
+            for row in (self.recipe_box, self.recipe_label, self.fit_label):
+                self.form.setRowVisible(row, False)
+            self.form.setRowVisible(self._context_row, False)
         self._to_close_button()
 
     def _to_close_button(self) -> None:
@@ -305,6 +405,17 @@ def option_text(opt: dict[str, Any]) -> str:
              f"{human_bytes(size)}" if size is not None else ""]
     details = ", ".join(p for p in parts if p)
     return f"{opt.get('label')} ({details})" if details else str(opt.get("label"))
+
+
+def fit_html(fit: Fit) -> str:
+    """A Fit in one line of rich text: the numbers, the verdict in bold when it does not fit."""
+    line = _escape(fit.summary())
+    if fit.fits:
+        return line
+    most = fit.max_context
+    offer = (f"up to {most:,} tokens would fit" if most > 0
+             else "the weights alone do not fit")
+    return f"<b>{line}</b> ({offer})"
 
 
 def _escape(text: str) -> str:

@@ -125,7 +125,8 @@ def starter_weights(starter: dict[str, Any]) -> tuple[Path, dict[str, Any], dict
     folder = Path(starter["path"])
     weights: dict[str, Any] = {}
     for f in weight_files(folder):
-        weights.update(mx.load(str(f)))  # memory-mapped: shapes and dtypes, no tensor read
+        loaded: Any = mx.load(str(f))  # memory-mapped: shapes and dtypes, no tensor read
+        weights.update(loaded)
     return folder, read_config(folder), weights
 
 
