@@ -27,7 +27,8 @@ from engine.errors import LoadFailed
 from engine.platform import ComputeProfile, check_versions
 from engine.runtime.fit import check_memory
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe",
+                         "gpt_oss")
 _versions_checked = False
 
 
@@ -132,8 +133,10 @@ def weight_files(folder: Path) -> list[Path]:
 def build_model(config: dict[str, Any], weights: dict[str, Any] | None = None) -> Any:
     """An uninitialised mlx-lm model for a config, quantized layers in place where it says so.
 
-    As in mlx-lm: a path named in config["quantization"] takes its own settings; any other
-    quantizable layer whose `.scales` are among `weights` takes the default ones.
+    As in mlx-lm: a path named in config["quantization"] takes its own settings (group size,
+    bits and "mode": affine, mxfp4, ...); any other quantizable layer (Linear, Embedding,
+    mlx-lm's SwitchLinear for stacked experts) whose `.scales` are among `weights` takes the
+    default ones.
     """
     module = model_module(config.get("model_type", ""))
     args = module.ModelArgs.from_dict(config)
@@ -144,7 +147,8 @@ def build_model(config: dict[str, Any], weights: dict[str, Any] | None = None) -
 
         def predicate(path: str, mod: Any) -> bool | dict[str, Any]:
             if path in per_path:
-                return per_path[path]
+                # A copy holding only what to_quantized takes (nn.quantize may pop keys).
+                return {k: v for k, v in per_path[path].items() if k in _QUANT_KEYS}
             return (weights is not None and hasattr(mod, "to_quantized")
                     and f"{path}.scales" in weights)
 
@@ -152,9 +156,14 @@ def build_model(config: dict[str, Any], weights: dict[str, Any] | None = None) -
             model,
             group_size=quant.get("group_size", 64),
             bits=quant.get("bits", 4),
+            mode=quant.get("mode", "affine"),
             class_predicate=predicate,
         )
     return model
+
+
+# The settings a quantized module's to_quantized takes from a per-module config entry.
+_QUANT_KEYS = ("group_size", "bits", "mode")
 
 
 def load_weights_into_model(folder: Path, profile: ComputeProfile) -> tuple[Any, dict[str, Any]]:
@@ -184,28 +193,32 @@ def load_weights_into_model(folder: Path, profile: ComputeProfile) -> tuple[Any,
 
 
 def apply_profile(model: Any, profile: ComputeProfile) -> None:
-    """Dequantize and/or cast parameters as the profile says, in place."""
+    """Dequantize and/or cast parameters as the profile says, in place.
+
+    Dequantizing covers QuantizedLinear, QuantizedEmbedding and mlx-lm's QuantizedSwitchLinear
+    (stacked experts) in every mode MLX quantizes in (affine, mxfp4, nvfp4, ...)."""
     dtype = getattr(mx, profile.dtype)
     if profile.dequantize:
+        switch = _switch_layers()
         replacements = []
         for path, mod in model.named_modules():
-            if isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-                w = mx.dequantize(
-                    mod.weight,
-                    mod.scales.astype(mx.float32),
-                    None if mod.biases is None else mod.biases.astype(mx.float32),
-                    group_size=mod.group_size,
-                    bits=mod.bits,
-                    mode=getattr(mod, "mode", "affine"),
-                ).astype(dtype)
-                if isinstance(mod, nn.QuantizedEmbedding):
-                    new: nn.Module = nn.Embedding(w.shape[0], w.shape[1])
-                else:
-                    new = nn.Linear(w.shape[1], w.shape[0], bias="bias" in mod)
-                    if "bias" in mod:
-                        new.bias = mod.bias.astype(dtype)
-                new.weight = w
-                replacements.append((path, new))
+            new: nn.Module
+            if isinstance(mod, switch.QuantizedSwitchLinear):
+                w = _dense_weight(mod, dtype)
+                experts, out_dims, in_dims = w.shape
+                new = switch.SwitchLinear(in_dims, out_dims, experts, bias="bias" in mod)
+            elif isinstance(mod, nn.QuantizedEmbedding):
+                w = _dense_weight(mod, dtype)
+                new = nn.Embedding(w.shape[0], w.shape[1])
+            elif isinstance(mod, nn.QuantizedLinear):
+                w = _dense_weight(mod, dtype)
+                new = nn.Linear(w.shape[1], w.shape[0], bias="bias" in mod)
+            else:
+                continue
+            if "bias" in mod:
+                new.bias = mod.bias.astype(dtype)
+            new.weight = w
+            replacements.append((path, new))
         if replacements:
             model.update_modules(_unflatten(replacements))
     # Cast float parameters (norms, unquantized weights); quantized weights stay uint32.
@@ -216,6 +229,37 @@ def apply_profile(model: Any, profile: ComputeProfile) -> None:
             params,
         )
     )
+
+
+def _switch_layers() -> types.ModuleType:
+    ensure_mlx_lm()
+    return importlib.import_module("mlx_lm.models.switch_layers")
+
+
+def _dense_weight(mod: Any, dtype: Any) -> Any:
+    """A quantized module's weight as floats of `dtype`, computed in float32.
+
+    Affine scales and biases are floats (cast up so the products are float32); mxfp4/nvfp4
+    scales are 8-bit codes that mx.dequantize reads as they are. nvfp4 switch layers may carry
+    one global scale per expert, so those dequantize expert by expert."""
+    mode = getattr(mod, "mode", "affine")
+    scales = mod.scales
+    biases = getattr(mod, "biases", None)
+    if mode == "affine":
+        scales = scales.astype(mx.float32)
+        biases = None if biases is None else biases.astype(mx.float32)
+    global_scale = getattr(mod, "global_scale", None)
+    if global_scale is not None and mod.weight.ndim == 3:
+        w = mx.stack([
+            mx.dequantize(mod.weight[e], scales[e], None, group_size=mod.group_size,
+                          bits=mod.bits, mode=mode, global_scale=global_scale[e],
+                          dtype=mx.float32)
+            for e in range(mod.weight.shape[0])])
+    else:
+        w = mx.dequantize(mod.weight, scales, biases, group_size=mod.group_size,
+                          bits=mod.bits, mode=mode, global_scale=global_scale,
+                          dtype=mx.float32)
+    return w.astype(dtype)
 
 
 def _unflatten(pairs: list[tuple[str, Any]]) -> Any:
