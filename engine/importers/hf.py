@@ -3,10 +3,16 @@
 Contract: `import_folder(src, dest, kind, ...)`: for kind 'mlx' the folder is validated (the
 weights load strictly into mlx-lm's architecture) and copied as is; for kind 'hf' the float
 weights are converted with mlx-lm's model class and quantized with the default recipe (8-bit
-embeddings and output head, 4-bit elsewhere, group 64). Tokenizer files are copied. The weight
-files are those the loaders read (`select_weight_files`): the shards named by
-model.safetensors.index.json, else model*.safetensors, so that stray checkpoints in the same
-folder (Mistral's consolidated.safetensors) are ignored. `read_folder(src, kind)` is the
+embeddings and output head, 4-bit elsewhere, group 64); the recipe yields to the architecture's
+own choices where mlx-lm's model class states them (`quant_predicate`: gpt-oss and Qwen3-MoE keep
+their routers at 8 bits). Weights a checkpoint already stores in a format MLX holds as is
+(`NATIVE_FORMATS`: gpt-oss's MXFP4 experts) are kept, each such layer named in
+config["quantization"] with its mode; tensors transformers saves in a layout mlx-lm's sanitize
+does not read (`TRANSFORMERS_LAYOUTS`: gpt-oss's float experts, saved input-major) are laid out
+as its model holds them first. Tokenizer files are copied. The weight files are those
+the loaders read (`select_weight_files`): the shards named by model.safetensors.index.json,
+else model*.safetensors, so that stray checkpoints in the same folder (Mistral's
+consolidated.safetensors) are ignored. `read_folder(src, kind)` is the
 checked read both the import and engine.importers.source (float weights for quantization) use:
 config, tokenizer and weight files checked, the weights loaded strictly into the model class.
 """
@@ -34,6 +40,50 @@ TOKENIZER_FILES = (
 )
 DEFAULT_RECIPE = {"group_size": 64, "bits": 4, "high_bits": 8}
 INDEX_FILE = "model.safetensors.index.json"
+# Pre-quantized checkpoints whose packed weights MLX holds as they are: quant_method -> the MLX
+# settings of the layers whose scales the checkpoint carries (after mlx-lm's sanitize, which
+# turns gpt-oss's `*_blocks`/`*_scales` into weight/scales pairs).
+NATIVE_FORMATS: dict[str, dict[str, Any]] = {
+    "mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"},
+}
+
+
+def _gpt_oss_float_experts(weights: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's float experts (a BF16 checkpoint) under the names and layout of mlx-lm's model.
+
+    transformers saves them input-major, gate and up interleaved on the last axis: gate_up_proj
+    (experts, hidden, 2 x inter), down_proj (experts, inter, hidden), with *_bias beside them.
+    mlx-lm's sanitize reads only the MXFP4 checkpoint's output-major blocks (its float path
+    names no `.weight`), so the split is made here; sanitize then leaves the folder as it is.
+    """
+    import mlx.core as mx  # heavy: MLX loads only when weights are read
+
+    out: dict[str, Any] = {}
+    for k, v in weights.items():
+        base, _, name = k.rpartition(".")
+        if not base.endswith(".mlp.experts"):
+            out[k] = v
+        elif name == "gate_up_proj":
+            rows = mx.swapaxes(v, -1, -2)  # (experts, 2 x inter, hidden)
+            out[f"{base}.gate_proj.weight"] = mx.contiguous(rows[:, ::2])
+            out[f"{base}.up_proj.weight"] = mx.contiguous(rows[:, 1::2])
+        elif name == "gate_up_proj_bias":
+            out[f"{base}.gate_proj.bias"] = mx.contiguous(v[..., ::2])
+            out[f"{base}.up_proj.bias"] = mx.contiguous(v[..., 1::2])
+        elif name == "down_proj":
+            out[f"{base}.down_proj.weight"] = mx.contiguous(mx.swapaxes(v, -1, -2))
+        elif name == "down_proj_bias":
+            out[f"{base}.down_proj.bias"] = v
+        else:
+            out[k] = v
+    return out
+
+
+# model_type -> the change that turns transformers' saved tensors into what mlx-lm's model
+# reads, where its sanitize does not (applied before it, to Hugging Face folders only).
+TRANSFORMERS_LAYOUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "gpt_oss": _gpt_oss_float_experts,
+}
 
 
 def select_weight_files(names: Iterable[str], index_text: str | None = None) -> list[str]:
@@ -61,7 +111,7 @@ def check_config(config: dict[str, Any], where: str) -> str:
     """
     kind = "mlx" if "quantization" in config else "hf"
     method = (config.get("quantization_config") or {}).get("quant_method")
-    if kind == "hf" and method:
+    if kind == "hf" and method and method not in NATIVE_FORMATS:
         raise ImportFailed(f"{where}: pre-quantized checkpoints ({method}) are not supported; "
                            "use the float (or an MLX) version of the model")
     model_type = config.get("model_type")
@@ -122,7 +172,8 @@ def read_folder(src: Path, kind: str) -> tuple[dict[str, Any], Any, dict[str, An
     """(config, model, weights, weight files) of an 'hf' or 'mlx' folder, every check made.
 
     The weights are loaded strictly into mlx-lm's model class (quantized layers where an MLX
-    config says so); for 'hf' `weights` are the sanitized names the model holds.
+    config says so, or where a checkpoint of NATIVE_FORMATS stores them packed); for 'hf'
+    `weights` are the sanitized names the model holds.
     """
     import mlx.core as mx  # heavy: MLX loads only when weights are read
 
@@ -159,10 +210,17 @@ def read_folder(src: Path, kind: str) -> tuple[dict[str, Any], Any, dict[str, An
         model = build_model(config, weights if kind == "mlx" else None)
     except (LoadFailed, TypeError, KeyError, ValueError) as exc:
         raise ImportFailed(f"{src}: unsupported model ({_one_line(exc)})") from exc
+    layout = TRANSFORMERS_LAYOUTS.get(str(config.get("model_type")))
+    if kind == "hf" and layout is not None:
+        weights = layout(weights)
     # As mlx-lm's loader does for every folder; for MLX folders it only affects the check.
     checked = model.sanitize(weights) if hasattr(model, "sanitize") else weights
     if kind == "hf":
         weights = checked
+        method = (config.get("quantization_config") or {}).get("quant_method")
+        native = NATIVE_FORMATS.get(str(method))
+        if native is not None:
+            _quantize_stored(model, checked, native)
     why = _mismatch(model, checked)
     if why is not None:
         raise ImportFailed(f"{src}: weights do not match config.json: {why}")
@@ -171,6 +229,25 @@ def read_folder(src: Path, kind: str) -> tuple[dict[str, Any], Any, dict[str, An
     except ValueError as exc:
         raise ImportFailed(f"{src}: weights do not match config.json ({_one_line(exc)})") from exc
     return config, model, weights, files
+
+
+def _quantize_stored(model: Any, weights: dict[str, Any], settings: dict[str, Any]) -> None:
+    """Make the layers whose scales `weights` carry quantized layers of `settings`, in place
+    (as mlx-lm's loader does for such checkpoints: after sanitize, by the names it gives)."""
+    import mlx.nn as nn  # heavy: MLX loads only when weights are read
+
+    nn.quantize(model, group_size=settings["group_size"], bits=settings["bits"],
+                mode=settings["mode"],
+                class_predicate=lambda p, m: hasattr(m, "to_quantized")
+                and f"{p}.scales" in weights)
+
+
+def _quantized(model: Any) -> dict[str, dict[str, Any]]:
+    """Path -> settings of every layer of `model` that is quantized already."""
+    return {path: {"group_size": m.group_size, "bits": m.bits,
+                   "mode": getattr(m, "mode", "affine")}
+            for path, m in model.named_modules()
+            if "scales" in m and isinstance(getattr(m, "bits", None), int)}
 
 
 def import_folder(
@@ -204,13 +281,20 @@ def import_folder(
         saved = weights
     else:
         gs, bits, high = (DEFAULT_RECIPE[k] for k in ("group_size", "bits", "high_bits"))
-        per_path: dict[str, Any] = {}
+        per_path: dict[str, Any] = _quantized(model)  # stored packed: kept (NATIVE_FORMATS)
+        own = getattr(model, "quant_predicate", None)  # mlx-lm's choices for the architecture
 
         def predicate(path: str, module: Any) -> bool | dict[str, Any]:
             if not hasattr(module, "to_quantized") or module.weight.shape[-1] % gs:
                 return False
-            b = high if ("embed" in path or "lm_head" in path) else bits
-            per_path[path] = {"group_size": gs, "bits": b}
+            if "embed" in path or "lm_head" in path:
+                per_path[path] = {"group_size": gs, "bits": high}
+                return per_path[path]
+            choice = own(path, module) if own is not None else True
+            if not choice:
+                return False
+            per_path[path] = (dict(choice) if isinstance(choice, dict)
+                              else {"group_size": gs, "bits": bits})
             return per_path[path]
 
         nn.quantize(model, group_size=gs, bits=bits, class_predicate=predicate)
