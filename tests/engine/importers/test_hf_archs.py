@@ -17,7 +17,9 @@ keys and transformers' tensor names:
   with its 8-bit routers, gpt_oss with MXFP4 experts and affine rest, 8-bit deepseek_v2) import
   as they are and give mlx_lm.load's logits on the same folder.
 - gpt-oss's MXFP4 experts are kept byte for byte (MLX's mxfp4 mode is the checkpoint's format);
-  mlx-lm's 8-bit router choice (qwen3_moe, gpt_oss) is kept.
+  mlx-lm's 8-bit router choice (qwen3_moe, gpt_oss) is kept. A BF16 gpt-oss checkpoint
+  (transformers' input-major experts, which mlx-lm's loader cannot read) gives the MXFP4 one's
+  float logits; an MXFP4 checkpoint missing a scale tensor fails in one line, library unchanged.
 
 Tolerances, as max |logit difference| over all positions and the vocabulary: QUANT_ATOL for the
 same quantized weights on both sides (measured 0.0: the same MLX kernels on the same arrays);
@@ -271,3 +273,26 @@ def test_moe_routers_and_experts_are_quantized_as_mlx_lm_does(world: World) -> N
             assert quant["model.layers.0.mlp.gate"] == {"group_size": 64, "bits": 8}
         if family == "mixtral":
             assert quant["model.layers.1.block_sparse_moe.gate"]["bits"] == 4
+
+
+def test_mxfp4_checkpoint_missing_its_scales_fails_in_one_line(world: World,
+                                                               tmp_path: Path) -> None:
+    import shutil
+
+    import mlx.core as mx
+
+    from engine.errors import ImportFailed
+    from engine.importers import import_path
+
+    src = tmp_path / "gpt-oss-broken"
+    shutil.copytree(world.hf["gpt_oss"], src)
+    w: Any = dict(mx.load(str(src / "model.safetensors")))
+    del w["model.layers.1.mlp.experts.down_proj_scales"]
+    mx.save_safetensors(str(src / "model.safetensors"), w)
+    before = sorted(m["name"] for m in world.library.manifests())
+    with pytest.raises(ImportFailed) as exc:
+        import_path(world.library, src, name="broken")
+    line = str(exc.value)
+    assert "\n" not in line and line.startswith(str(src))
+    assert "model.layers.1.mlp.experts.down_proj" in line
+    assert sorted(m["name"] for m in world.library.manifests()) == before
