@@ -194,21 +194,365 @@ def unpermute_qk(config: dict[str, Any], name: str, data: np.ndarray) -> np.ndar
     return data
 
 
-# -- the dense families ------------------------------------------------------------------
+# -- RoPE: what llama.cpp reads, as mlx-lm's rope_scaling ----------------------------------
+def rope_scaling(m: Meta) -> dict[str, Any] | None:
+    """`rope.scaling.*` as mlx-lm's rope_scaling (None: plain RoPE), as llama.cpp reads it.
+
+    llama.cpp takes a missing type as "linear" when a factor is given (the old
+    `rope.scale_linear` key included). For yarn it uses its own defaults (beta_fast 32,
+    beta_slow 1, extrapolation 1) whatever yarn_* keys the file has, outside a few families
+    (grok, deepseek2) that are not dense ones here: so these are mlx-lm's defaults too.
+    `rope.scaling.attn_factor` scales Q and K in llama.cpp; mlx-lm's plain and linear RoPE
+    cannot, so a file with one is refused.
+    """
+    kind = m.get("rope.scaling.type")
+    factor = m.get("rope.scaling.factor", m.get("rope.scale_linear"))
+    if kind is None:
+        kind = "linear" if factor is not None else "none"
+    attn = m.get("rope.scaling.attn_factor")
+    if attn is not None and abs(float(attn) - 1.0) > 1e-6:
+        raise ImportFailed(f"{m.path}: rope.scaling.attn_factor {float(attn):g} is not "
+                           f"supported for {m.arch} (mlx-lm's RoPE has no such scale)")
+    if kind == "none" or (kind in ("linear", "yarn") and float(factor or 1.0) == 1.0):
+        return None
+    if kind == "linear":
+        return {"type": "linear", "rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        return {
+            "type": "yarn", "rope_type": "yarn", "factor": float(factor),
+            # llama.cpp: n_ctx_orig_yarn, the training context when the key is absent.
+            "original_max_position_embeddings": int(m.get(
+                "rope.scaling.original_context_length", m.get("context_length", 4096))),
+        }
+    raise ImportFailed(f"{m.path}: RoPE scaling {kind!r} is not supported for {m.arch}")
+
+
+def _llama3_factors(scaling: Mapping[str, float], base: float, dim: int) -> np.ndarray:
+    """The per-frequency divisors mlx-lm's Llama3RoPE applies (its formula, in numpy)."""
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * np.pi * base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    smooth = (old / wavelen - low) / (high - low)
+    medium = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen > old / low, factor,
+                    np.where(wavelen > old / high, medium, 1.0))
+
+
+def llama3_rope_scaling(freqs: np.ndarray, base: float, dim: int
+                        ) -> dict[str, Any] | None:
+    """Llama 3's rope_scaling recovered from the `rope_freqs` tensor llama.cpp's converter
+    folds it into (one divisor per frequency: 1 for short wavelengths, `factor` for long ones,
+    a smooth ramp between); None when every divisor is 1.
+
+    The divisors depend only on the two wavelength thresholds, original_context / low_factor
+    and original_context / high_factor, so low_freq_factor is taken as 1 (as in every Llama 3
+    release) and the thresholds are fitted to the ramp (exactly, from two or more ramp points;
+    placed between the neighbouring wavelengths otherwise). The result is checked by
+    recomputing the divisors with mlx-lm's formula; ValueError when they disagree.
+    """
+    f = np.asarray(freqs, dtype=np.float64).reshape(-1)
+    if f.shape[0] != dim // 2 or not np.all(np.isfinite(f)) or f.min() <= 0:
+        raise ValueError(f"rope_freqs has {f.shape[0]} values for head size {dim}")
+    factor = float(f.max())
+    if np.allclose(f, 1.0, rtol=0, atol=1e-6):
+        return None
+    x = 1.0 / (2 * np.pi * base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    one = np.isclose(f, 1.0, rtol=0, atol=1e-5)
+    full = np.isclose(f, factor, rtol=1e-5, atol=0)
+    ramp = ~(one | full)
+    if ramp.sum() >= 2:
+        # 1/f = (1 - s)/factor + s with s = (x - x_low)/(x_high - x_low), x = 1/wavelength.
+        s = (1.0 / f[ramp] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        a, b = np.polyfit(x[ramp], s, 1)
+        x_low = -b / a
+        x_high = x_low + 1.0 / a
+    else:
+        # The thresholds fall between wavelengths: anywhere in the gaps gives the same
+        # divisors. x decreases along the frequencies.
+        last_one = x[one].min() if one.any() else x.max() * 2
+        first_full = x[full].max() if full.any() else x.min() / 2
+        if ramp.sum() == 1:
+            xm = float(x[ramp][0])
+            sm = (1.0 / f[ramp][0] - 1.0 / factor) / (1.0 - 1.0 / factor)
+            # s(xm) = sm pins x_low given x_high; keep x_low above the first full point.
+            bound = min(last_one, (xm - (1 - sm) * first_full) / sm) if sm > 0 else last_one
+            x_high = (xm + bound) / 2
+            x_low = (xm - sm * x_high) / (1 - sm)
+        else:
+            x_high = first_full + 0.75 * (last_one - first_full)
+            x_low = first_full + 0.25 * (last_one - first_full)
+    old, high = 1.0 / x_low, x_high / x_low
+    # Round to the integers releases use when that keeps the divisors (it does whenever two
+    # or more ramp points pinned the thresholds).
+    for old_c, high_c, rtol in ((float(round(old)), float(round(high, 3)), 2e-6),
+                                (old, high, 1e-4)):
+        scaling: dict[str, Any] = {
+            "rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+            "high_freq_factor": high_c, "original_max_position_embeddings": old_c,
+        }
+        if np.allclose(_llama3_factors(scaling, base, dim), f, rtol=rtol, atol=0):
+            if old_c.is_integer():
+                scaling["original_max_position_embeddings"] = int(old_c)
+            return scaling
+    raise ValueError("rope_freqs does not follow Llama 3's RoPE scaling")
+
+
+def _rope_dims(m: Meta, head_dim: int) -> int:
+    return int(m.get("rope.dimension_count", head_dim))
+
+
+def _full_rotary(m: Meta, head_dim: int) -> None:
+    if _rope_dims(m, head_dim) != head_dim:
+        raise ImportFailed(f"{m.path}: partial RoPE ({_rope_dims(m, head_dim)} of {head_dim} "
+                           f"head dimensions) is not supported for {m.arch}")
+
+
+def _derived_head_dim(m: Meta, config: dict[str, Any], model_type: str) -> None:
+    """mlx-lm files that take the head size as hidden / heads: refuse a file that differs."""
+    derived = config["hidden_size"] // config["num_attention_heads"]
+    if config["head_dim"] != derived:
+        raise ImportFailed(f"{m.path}: head size {config['head_dim']} differs from hidden / "
+                           f"heads ({derived}), which mlx-lm's {model_type} assumes")
+
+
+def _no_rope_scaling(m: Meta, model_type: str) -> None:
+    if rope_scaling(m) is not None:
+        raise ImportFailed(f"{m.path}: RoPE scaling is not supported for {m.arch} "
+                           f"(mlx-lm's {model_type} uses plain RoPE)")
+
+
+def _layer_is_sliding(m: Meta, layers: int, default: int) -> list[bool]:
+    """llama.cpp's per-layer sliding-window flags: `attention.sliding_window_pattern` as an
+    array of flags, or n (the family's default when absent): layer i slides unless
+    i % n == n - 1 (n = 0: every layer slides)."""
+    pattern = m.get("attention.sliding_window_pattern", default)
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) < layers:
+            raise ImportFailed(f"{m.path}: sliding-window pattern has {len(pattern)} entries "
+                               f"for {layers} layers")
+        return [bool(x) for x in pattern[:layers]]
+    n = int(pattern)
+    return [n == 0 or i % n < n - 1 for i in range(layers)]
+
+
+# -- value changes the converter made -------------------------------------------------------
+def _floats(name: str, data: np.ndarray) -> np.ndarray:
+    if data.dtype.kind != "f":
+        # A norm is a 1-D float tensor in every file llama.cpp writes.
+        raise ValueError(f"{name} is stored as {data.dtype}, expected floats")
+    return data
+
+
+def minus_one_norms(config: dict[str, Any], name: str, data: np.ndarray) -> np.ndarray:
+    """Gemma's converter stores RMSNorm weights with the 1 added (x * (1 + w) in Gemma's
+    code); mlx-lm's Gemma RMSNorm adds the 1 itself."""
+    if name.endswith("norm.weight"):
+        return _floats(name, data) - np.asarray(1, dtype=data.dtype)
+    return data
+
+
+# -- llama (Llama 2 and 3.x, Mistral, SmolLM, ...) -----------------------------------------
 def _llama_config(m: Meta) -> dict[str, Any]:
     config = common_config(m)
-    config["attention_bias"] = m.has("blk.0.attn_q.bias")
-    if m.get("rope.scaling.type") == "linear":
-        config["rope_scaling"] = {"type": "linear",
-                                  "factor": float(m.get("rope.scaling.factor", 1.0))}
+    _full_rotary(m, config["head_dim"])  # llama.cpp refuses anything else for llama
+    bias = m.has("blk.0.attn_q.bias")
+    if bias and not m.has("blk.0.attn_output.bias"):
+        # mlx-lm's llama puts a bias on all four projections or on none.
+        raise ImportFailed(f"{m.path}: Q/K/V biases without an output bias are not "
+                           "supported for llama")
+    config["attention_bias"] = bias
+    config["mlp_bias"] = m.has("blk.0.ffn_up.bias")
+    scaling = rope_scaling(m)
+    if m.has("rope_freqs.weight"):
+        # Llama 3.1+: the converter folds rope_scaling {rope_type: llama3} into per-frequency
+        # divisors; llama.cpp applies them on top of any other scaling, mlx-lm cannot.
+        llama3 = llama3_rope_scaling(m.tensor("rope_freqs.weight"), config["rope_theta"],
+                                     config["head_dim"])
+        if llama3 is not None and scaling is not None:
+            raise ImportFailed(f"{m.path}: rope_freqs together with RoPE scaling "
+                               f"{scaling['type']!r} is not supported")
+        scaling = llama3 or scaling
+    if scaling is not None:
+        config["rope_scaling"] = scaling
     return config
 
 
-def _qwen2_config(m: Meta) -> dict[str, Any]:
-    return _llama_config(m)
-
-
 register(Arch("llama", "llama", "LlamaForCausalLM", _llama_config, reverse=(unpermute_qk,)))
+# No llama.cpp converter writes "mistral" (Mistral 7B and Nemo are "llama"); kept for files
+# from other tools that do.
 register(Arch("mistral", "llama", "MistralForCausalLM", _llama_config,
               reverse=(unpermute_qk,)))
-register(Arch("qwen2", "qwen2", "Qwen2ForCausalLM", _qwen2_config))
+
+
+# -- qwen2 (Qwen2, Qwen2.5) ------------------------------------------------------------------
+def _qwen2_config(m: Meta) -> dict[str, Any]:
+    config = common_config(m)
+    _full_rotary(m, config["head_dim"])
+    _derived_head_dim(m, config, "qwen2")  # mlx-lm's qwen2 takes hidden / heads
+    scaling = rope_scaling(m)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    return config
+
+
+def _qwen2_as_llama_config(m: Meta) -> dict[str, Any]:
+    config = _llama_config(m)
+    config["architectures"] = ["Qwen2ForCausalLM"]
+    return config
+
+
+QWEN2 = register(Arch("qwen2", "qwen2", "Qwen2ForCausalLM", _qwen2_config))
+# mlx-lm's qwen2 always has Q/K/V biases; a qwen2 file without them is llama's computation
+# (NeoX-style RoPE, which llama.cpp's converter does not permute for qwen2).
+QWEN2_NO_BIAS = Arch("qwen2", "llama", "Qwen2ForCausalLM", _qwen2_as_llama_config)
+register_variant("qwen2", lambda m: None if m.has("blk.0.attn_q.bias") else QWEN2_NO_BIAS)
+
+
+# -- qwen3 (dense) ---------------------------------------------------------------------------
+def _qwen3_config(m: Meta) -> dict[str, Any]:
+    config = common_config(m)
+    _full_rotary(m, config["head_dim"])
+    if m.has("blk.0.attn_q.bias"):
+        raise ImportFailed(f"{m.path}: Q/K/V biases are not supported for qwen3")
+    scaling = rope_scaling(m)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    return config
+
+
+QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+register(Arch("qwen3", "qwen3", "Qwen3ForCausalLM", _qwen3_config,
+              layer={**LLAMA_LAYER, **QK_NORMS}))
+
+
+# -- gemma2, gemma3 (text) ---------------------------------------------------------------------
+GEMMA_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+def _query_pre_attn_scalar(config: dict[str, Any], big_layers: int) -> float:
+    """llama.cpp scales queries by 1/sqrt(head size), except in the 27B models (told apart
+    by their layer count) where it is 1/sqrt(hidden / heads), as Google's gemma_pytorch."""
+    if config["num_hidden_layers"] == big_layers:
+        return float(config["hidden_size"] // config["num_attention_heads"])
+    return float(config["head_dim"])
+
+
+def _gemma2_config(m: Meta) -> dict[str, Any]:
+    config = common_config(m)
+    _full_rotary(m, config["head_dim"])
+    _no_rope_scaling(m, "gemma2")
+    config["tie_word_embeddings"] = True  # llama.cpp's gemma2 reads token_embd for output
+    config["attn_logit_softcapping"] = float(m.get("attn_logit_softcapping", 50.0))
+    config["final_logit_softcapping"] = float(m.get("final_logit_softcapping", 30.0))
+    config["query_pre_attn_scalar"] = _query_pre_attn_scalar(config, 46)
+    # Informational for mlx-lm, whose gemma2 attends to the whole context in every layer
+    # (llama.cpp: every other layer within this window).
+    config["sliding_window"] = int(m.get("attention.sliding_window", 4096))
+    return config
+
+
+def _gemma3_config(m: Meta) -> dict[str, Any]:
+    config = common_config(m)
+    layers = config["num_hidden_layers"]
+    _full_rotary(m, config["head_dim"])
+    cap = m.get("final_logit_softcapping")
+    if cap is not None and float(cap) != 0.0:
+        raise ImportFailed(f"{m.path}: final logit softcapping is not supported for gemma3 "
+                           "(mlx-lm's gemma3_text has none)")
+    config["query_pre_attn_scalar"] = _query_pre_attn_scalar(config, 62)
+    window = int(m.get("attention.sliding_window", 0) or 0)
+    if window > 0:
+        sliding = _layer_is_sliding(m, layers, 6)
+        # mlx-lm's gemma3_text: layer i is global when i % n == n - 1, for one n.
+        n = next((n for n in range(1, layers + 1)
+                  if sliding == [i % n < n - 1 for i in range(layers)]), None)
+        if n is None or n > layers:
+            raise ImportFailed(f"{m.path}: sliding-window layers {sliding} are not a pattern "
+                               "mlx-lm's gemma3_text can express (every n-th layer global)")
+    else:
+        n, window = 1, config["max_position_embeddings"]  # no sliding layers
+    config["sliding_window"] = window
+    config["sliding_window_pattern"] = n
+    config["layer_types"] = ["full_attention" if i % n == n - 1 else "sliding_attention"
+                             for i in range(layers)]
+    # Sliding layers: their own base (10000 when the file does not say), never scaled.
+    config["rope_local_base_freq"] = float(m.get("rope.freq_base_swa", 10000.0))
+    scaling = rope_scaling(m)
+    if scaling is not None and scaling["rope_type"] != "linear":
+        raise ImportFailed(f"{m.path}: RoPE scaling {scaling['rope_type']!r} is not supported "
+                           "for gemma3")
+    config["rope_scaling"] = scaling
+    return config
+
+
+register(Arch("gemma2", "gemma2", "Gemma2ForCausalLM", _gemma2_config, layer=GEMMA_LAYER,
+              top={k: v for k, v in LLAMA_TOP.items() if k != "output"},
+              reverse=(minus_one_norms,)))
+register(Arch("gemma3", "gemma3_text", "Gemma3ForCausalLM", _gemma3_config,
+              layer={**GEMMA_LAYER, **QK_NORMS}, reverse=(minus_one_norms,)))
+
+
+# -- phi3 (Phi-3, Phi-3.5, Phi-4) ---------------------------------------------------------------
+PHI3_FACTORS = frozenset({"rope_factors_long.weight", "rope_factors_short.weight"})
+
+
+def _phi3_config(m: Meta) -> dict[str, Any]:
+    config = common_config(m)
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    if config["head_dim"] != head_dim:
+        raise ImportFailed(f"{m.path}: head size {config['head_dim']} differs from hidden / "
+                           f"heads ({head_dim}), which mlx-lm's phi3 assumes")
+    if not m.has("blk.0.attn_qkv.weight"):
+        raise ImportFailed(f"{m.path}: phi3 without a fused attn_qkv is not supported")
+    config["partial_rotary_factor"] = _rope_dims(m, head_dim) / head_dim
+    context = config["max_position_embeddings"]
+    original = int(m.get("rope.scaling.original_context_length", context))
+    config["original_max_position_embeddings"] = original
+    if m.has("rope_factors_long.weight"):
+        # LongRoPE (Phi-3-*-128k, Phi-3.5): per-frequency factors folded into two tensors.
+        # llama.cpp picks the long ones for contexts past the original one and the short
+        # ones below; mlx-lm's SuScaledRoPE always applies the long ones.
+        kind = m.get("rope.scaling.type", "longrope")
+        if kind not in ("longrope", "su"):
+            raise ImportFailed(f"{m.path}: RoPE scaling {kind!r} with LongRoPE factors is "
+                               "not supported for phi3")
+        attn = float(m.get("rope.scaling.attn_factor", 1.0))
+        scale = context / original
+        mlx_attn = (np.sqrt(1 + np.log(scale) / np.log(original)) if scale > 1.0 else 1.0)
+        if abs(attn - mlx_attn) > 1e-4 * mlx_attn:
+            raise ImportFailed(f"{m.path}: rope.scaling.attn_factor {attn:g} differs from "
+                               f"the LongRoPE scale mlx-lm's phi3 derives ({mlx_attn:g})")
+        config["rope_scaling"] = {
+            "type": "longrope", "rope_type": "longrope",
+            "long_factor": [float(x) for x in m.tensor("rope_factors_long.weight").ravel()],
+            "short_factor": [float(x) for x in m.tensor("rope_factors_short.weight").ravel()]
+            if m.has("rope_factors_short.weight") else 1.0,
+        }
+    else:
+        # mlx-lm's phi3 takes a rope_scaling only with LongRoPE factors.
+        _no_rope_scaling(m, "phi3")
+    return config
+
+
+register(Arch(
+    "phi3", "phi3", "Phi3ForCausalLM", _phi3_config,
+    # The Hugging Face checkpoint's fused projections, kept fused by the converter and by
+    # mlx-lm: attn_qkv is [q; k; v] rows, ffn_up is [gate; up] rows.
+    layer={"attn_norm": "input_layernorm", "attn_qkv": "self_attn.qkv_proj",
+           "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+           "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"},
+    skip=PHI3_FACTORS,
+))
