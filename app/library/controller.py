@@ -77,6 +77,10 @@ class LibraryController(QObject):
             self.view.select_name(selected)
         self.models_changed.emit([m["name"] for m in manifests], default)
 
+    def refresh_fits(self) -> None:
+        """The listed models' fits again (memory, the loaded model and the profile change)."""
+        self.model.set_fits(self.engine.fits(self.model.manifests()))
+
     def set_default(self, name: str) -> None:
         self.store.set_setting(DEFAULT_KEY, name)
         self.refresh()
@@ -169,11 +173,11 @@ class LibraryController(QObject):
 
     @Slot(object)
     def _on_profile_chosen(self, _profile: object) -> None:
-        self.refresh()  # the fits can be reckoned now
+        self.refresh_fits()  # they can be reckoned now
 
     @Slot(dict)
     def _on_model_loaded(self, _info: dict[str, Any]) -> None:
-        self.refresh()  # the loaded model's weights are what a load frees first
+        self.refresh_fits()  # the loaded model's weights are what a load frees first
 
     @Slot(int, str, str)
     def _on_error_occurred(self, job: int, what: str, message: str) -> None:

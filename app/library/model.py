@@ -65,6 +65,12 @@ class LibraryModel(QAbstractTableModel):
         self._fits = dict(fits or {})
         self.endResetModel()
 
+    def set_fits(self, fits: dict[str, Fit]) -> None:
+        """New fits for the same rows (the Memory column changes, nothing else)."""
+        self._fits = dict(fits)
+        if self._rows:
+            self.dataChanged.emit(self.index(0, MEMORY), self.index(len(self._rows) - 1, MEMORY))
+
     def fit(self, name: str) -> Fit | None:
         """Whether model `name` fits at its chosen context (None: not known)."""
         return self._fits.get(name)
@@ -75,6 +81,9 @@ class LibraryModel(QAbstractTableModel):
 
     def names(self) -> list[str]:
         return [str(m["name"]) for m in self._rows]
+
+    def manifests(self) -> list[dict[str, Any]]:
+        return list(self._rows)
 
     def manifest(self, row: int) -> dict[str, Any] | None:
         return self._rows[row] if 0 <= row < len(self._rows) else None

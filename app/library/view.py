@@ -102,6 +102,7 @@ class LibraryView(QWidget):
         self.delete_button.clicked.connect(self._on_delete_clicked)
         self.table.selectionModel().selectionChanged.connect(self._on_selection_changed)
         model.modelReset.connect(self._on_model_reset)
+        model.dataChanged.connect(self._on_data_changed)
         self._on_model_reset()
 
     def selected_name(self) -> str | None:
@@ -120,6 +121,10 @@ class LibraryView(QWidget):
         if not empty and not self.table.selectionModel().hasSelection():
             self.table.selectRow(0)
         self._on_selection_changed()
+
+    @Slot()
+    def _on_data_changed(self) -> None:
+        self._on_selection_changed()  # the fits changed: the details pane says them
 
     @Slot(QItemSelection, QItemSelection)
     def _on_selection_changed(self, *_: Any) -> None:
