@@ -1,15 +1,20 @@
 """Mixture-of-experts GGUF files import and compute what llama.cpp computes.
 
 Contract checked, per family (mixtral, qwen2moe, qwen3moe, gpt-oss) and GGUF type (F32 as the
-converter writes it; Q8_0, Q4_K_M and, for gpt-oss, MXFP4_MOE made from it by llama.cpp's own
-quantizer): the file imports through `engine.importers.import_path` into a temporary library,
-loads with Strata's runtime in the float32 compute profile, and its next-token logits at every
-position of a fixed 24-token prompt equal llama.cpp's (llama-cpp-python on the same file)
-within the tolerance `MATRIX` states (as a fraction of llama.cpp's logit standard deviation),
-and 32 greedy tokens from Strata's decode loop (mlx-lm's own KV cache, rotating for gpt-oss's
-sliding-window layers) equal llama.cpp's. The random models are made decisive (logit std of
-about 5, checked): see tests/engine/gguf_moe_factory.py. `MATRIX` is what docs/models.md's
-table is generated from.
+converter writes it; Q8_0, Q4_K_M and MXFP4_MOE made from it by llama.cpp's own quantizer):
+the file imports through `engine.importers.import_path` into a temporary library and loads
+with Strata's runtime in the float32 compute profile (every quantized layer dense, stacked
+experts too); its next-token logits at every position of a fixed 24-token prompt (one batched
+call) and at each of 32 decode steps (the prompt prefilled into the model's own KV cache,
+rotating for gpt-oss's sliding-window layers, then llama.cpp's greedy tokens fed one at a
+time) equal llama.cpp's on the same file within the tolerance `MATRIX` states, as a fraction of
+llama.cpp's logit standard deviation (quantized files: up to MAX_FLIPS positions where a
+token's expert choice was a near tie may differ more, within FLIP_TOL); and 32 greedy tokens
+from Strata's decode loop equal llama.cpp's. The random models are decisive (logit std about
+4; every greedy step leads by more than twice the tolerance, checked): see
+tests/engine/gguf_moe_factory.py. `MATRIX` is what docs/models.md's table is generated from.
+Also: the quantized experts run unexpanded in the native profile, and settings mlx-lm's model
+files would silently ignore are refused in one line.
 """
 
 from __future__ import annotations
@@ -29,20 +34,23 @@ from tests.engine.gguf_factory import Vocab, bpe_vocab
 from tests.engine.gguf_moe_factory import FAMILIES, write_moe_gguf
 from tests.engine.llamacpp_reference import llama_cpp, quantize, reference
 
-# (family as users name it, GGUF type, max |logit difference| / llama.cpp's logit std), for
-# the prompt's logits and the decode steps' alike. mixtral's GGUF architecture is "llama"
-# with llama.expert_count; the others are their own. Measured on these files (worst of
-# prompt and decode): F32 at most 2.0e-3 (llama.cpp keeps its KV cache in float16); Q8_0 at
-# most 0.12 (the codes repacked exactly; llama.cpp quantizes activations to 8 bits for its
-# dot products, and where that moves a token's top-k experts across a near tie, a routing
-# flip, one position differs more than the rest: typical positions are within 0.05); Q4_K_M
-# at most 0.14 and MXFP4_MOE (experts MXFP4, the rest Q8_0) at most 0.18, flips included.
-TOLERANCE = {"F32": 5e-3, "Q8_0": 0.2, "Q4_K_M": 0.3, "MXFP4_MOE": 0.3}
+# (family as users name it, GGUF type, max |logit difference| / llama.cpp's logit std at a
+# position), for the prompt's positions and the decode steps alike. mixtral's GGUF
+# architecture is "llama" with llama.expert_count; the others are their own. Measured on these
+# files, worst position apart from routing flips (below): F32 2.0e-3 (llama.cpp keeps its KV
+# cache in float16); Q8_0 0.06 (codes repacked exactly; llama.cpp quantizes activations to 8
+# bits for its dot products); Q4_K_M 0.14; MXFP4_MOE (experts MXFP4, the rest Q8_0) 0.054.
+TOLERANCE = {"F32": 5e-3, "Q8_0": 0.1, "Q4_K_M": 0.2, "MXFP4_MOE": 0.1}
 MATRIX: list[tuple[str, str, float]] = [
     (family, gtype, TOLERANCE[gtype])
     for family in FAMILIES
-    for gtype in ("F32", "Q8_0", "Q4_K_M") + (("MXFP4_MOE",) if family == "gpt-oss" else ())
+    for gtype in ("F32", "Q8_0", "Q4_K_M", "MXFP4_MOE")
 ]
+# A routing flip: where a token's k-th and (k+1)-th experts score within the noise of
+# llama.cpp's 8-bit activations, the two sides may route that token differently, and its
+# logits differ by more than the rest (measured: at most one position of 56 per file, up to
+# 0.63 std). Quantized files may have up to MAX_FLIPS such positions, each within FLIP_TOL.
+MAX_FLIPS, FLIP_TOL = 2, 1.0
 PROMPT = ("The quick brown fox jumps over the lazy dog. A local model runs on your own "
           "machine: it reads the weights, builds the cache, and answers.")
 N_PROMPT, N_GREEDY = 24, 32
@@ -146,15 +154,18 @@ def test_matches_llamacpp(gguf_file: Callable[[str, str], Path], workdir: Path,
 
     std = float(want.prompt.std())
     assert std >= MIN_LOGIT_STD, f"random model not decisive (logit std {std:.2f})"
-    for what, ours, theirs in (("prompt", got.prompt, want.prompt),
-                               ("decode", got.decode, want.decode)):
-        assert ours.shape == theirs.shape, what
-        diff = float(np.abs(ours - theirs).max())
-        print(f"{family} {gtype} {what}: logit std {std:.2f}, max |diff| {diff:.3g} "
-              f"= {diff / std:.3g} std")
-        assert diff <= tol * std, (f"{what}: max |logit diff| {diff:.3g} = {diff / std:.3g} "
-                                   f"std > {tol}")
-    # Decisive: at every step llama.cpp's top token leads by more than both sides may be off.
+    assert got.prompt.shape == want.prompt.shape and got.decode.shape == want.decode.shape
+    per_position = np.concatenate([np.abs(got.prompt - want.prompt).max(axis=-1),
+                                   np.abs(got.decode - want.decode).max(axis=-1)]) / std
+    worst = np.sort(per_position)[::-1]
+    print(f"{family} {gtype}: logit std {std:.2f}; worst positions {np.round(worst[:3], 4)} "
+          "std")
+    off = worst[worst > tol]
+    allowed = 0 if gtype == "F32" else MAX_FLIPS
+    assert len(off) <= allowed and (off <= FLIP_TOL).all(), (
+        f"{len(off)} of {len(worst)} positions beyond {tol} std (worst {worst[0]:.3g} std)")
+    # Decisive: at every greedy step llama.cpp's top token leads by more than twice the
+    # tolerance, so equal greedy tokens are required, not luck.
     top2 = np.sort(want.decode, axis=-1)[:, -2:]
     margin = float((top2[:, 1] - top2[:, 0]).min())
     assert margin > 2 * tol * std, f"a greedy step is a near tie (margin {margin:.3g})"
