@@ -18,6 +18,7 @@ this class is one, structurally.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
@@ -144,8 +145,13 @@ class Source:
 
     def weight_sizes(self) -> WeightSizes:
         """The weights by how they are stored (engine.runtime.fit.WeightSizes), from the GGUF's
-        tensor table or the safetensors headers; no tensor is read. A Hugging Face folder's
-        are counted as the importer's default quantization will store them."""
+        tensor table or the safetensors headers; no tensor is read (and they are read once).
+        A Hugging Face folder's are counted as the importer's default quantization stores
+        them."""
+        return self._sizes
+
+    @functools.cached_property
+    def _sizes(self) -> WeightSizes:
         if self.kind == "gguf":
             reader, _ = read_metadata(self.path)
             qp = qb = fp = 0

@@ -13,6 +13,11 @@ wired-memory limit. A Fit that does not fit carries the largest context that wou
 file headers. `check_memory` is the load's preflight: it raises LoadFailed, one line with the
 numbers and the offer, for a model that would push the machine into swap.
 
+Sliding layers are those the config declares (layer_types, gemma3's pattern, gpt-oss's and
+gemma2's alternation, Mistral v0.1's window on every layer); for gemma2 and a llama-file model
+without layer_types mlx-lm's in-memory cache still keeps every token, so there the figure is
+what a cache that keeps the window holds (the paged one).
+
 The chosen context (`chosen_context`): the caller's, else STRATA_CONTEXT, else a "context" in
 the model folder's manifest.json, else the model's trained context (max_position_embeddings).
 """
@@ -23,7 +28,6 @@ import contextlib
 import functools
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -194,6 +198,8 @@ def kv_bytes(layers: list[KVLayer], context: int, width: int, bits: int = 16,
 
 # -- this machine --------------------------------------------------------------------------
 def _sysctl_int(name: str) -> int | None:
+    import subprocess  # here: only macOS asks sysctl, and this module is on the load's path
+
     try:
         out = subprocess.run(["sysctl", "-n", name], capture_output=True, text=True,
                              timeout=5, check=False).stdout.strip()
