@@ -26,6 +26,7 @@ from engine.importers.gguf_arch import (
     common_config,
     register,
     register_variant,
+    rope_scaling,
     unpermute_qk,
 )
 
@@ -54,10 +55,10 @@ def _moe_counts(m: Meta) -> tuple[int, int]:
 
 def _no_rope_scaling(m: Meta, model_type: str) -> None:
     """mlx-lm's mixtral, qwen2_moe and qwen3_moe build plain RoPE whatever the config says."""
-    kind = m.get("rope.scaling.type")
-    if kind not in (None, "none"):
-        raise ImportFailed(f"{m.path}: RoPE scaling {kind!r} is not supported for "
-                           f"{model_type} (mlx-lm's {model_type} uses plain RoPE)")
+    scaling = rope_scaling(m)
+    if scaling is not None:
+        raise ImportFailed(f"{m.path}: RoPE scaling {scaling['rope_type']!r} is not supported "
+                           f"for {model_type} (mlx-lm's {model_type} uses plain RoPE)")
 
 
 def _full_rotary(m: Meta, head_dim: int) -> None:
@@ -189,26 +190,14 @@ def _layer_types(m: Meta, layers: int) -> list[str]:
 
 
 def _yarn(m: Meta) -> dict[str, Any] | None:
-    kind = m.get("rope.scaling.type")
-    if kind in (None, "none"):
-        return None
-    if kind != "yarn":
-        raise ImportFailed(f"{m.path}: RoPE scaling {kind!r} is not supported for gpt-oss")
-    for key in ("yarn_ext_factor", "yarn_attn_factor"):
-        value = m.get(f"rope.scaling.{key}")
-        if value is not None and float(value) != 1.0:
-            raise ImportFailed(f"{m.path}: rope.scaling.{key} = {value} is not supported")
-    if float(m.get("rope.scaling.yarn_log_multiplier", 0.0) or 0.0) != 0.0:
-        raise ImportFailed(f"{m.path}: rope.scaling.yarn_log_multiplier is not supported "
+    """gpt-oss's RoPE: plain or YaRN, as llama.cpp reads it (its own beta and extrapolation
+    defaults whatever yarn_* keys the file has: gguf_arch.rope_scaling), which are the
+    defaults of mlx-lm's YarnRoPE too."""
+    scaling = rope_scaling(m)
+    if scaling is not None and scaling["rope_type"] != "yarn":
+        raise ImportFailed(f"{m.path}: RoPE scaling {scaling['rope_type']!r} is not supported "
                            "for gpt-oss")
-    return {
-        "rope_type": "yarn",
-        "factor": float(m.need("rope.scaling.factor")),
-        "original_max_position_embeddings": int(m.need("rope.scaling.original_context_length")),
-        # llama.cpp's defaults where the file does not say.
-        "beta_fast": float(m.get("rope.scaling.yarn_beta_fast", 32.0)),
-        "beta_slow": float(m.get("rope.scaling.yarn_beta_slow", 1.0)),
-    }
+    return scaling
 
 
 def _gpt_oss_config(m: Meta) -> dict[str, Any]:
