@@ -7,9 +7,11 @@ variant of "llama"), qwen2moe (with its shared expert and that expert's sigmoid 
 qwen3moe (q/k norms, no shared expert) and gpt-oss (expert and router biases, attention
 sinks, alternating sliding-window layers, YaRN RoPE). Stacked expert tensors (`*_exps`,
 (experts, out, in) once the GGUF order is reversed) map onto mlx-lm's switch layers as they
-are. A file whose settings mlx-lm's model file would silently ignore (RoPE scaling where the
-file has no RoPE scaling, a head size the file derives, a partial rotary dimension) is
-refused with one line naming the setting, rather than imported to compute something else.
+are. gpt-oss's attention sinks are a bare parameter (`self_attn.sinks`), mapped from the full
+GGUF part `attn_sinks.weight`. A file whose settings mlx-lm's model file would silently
+ignore (RoPE scaling where that file builds plain RoPE, a head size other than the one it
+derives, a partial rotary dimension) is refused with one line naming the setting, rather
+than imported to compute something else.
 """
 
 from __future__ import annotations
@@ -74,7 +76,6 @@ def _derived_head_dim(m: Meta, config: dict[str, Any], model_type: str) -> None:
     if config["head_dim"] != derived:
         raise ImportFailed(f"{m.path}: head size {config['head_dim']} differs from hidden / "
                            f"heads ({derived}), which mlx-lm's {model_type} assumes")
-    del config["head_dim"]
 
 
 def _untied(m: Meta, model_type: str) -> None:
