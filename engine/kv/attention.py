@@ -1,10 +1,14 @@
 """Attention over KV pages: exact (online softmax over page groups) and sparse (Quest-style).
 
-Contract: `attend(cache, q, k, v, scale)` returns what mx.fast.scaled_dot_product_attention
-would over every token the cache holds plus the current chunk (causal within the chunk), for
-(1, q_heads, L, D) queries; in sparse mode a decode step (L <= SPARSE_MAX_L) reads only sinks,
+Contract: `attend(cache, q, k, v, scale, sinks)` returns what
+mx.fast.scaled_dot_product_attention would over every token the cache holds plus the current
+chunk (causal within the chunk), for (1, q_heads, L, D) queries, learned attention sinks
+included (gpt-oss: one logit per query head in the softmax's denominator, no value); in
+sparse mode a decode step (L <= SPARSE_MAX_L) reads only the sink pages,
 the recent window and the pages whose key bound is highest, within the token budget.
-`install_hook(model)` routes the model module's scaled_dot_product_attention here.
+`install_hook(model)` routes the model module's scaled_dot_product_attention here for paged
+layers; every other cache (a sliding-window layer's WindowLayerCache, mlx-lm's caches) goes
+to mlx-lm's function with the mask the model built.
 Quantized pages (KV bits 8 or 4) are decoded group by group as they are read, then attended
 with the same float matmuls (on CPU that beats mx.quantized_matmul, docs/benchmarks.md).
 """
@@ -82,7 +86,16 @@ def _merge(a: _Partial | None, b: _Partial) -> _Partial:
     return m, a[1] * ea + b[1] * eb, a[2] * ea[..., None] + b[2] * eb[..., None]
 
 
-def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float) -> Any:
+def _sink_partial(sinks: Any, h: int, L: int, dv: int, dtype: Any) -> _Partial:
+    """The sinks as one more softmax term per query row: logit s, weight exp(s - s) = 1, and
+    nothing added to the output. sinks: (q_heads,), rows ordered as `attend` reshapes them."""
+    s = sinks.astype(dtype).reshape(h, -1, 1)
+    m = mx.broadcast_to(s, (h, s.shape[1], L)).reshape(h, -1)
+    return m, mx.ones_like(m), mx.zeros((*m.shape, dv), dtype)
+
+
+def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
+           sinks: Any = None) -> Any:
     """Paged attention for one layer; see the module docstring."""
     store, layer = cache.store, cache.layer
     n_pages, tail_k, tail_v = cache.view
@@ -93,8 +106,9 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float) -> An
     if L > SPARSE_MAX_L and n_pages * store.P <= FUSED_PAST_MAX:
         view = store.resident_view(layer, n_pages) if n_pages else (None, None)
         if view is not None:
-            return _fused(queries, keys, values, tail_k, tail_v, view, scale)
+            return _fused(queries, keys, values, tail_k, tail_v, view, scale, sinks)
     r = (hq // h) * L
+    dv = values.shape[-1]
     qg = (queries * scale).reshape(h, r, d)
     rk = keys[0] if tail_k is None else mx.concatenate([tail_k[0], keys[0]], axis=1)
     rv = values[0] if tail_v is None else mx.concatenate([tail_v[0], values[0]], axis=1)
@@ -106,12 +120,14 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float) -> An
         else:
             acc = _exact(store, layer, qg, n_pages, acc)
     assert acc is not None
+    if sinks is not None:
+        acc = _merge(acc, _sink_partial(sinks, h, L, dv, acc[2].dtype))
     out = acc[2] / acc[1][..., None]
-    return out.reshape(1, hq, L, d).astype(queries.dtype)
+    return out.reshape(1, hq, L, dv).astype(queries.dtype)
 
 
 def _fused(queries: Any, keys: Any, values: Any, tail_k: Any, tail_v: Any,
-           view: tuple[Any, Any], scale: float) -> Any:
+           view: tuple[Any, Any], scale: float, sinks: Any = None) -> Any:
     """Prefill chunk over a short, all-resident past: one contiguous copy, then MLX's fused
     attention (faster than page-wise online softmax for hundreds of queries)."""
     _, h, L, d = keys.shape
@@ -129,7 +145,10 @@ def _fused(queries: Any, keys: Any, values: Any, tail_k: Any, tail_v: Any,
     v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
     t = k.shape[2]
     mask = (mx.arange(L)[:, None] + (t - L)) >= mx.arange(t)[None, :]
-    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+    if sinks is None:
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask,
+                                                sinks=sinks.astype(queries.dtype))
 
 
 def _exact(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial | None) -> _Partial:
@@ -198,9 +217,7 @@ def _make_hook(original: Any) -> Any:
                                      scale: float = 1.0, mask: Any = None, sinks: Any = None,
                                      **kw: Any) -> Any:
         if isinstance(cache, PagedLayerCache):
-            if sinks is not None:
-                raise NotImplementedError("paged KV cache: learned attention sinks")
-            return attend(cache, queries, keys, values, scale)
+            return attend(cache, queries, keys, values, scale, sinks)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask,
                         sinks=sinks, **kw)
 

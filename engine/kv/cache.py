@@ -5,6 +5,11 @@ Contract: `LayerCache` is the vocabulary both mlx_lm.models.cache.KVCache and
 typed seam between the runtime and any layer cache. `update_and_fetch` commits every page the
 chunk completes and returns the chunk itself; the hooked attention then reads what the cache
 held before the chunk (`view`) plus the chunk, so nothing is gathered twice.
+`WindowLayerCache` is a sliding-window layer's KV, bounded and in RAM (a window of W
+positions never pages): it keeps the last W - 1 positions plus `slack` (so that a follow-up
+prompt may trim that many), returns from `update_and_fetch` exactly the positions the chunk
+attends to, and its `make_mask` is the sliding causal mask over them; mlx-lm's own attention
+function runs on it.
 """
 
 from __future__ import annotations
@@ -134,14 +139,109 @@ class PagedLayerCache:
         return table.n_resident * self.store.page_bytes + tail
 
 
+# A window cache's buffer grows by this many positions at a time (as mlx-lm's KVCache).
+WINDOW_STEP = 256
+
+
+class WindowLayerCache:
+    """One sliding-window layer's KV in RAM: positions [start, offset) in a buffer."""
+
+    def __init__(self, store: KVStore, window: int, slack: int = WINDOW_STEP) -> None:
+        self.store = store  # the paged layers' store of the same model (telemetry, closing)
+        self.window = window
+        self.retain = window - 1 + slack
+        self.keys: Any = None  # (1, kv_heads, capacity, key dim); position start at index 0
+        self.values: Any = None
+        self.start = 0
+        self.offset = 0
+
+    def _past(self) -> int:
+        """Positions before the next chunk that it attends to."""
+        return min(self.offset - self.start, self.window - 1)
+
+    def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
+        n, L = self.offset - self.start, keys.shape[2]
+        if self.keys is None or n + L > self.keys.shape[2]:
+            # Compact: keep what a later chunk (or a trim of `slack`) may need, then room.
+            r = min(n, self.retain)
+            cap = -(-(r + L + WINDOW_STEP) // WINDOW_STEP) * WINDOW_STEP
+            b, h, _, dk = keys.shape
+            nk = mx.zeros((b, h, cap, dk), keys.dtype)
+            nv = mx.zeros((b, h, cap, values.shape[3]), values.dtype)
+            if r:
+                nk[..., :r, :] = self.keys[..., n - r:n, :]
+                nv[..., :r, :] = self.values[..., n - r:n, :]
+            self.keys, self.values = nk, nv
+            self.start, n = self.offset - r, r
+        past = min(n, self.window - 1)
+        self.keys[..., n:n + L, :] = keys
+        self.values[..., n:n + L, :] = values
+        self.offset += L
+        return self.keys[..., n - past:n + L, :], self.values[..., n - past:n + L, :]
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None
+                  ) -> Any:
+        """The mask over what `update_and_fetch` returns for a chunk of n: query i (position
+        offset + i) sees the keys at most window - 1 positions before it, and itself."""
+        past = self._past()
+        total = past + n
+        if not return_array and (n == 1 or total <= self.window):
+            return None if n == 1 else "causal"
+        q = mx.arange(n)[:, None] + past
+        k = mx.arange(total)[None]
+        return (k <= q) & (k > q - self.window)
+
+    @property
+    def state(self) -> list[Any]:
+        return [a for a in (self.keys, self.values) if a is not None]
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def can_trim(self, n: int) -> bool:
+        """Whether trimming n positions leaves every position the next step needs."""
+        target = self.offset - min(n, self.offset)
+        return self.start == 0 or target - self.start >= self.window - 1
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        if not self.can_trim(n):
+            raise ValueError(f"window cache: {n} positions cannot be trimmed (window "
+                             f"{self.window}, {self.offset - self.start} held)")
+        self.offset -= n
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """RAM held: the whole buffer (at most window + slack + a step of positions)."""
+        if self.keys is None:
+            return 0
+        return int(self.keys.nbytes) + int(self.values.nbytes)
+
+
+def trimmable(cache: Any, n: int) -> bool:
+    """Whether `cache` (any layer cache) can forget its last n positions."""
+    if isinstance(cache, WindowLayerCache):
+        return cache.can_trim(n)
+    return bool(cache.is_trimmable())
+
+
 def close_caches(caches: Sequence[LayerCache]) -> None:
     """Stop the store's threads and remove its session files (unless kept)."""
-    stores = {id(c.store): c.store for c in caches if isinstance(c, PagedLayerCache)}
+    stores = {id(c.store): c.store for c in caches
+              if isinstance(c, PagedLayerCache | WindowLayerCache)}
     for s in stores.values():
         s.close()
 
 
 def ssd_bytes(caches: Iterable[LayerCache]) -> int:
     """Bytes the SSD tier holds for these caches (each store counted once; mlx-lm's: 0)."""
-    stores = {id(c.store): c.store for c in caches if isinstance(c, PagedLayerCache)}
+    stores = {id(c.store): c.store for c in caches
+              if isinstance(c, PagedLayerCache | WindowLayerCache)}
     return sum(int(s.stats()["bytes_ssd"]) for s in stores.values())

@@ -23,6 +23,17 @@ never used and the next `store` writes them again. A run header that does not ve
 truncated page and a file of another format (format 2's one file per page) are ignored; the
 next store of that name replaces it, and eviction removes unusable files first.
 
+Sliding-window layers (Gemma 2/3, gpt-oss, Mistral's windowed releases): their KV at a depth
+is only the window before it, which mlx-lm's rotating cache no longer holds once the prompt
+runs past it, so page records carry the full-attention layers only, and each stored prompt
+also writes a window file, `<chain hash of its last full page>.kvw`: the sliding layers' last
+min(window, depth) keys and values at that depth (header with the page size, depth, tokens
+per layer, an xxh3-64 digest of the arrays, CRC-32), taken by `snapshot(caches)` when the
+prefill reaches that depth. A lookup for such a model ends at the deepest matched page that
+has a window file, and a restore sets each sliding layer's rotating cache to its window, so
+a restored prefix gives the logits a prefill would. Window files go with the budget like runs
+(least recently used first) and when their page is no longer stored.
+
 Writes: `store` snapshots new pages on the calling thread; a background thread writes the run
 (temp file + rename, so a run appears whole or not at all). Disk budget: least recently used
 whole runs leave when the folder passes it, and with them every run whose parent page is no
@@ -69,6 +80,11 @@ _PX = struct.Struct("<8sHIII32s32sQ")
 # Run header: magic, version, page tokens, layers, depth of the first page, pages, bytes per
 # page record, parent hash of the first page; then the pages' hashes and a CRC-32.
 _RUN = struct.Struct("<8sHIIIIQ32s")
+# Window file header: magic, version, page tokens, depth (pages), sliding layers, own hash
+# (the chain hash of the depth's last page), xxh3-64 of the arrays; then each layer's token
+# count (u32) and a CRC-32 of all that. The arrays follow: per layer keys, then values.
+WINDOW_MAGIC = b"STRATAWN"
+_WIN = struct.Struct("<8sHIII32sQ")
 # pagefile knows float32 (1) and float16 (2); bfloat16 travels as raw 16-bit words.
 _BF16_CODE = 3
 PAGE_TOKENS = 128  # as the paged KV cache; 64 vs 256 not yet measured (docs/benchmarks.md)
@@ -169,6 +185,8 @@ class Plan:
     hit_pages: int
     page_tokens: int
     runs: list[_Run] = field(default_factory=list)
+    # Pages stored in a row (>= hit_pages: a sliding model's hit ends at its deepest window).
+    stored_pages: int | None = None
 
     @property
     def hit_tokens(self) -> int:
@@ -183,12 +201,24 @@ class Plan:
 
 
 @dataclass
+class Window:
+    """The sliding layers' KV at `tokens` (a page boundary), from `PrefixCache.snapshot`:
+    per sliding layer (kv_heads, n, key dim) keys and values, n = min(window, tokens)."""
+
+    tokens: int
+    k: list[np.ndarray]
+    v: list[np.ndarray]
+
+
+@dataclass
 class _Job:
     pages: list[tuple[int, bytes, bytes, np.ndarray]]  # depth, parent, hash, tokens
     k: list[np.ndarray]  # per layer (kv_heads, n*P, head_dim), page-contiguous per head
     v: list[np.ndarray]
     first: int  # depth of the first page in k/v
     mtime_ns: int = 0  # 0: now; else older than its parent runs' (LRU drops children first)
+    window: Window | None = None  # the sliding layers' window at the prompt's depth
+    hash: bytes | None = None  # the chain hash of that depth's last page
 
 
 @dataclass
@@ -210,8 +240,21 @@ class PrefixCache:
     """One model's view of the prefix folder (the folder itself is shared by all models)."""
 
     def __init__(self, key: bytes, n_layers: int, kv_heads: int, head_dim: int, dtype: str,
-                 settings: PrefixSettings | None = None) -> None:
+                 settings: PrefixSettings | None = None, windows: Sequence[int] = (),
+                 window_shapes: Sequence[tuple[int, int, int]] = ()) -> None:
+        """n_layers, kv_heads, head_dim: the full-attention layers' (those in page records).
+        windows: each model layer's sliding window, 0 for full attention (empty: all full);
+        window_shapes: (kv_heads, key dim, value dim) of each sliding layer, in order."""
         self.settings = settings or settings_from_env()
+        wins = list(windows) or [0] * n_layers
+        # Model layer indices: full-attention ones (page records), sliding ones (window files).
+        self.full = [i for i, w in enumerate(wins) if w == 0]
+        self.sliding = [(i, w) for i, w in enumerate(wins) if w > 0]
+        if len(self.full) != n_layers or len(window_shapes) != len(self.sliding):
+            raise PrefixCacheError(f"prefix cache: {n_layers} paged layers and "
+                                   f"{len(window_shapes)} window shapes do not match the "
+                                   f"layer windows {wins}")
+        self.window_shapes = [tuple(x) for x in window_shapes]
         self.P = self.settings.page_tokens
         self.key = key
         self.n_layers, self.kv_heads, self.head_dim = n_layers, kv_heads, head_dim
@@ -245,9 +288,23 @@ class PrefixCache:
     @classmethod
     def for_geometry(cls, geometry: KVGeometry, key: bytes,
                      settings: PrefixSettings | None = None) -> PrefixCache:
-        """The prefix cache of a model with this KV geometry and key (`model_key`)."""
-        return cls(key, geometry.layers, geometry.kv_heads, geometry.head_dim, geometry.dtype,
-                   settings)
+        """The prefix cache of a model with this KV geometry and key (`model_key`); refused
+        (PrefixCacheError, the geometry's one line) for a model it cannot hold."""
+        if geometry.no_prefix is not None:
+            raise PrefixCacheError(geometry.no_prefix)
+        sliding = geometry.window_layers
+        return cls(key, len(geometry.paged_layers), geometry.kv_heads, geometry.head_dim,
+                   geometry.dtype, settings, geometry.windows,
+                   [geometry.shape(i) for i in sliding])
+
+    @property
+    def has_windows(self) -> bool:
+        """Whether the model has sliding-window layers (so stores need a `snapshot`)."""
+        return bool(self.sliding)
+
+    def window_path(self, h: bytes) -> Path:
+        """The window file of the depth whose last page has chain hash `h`."""
+        return self.folder / f"{h.hex()}.kvw"
 
     def path(self, h: bytes) -> Path:
         """The run file that starts with page `h` (whether or not it exists)."""
@@ -318,7 +375,12 @@ class PrefixCache:
         n = max(0, (len(prompt) - 1) // self.P)
         hashes = chain_hashes(prompt, self.P, self.key, n)
         hit, runs = self._walk(hashes, 0)
-        return Plan(hashes, hit, self.P, runs)
+        stored = hit
+        if self.sliding:
+            # A restore needs the sliding layers' window at its depth: the deepest one stored.
+            while hit > 0 and not self.window_path(hashes[hit - 1]).is_file():
+                hit -= 1
+        return Plan(hashes, hit, self.P, runs, stored)
 
     def restore(self, caches: list[Any], prompt: Sequence[int], plan: Plan, cached: int
                 ) -> int:
@@ -328,13 +390,23 @@ class PrefixCache:
         if plan.hit_pages <= first:
             return cached
         t0 = time.perf_counter()
+        window = None
+        if self.sliding:
+            window = self._read_window(plan.hashes[plan.hit_pages - 1], plan.hit_pages)
+            if window is None:
+                return cached
+        want = plan.hit_pages
         opened = self._open(plan, first)  # the disk starts on every page now
         n = plan.hit_pages - first
-        if n <= 0:
+        if n <= 0 or (window is not None and plan.hit_pages != want):
+            for _, fd, advice in opened:
+                advice.result()
+                os.close(fd)
             return cached
         total = n * self.P
         cap = -(-(total + 1) // _STEP) * _STEP if first == 0 else total
         shape = (1, self.kv_heads, cap, self.head_dim)
+        full = [caches[i] for i in self.full]
         # Pages are read straight into MLX's own buffers (writable through the buffer
         # protocol), which are left unwritten until then: each byte of fresh memory is
         # touched once, by the read, and no copy follows.
@@ -346,19 +418,24 @@ class PrefixCache:
         ks = [np.asarray(memoryview(cast(Any, a))) for a in mk]
         vs = [np.asarray(memoryview(cast(Any, a))) for a in mv]
         good = self._read(opened, plan, first, prompt, ks, vs)
-        if good == 0:
-            ks.clear()
+        if good == 0 or (window is not None and good < n):
+            ks.clear()  # (a sliding model's window belongs to the last page: all or nothing)
             vs.clear()
             return cached
         end = (first + good) * self.P
         base = first * self.P
         if cached > base:
-            for c in caches:  # drop the partial page held in memory; the stored one replaces it
+            for c in full:  # drop the partial page held in memory; the stored one replaces it
                 c.trim(cached - base)
-        direct = first == 0 and all(_is_kvcache(c) and c.keys is None for c in caches)
+        direct = first == 0 and all(_is_kvcache(c) and c.keys is None for c in full)
         ks.clear()  # no view may outlive the hand-over: the caches then own the buffers
         vs.clear()
-        for layer, c in enumerate(caches):
+        if window is not None:
+            for (i, w), (k, v) in zip(self.sliding, window, strict=True):
+                # mlx-lm's rotating cache as a prefill would have left it at `end`: the last
+                # min(window, end) positions in order, the write index after them.
+                caches[i].state = (k, v, end, 0, w, k.shape[2])
+        for layer, c in enumerate(full):
             k, v = mk[layer], mv[layer]
             if self.dtype_name == "bfloat16":
                 k, v = k.view(mx.bfloat16), v.view(mx.bfloat16)
@@ -369,8 +446,11 @@ class PrefixCache:
                 c.update_and_fetch(k[:, :, :end - base], v[:, :, :end - base])
         mk.clear()
         mv.clear()
-        mx.eval([c.keys for c in caches if _is_kvcache(c)])
+        mx.eval([c.keys for c in caches if _is_kvcache(c) or _is_rotating(c)])
         self._touch(plan.runs, plan.hit_pages)
+        if window is not None:
+            with contextlib.suppress(OSError):
+                os.utime(self.window_path(plan.hashes[plan.hit_pages - 1]))
         self.stats.hits += 1
         self.stats.restored_tokens += end - base
         self.stats.bytes_read += good * self.page_bytes
@@ -440,6 +520,8 @@ class PrefixCache:
             self.stats.corrupt_pages += 1
             run, i = plan.where(first + good)
             self._cut(run, i)
+        if first + good < plan.hit_pages:
+            plan.stored_pages = first + good
         plan.hit_pages = first + good  # pages past a bad one are rewritten by the next store
         return good
 
@@ -527,28 +609,71 @@ class PrefixCache:
         return t
 
     # -- store --------------------------------------------------------------------------
-    def store(self, caches: list[Any], prompt: Sequence[int], plan: Plan) -> int:
-        """Queue the prompt's full pages that are not on disk, as one run; returns pages
-        queued. Runs on the generating thread (MLX arrays belong to it): copies them out."""
-        if self._closed or not all(_is_kvcache(c) and c.keys is not None for c in caches):
+    def snapshot(self, caches: list[Any]) -> Window | None:
+        """The sliding layers' window as the caches hold it now (call when their offset is
+        the depth to store, a page boundary); None for a model without sliding layers or
+        caches that are not mlx-lm's rotating ones. Copies the arrays out."""
+        if not self.sliding:
+            return None
+        ks, vs, tokens = [], [], None
+        for (i, w), (heads, dk, dv) in zip(self.sliding, self.window_shapes, strict=True):
+            c = caches[i]
+            if not _is_rotating(c) or c.keys is None:
+                return None
+            keys, values, offset, keep, _max, idx = c.state
+            if keep or (tokens is not None and offset != tokens):
+                return None
+            tokens = int(offset)
+            n = min(w, tokens)
+            k, v = _temporal(keys, idx, tokens), _temporal(values, idx, tokens)
+            k, v = k[0, :, k.shape[2] - n:], v[0, :, v.shape[2] - n:]
+            if self.dtype_name == "bfloat16":
+                k, v = k.view(mx.uint16), v.view(mx.uint16)
+            kn, vn = np.array(k, copy=True), np.array(v, copy=True)
+            if (kn.shape != (heads, n, dk) or vn.shape != (heads, n, dv)
+                    or kn.dtype != self.np_dtype):
+                return None
+            ks.append(kn)
+            vs.append(vn)
+        if tokens is None or tokens % self.P:
+            return None
+        return Window(tokens, ks, vs)
+
+    def store(self, caches: list[Any], prompt: Sequence[int], plan: Plan,
+              window: Window | None = None) -> int:
+        """Queue the prompt's full pages that are not on disk, as one run (and, for a model
+        with sliding layers, `window`: their `snapshot` at the last full page, if it is
+        that depth); returns pages queued. Runs on the generating thread (MLX arrays belong
+        to it): copies them out."""
+        full = [caches[i] for i in self.full]
+        if self._closed or not all(_is_kvcache(c) and c.keys is not None for c in full):
             return 0
         n = len(plan.hashes)
+        if window is not None and (not n or window.tokens != n * self.P
+                                   or self.window_path(plan.hashes[n - 1]).is_file()):
+            window = None  # not this depth, or stored already
         # Pages stored since lookup (another process, an earlier queued run) are kept.
-        start, more = self._walk(plan.hashes, plan.hit_pages)
-        runs = [r for r in plan.runs if r.first < plan.hit_pages] + more
+        held = plan.hit_pages if plan.stored_pages is None else plan.stored_pages
+        start, more = self._walk(plan.hashes, held)
+        runs = [r for r in plan.runs if r.first < held] + more
         if start >= n:
-            self._touch(runs, n)
+            oldest = self._touch(runs, n)
+            if window is not None:
+                self._q.put(_Job([], [], [], n, mtime_ns=oldest, window=window,
+                                 hash=plan.hashes[n - 1]))
             return 0
         # The new run ends where a stored run begins (it is referenced, not copied), and is
         # never larger than the whole budget.
         stop = next((d for d in range(start + 1, n) if self.path(plan.hashes[d]).is_file()), n)
         fits = int(self.settings.budget_mb * (1 << 20)) - self.run_head_bytes(stop - start)
         stop = min(stop, start + max(0, fits // self.page_bytes))
-        if stop <= start or any(c.offset < stop * self.P for c in caches):
+        if stop <= start or any(c.offset < stop * self.P for c in full):
             return 0
+        if stop < n:
+            window = None  # its page is not stored: it could never be used
         a, b = start * self.P, stop * self.P
         ks, vs = [], []
-        for c in caches:
+        for c in full:
             k, v = c.keys[..., a:b, :], c.values[..., a:b, :]
             if self.dtype_name == "bfloat16":
                 k, v = k.view(mx.uint16), v.view(mx.uint16)
@@ -563,7 +688,8 @@ class PrefixCache:
             toks = np.asarray(prompt[d * self.P:(d + 1) * self.P], "<u4")
             pages.append((d, parent, plan.hashes[d], toks))
         oldest = self._touch(runs, start)
-        self._q.put(_Job(pages, ks, vs, start, mtime_ns=oldest))
+        self._q.put(_Job(pages, ks, vs, start, mtime_ns=oldest, window=window,
+                         hash=plan.hashes[n - 1]))
         return len(pages)
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -596,6 +722,12 @@ class PrefixCache:
                     except OSError as exc:
                         # A full disk or a read-only folder: the cache is optional, go on.
                         self.stats.write_errors.append(f"{self.path(job.pages[0][2]).name}: "
+                                                       f"{exc.strerror or exc}")
+                if job.window is not None and job.hash is not None:
+                    try:
+                        self._write_window(job.hash, job.window, job.mtime_ns)
+                    except OSError as exc:
+                        self.stats.write_errors.append(f"{job.hash.hex()}.kvw: "
                                                        f"{exc.strerror or exc}")
                 self._evict()
             finally:
@@ -660,6 +792,100 @@ class PrefixCache:
         self.stats.bytes_written += self.run_head_bytes(len(job.pages)) + len(
             job.pages) * self.page_bytes
 
+    # -- window files -------------------------------------------------------------------
+    def _window_head(self, h: bytes, depth: int, counts: Sequence[int], digest: int) -> bytes:
+        body = _WIN.pack(WINDOW_MAGIC, PREFIX_VERSION, self.P, depth, len(self.sliding), h,
+                         digest) + struct.pack(f"<{len(counts)}I", *counts)
+        return body + _CRC.pack(zlib.crc32(body))
+
+    def _write_window(self, h: bytes, window: Window, mtime_ns: int = 0) -> None:
+        """Write a window file (temp file, then rename into place, as runs)."""
+        x = xxhash.xxh3_64()
+        segs: list[Any] = []
+        for k, v in zip(window.k, window.v, strict=True):
+            for a in (k, v):
+                seg = np.ascontiguousarray(a).data.cast("B")
+                x.update(seg)
+                segs.append(seg)
+        head = self._window_head(h, window.tokens // self.P, [k.shape[1] for k in window.k],
+                                 x.intdigest())
+        final = self.window_path(h)
+        tmp = self.folder / f".tmp-{os.getpid()}-{h.hex()[:16]}w"
+        with open(tmp, "wb") as f:
+            f.write(head)
+            for seg in segs:
+                f.write(seg)
+        os.replace(tmp, final)
+        t = mtime_ns or time.time_ns()
+        os.utime(final, ns=(t, t))
+
+    def _read_window(self, h: bytes, depth: int) -> list[tuple[Any, Any]] | None:
+        """The sliding layers' (keys, values) at `depth` as MLX arrays (1, heads, n, dim),
+        every byte verified; None if the file is missing or does not verify (then it goes)."""
+        path = self.window_path(h)
+        try:
+            fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            data = b""
+            size = os.fstat(fd).st_size
+            while len(data) < size:
+                chunk = os.pread(fd, size - len(data), len(data))
+                if not chunk:
+                    break
+                data += chunk
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        out = self._parse_window(data, h, depth)
+        if out is None:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            self.stats.corrupt_pages += 1
+        return out
+
+    def _parse_window(self, data: bytes, h: bytes, depth: int
+                      ) -> list[tuple[Any, Any]] | None:
+        m = len(self.sliding)
+        head_size = _WIN.size + 4 * m + _CRC.size
+        if len(data) < head_size:
+            return None
+        body = data[:head_size - _CRC.size]
+        if zlib.crc32(body) != _CRC.unpack_from(data, head_size - _CRC.size)[0]:
+            return None
+        magic, version, ptok, d, layers, own, digest = _WIN.unpack_from(body)
+        if (magic, version, ptok, d, layers, own) != (WINDOW_MAGIC, PREFIX_VERSION, self.P,
+                                                      depth, m, h):
+            return None
+        counts = struct.unpack_from(f"<{m}I", body, _WIN.size)
+        item = self.np_dtype.itemsize
+        want = head_size
+        for (_, w), cnt, (heads, dk, dv) in zip(self.sliding, counts, self.window_shapes,
+                                                strict=True):
+            if cnt != min(w, depth * self.P):
+                return None
+            want += heads * cnt * (dk + dv) * item
+        if len(data) != want:
+            return None
+        payload = memoryview(data)[head_size:]
+        if xxhash.xxh3_64_intdigest(payload) != digest:
+            return None
+        out = []
+        pos = 0
+        for cnt, (heads, dk, dv) in zip(counts, self.window_shapes, strict=True):
+            arrs = []
+            for dim in (dk, dv):
+                nbytes = heads * cnt * dim * item
+                a = np.frombuffer(payload[pos:pos + nbytes], self.np_dtype).reshape(
+                    1, heads, cnt, dim)
+                pos += nbytes
+                x = mx.array(a)
+                arrs.append(x.view(mx.bfloat16) if self.dtype_name == "bfloat16" else x)
+            out.append((arrs[0], arrs[1]))
+        return out
+
     # -- disk budget --------------------------------------------------------------------
     def disk_bytes(self) -> int:
         return sum(size for _, size, _ in _scan(self.folder))
@@ -701,7 +927,10 @@ class PrefixCache:
                 self.stats.evicted_runs += 1
                 self.stats.evicted_pages += run.present
 
-        order = sorted(entries, key=lambda e: (info[e[2]] is not None, e[0]))
+        def usable(path: Path) -> bool:
+            return info[path] is not None or path.suffix == ".kvw"
+
+        order = sorted(entries, key=lambda e: (usable(e[2]), e[0]))
         for _mtime, _size, path in order:
             if total <= budget:
                 break
@@ -714,6 +943,9 @@ class PrefixCache:
                           for h in r.hashes[:r.present]}
                 orphans = [p for p in alive if (r := info[p]) is not None and r.first > 0
                            and r.parent not in stored]
+                # Window files whose page is gone: no lookup can reach them.
+                orphans += [p for p in alive if p.suffix == ".kvw"
+                            and _stem_hash(p) not in stored]
                 if not orphans:
                     break
                 for p in orphans:
@@ -737,7 +969,7 @@ def _scan(folder: Path) -> list[tuple[int, int, Path]]:
     out = []
     with contextlib.suppress(OSError):
         for e in os.scandir(folder):
-            if e.name.endswith(".kvp"):
+            if e.name.endswith((".kvp", ".kvw")):
                 with contextlib.suppress(OSError):
                     st = e.stat(follow_symlinks=False)
                     out.append((st.st_mtime_ns, st.st_size, Path(e.path)))
@@ -745,9 +977,11 @@ def _scan(folder: Path) -> list[tuple[int, int, Path]]:
 
 
 def folder_runs(folder: Path) -> tuple[int, int]:
-    """How many run files a prefix folder holds and their bytes (0, 0 if it does not exist)."""
+    """How many run files a prefix folder holds and the bytes of everything stored (window
+    files included); (0, 0) if it does not exist."""
     entries = _scan(folder)
-    return len(entries), sum(size for _, size, _ in entries)
+    return (sum(1 for _, _, p in entries if p.suffix == ".kvp"),
+            sum(size for _, size, _ in entries))
 
 
 def clear_folder(folder: Path) -> tuple[int, int]:
@@ -830,6 +1064,30 @@ def _unfilled(count: int, shape: tuple[int, ...], dtype: Any, np_dtype: np.dtype
     except (ValueError, RuntimeError, TypeError, KeyError):
         pass
     return [mx.zeros(shape, dtype=dtype) for _ in range(count)]
+
+
+def _stem_hash(path: Path) -> bytes | None:
+    """The chain hash a window file is named after, None if the name is not one."""
+    try:
+        return bytes.fromhex(path.stem)
+    except ValueError:
+        return None
+
+
+def _is_rotating(c: Any) -> bool:
+    """mlx-lm's RotatingKVCache: a sliding-window layer's cache."""
+    return type(c).__name__ == "RotatingKVCache" and hasattr(c, "keys")
+
+
+def _temporal(a: Any, idx: int, offset: int) -> Any:
+    """A rotating cache's keys or values in position order (its keep is 0), as mlx-lm's
+    own reordering: the write index `idx` marks where the oldest position now sits."""
+    size = a.shape[2]
+    if idx == size:
+        return a
+    if idx < offset:
+        return mx.concatenate([a[..., idx:, :], a[..., :idx, :]], axis=2)
+    return a[..., :idx, :]
 
 
 def _is_kvcache(c: Any) -> bool:

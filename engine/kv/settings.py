@@ -17,18 +17,69 @@ from engine.errors import StrataError
 from engine.platform import default_home
 
 
+class KVUnpageable(StrataError):
+    """The paged KV cache cannot hold this model (its geometry's `unpaged` line)."""
+
+
 @dataclass(frozen=True)
 class KVGeometry:
-    """The shape of one model's KV: per layer, `kv_heads` heads of `head_dim` in `dtype`."""
+    """The shape of one model's KV. `kv_heads` heads of `head_dim` in `dtype` per layer that
+    pages (full attention); `windows` gives each layer's kind: 0 for full attention, W > 0 for
+    a sliding-window layer that attends to its last W positions (kept in RAM, never paged);
+    empty means every layer is full attention. `shapes` is each layer's (kv_heads, key dim,
+    value dim), where they are known (empty: all `kv_heads`, `head_dim`, `head_dim`).
+    `unpaged` is the one line saying why the paged cache cannot hold this model (recurrent
+    or hybrid layers, attention outside the hooked function, key and value dims that differ),
+    None if it can; `no_prefix` the same for the SSD prefix cache."""
 
     layers: int
     kv_heads: int
     head_dim: int
     dtype: str  # "float32", "float16" or "bfloat16": the compute dtype
+    windows: tuple[int, ...] = ()
+    shapes: tuple[tuple[int, int, int], ...] = ()
+    unpaged: str | None = None
+    no_prefix: str | None = None
+
+    @property
+    def width(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
+    def window(self, layer: int) -> int:
+        """The sliding window of `layer`, 0 if it attends to the whole context."""
+        return self.windows[layer] if self.windows else 0
+
+    def shape(self, layer: int) -> tuple[int, int, int]:
+        """(kv_heads, key dim, value dim) of `layer`."""
+        return self.shapes[layer] if self.shapes else (self.kv_heads, self.head_dim,
+                                                       self.head_dim)
+
+    @property
+    def paged_layers(self) -> list[int]:
+        """The layers whose KV grows with the context (full attention): those that page."""
+        return [i for i in range(self.layers) if self.window(i) == 0]
+
+    @property
+    def window_layers(self) -> list[int]:
+        return [i for i in range(self.layers) if self.window(i) > 0]
 
     def bytes_per_token(self) -> int:
-        width = 4 if self.dtype == "float32" else 2
-        return 2 * self.layers * self.kv_heads * self.head_dim * width
+        """KV bytes one more token of context costs: full-attention layers only (a sliding
+        layer's cost stops growing at its window)."""
+        return sum(self._layer_token_bytes(i) for i in self.paged_layers)
+
+    def kv_bytes(self, context: int) -> int:
+        """KV bytes at `context` tokens: each full layer holds the context, each sliding layer
+        at most its window."""
+        total = 0
+        for i in range(self.layers):
+            w = self.window(i)
+            total += self._layer_token_bytes(i) * (min(w, context) if w else context)
+        return total
+
+    def _layer_token_bytes(self, layer: int) -> int:
+        heads, dk, dv = self.shape(layer)
+        return heads * (dk + dv) * self.width
 
 
 MODES = ("mlx", "exact", "sparse")

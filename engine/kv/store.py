@@ -64,7 +64,7 @@ class KVStore:
         sink_pages = -(-settings.sink_tokens // self.P)
         window_pages = -(-settings.window_tokens // self.P)
         self.max_slots = max(sink_pages + window_pages + 2,
-                             settings.ram_bytes() // (n_layers * self.page_bytes))
+                             settings.ram_bytes() // (max(1, n_layers) * self.page_bytes))
         self.tables = [LayerTable(self.P, sink_pages, window_pages) for _ in range(n_layers)]
         # Per layer: one MLX array per codec part, (slots, kv_heads, P, n); None until used.
         self.pool_k: list[Parts | None] = [None] * n_layers

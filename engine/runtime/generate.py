@@ -8,12 +8,16 @@ checked between steps. A `PromptCache` keeps the KV of the tokens it has seen, s
 prompt that shares a prefix prefills only what is new. With `lm.enable_prefix_cache()` the
 full pages of every prompt also go to the prefix cache on the SSD (engine.kv.prefix), and a
 later prompt (in this process or after a restart) restores its longest stored prefix instead
-of prefilling it; restored tokens count as `cached_tokens`. All MLX work happens on the
-calling thread: the thread that loads a model must be the one that generates with it.
+of prefilling it; restored tokens count as `cached_tokens`. Every attention layout mlx-lm
+has: sliding-window layers keep their window in RAM while full-attention layers page, and a
+model the paged cache cannot hold (recurrent or hybrid layers, ...) runs in mlx-lm's cache
+with its one line in `LoadedModel.kv_notice` (logged once as a warning). All MLX work happens
+on the calling thread: the thread that loads a model must be the one that generates with it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -30,8 +34,9 @@ from engine.kv import (
     close_caches,
     geometry_of,
     make_paged_cache,
+    trimmable,
 )
-from engine.kv.prefix import PrefixCache, PrefixSettings, model_key
+from engine.kv.prefix import PrefixCache, PrefixSettings, Window, model_key
 from engine.library import Library, Manifest
 from engine.platform import (
     ComputeProfile,
@@ -52,6 +57,8 @@ from engine.runtime.tokenizer import StreamingDetokenizer, Tokenizer
 from engine.telemetry import GenerationEvent, Timeline
 
 PREFILL_STEP = 512
+
+log = logging.getLogger(__name__)
 
 
 class LoadedModel:
@@ -75,16 +82,31 @@ class LoadedModel:
         self.prefix_cache: PrefixCache | None = None
         # Free heap memory goes back to the OS once the first reply is done.
         self.release_pending = True
+        self._geometry: KVGeometry | None = None
+        self._noticed: str | None = None
 
     @property
     def paged(self) -> bool:
-        """Whether prompt caches are engine.kv's paged caches (else mlx-lm's KVCache)."""
-        return self.kv_settings is not None and self.kv_settings.mode != "mlx"
+        """Whether prompt caches are engine.kv's paged caches (else mlx-lm's): a paged mode
+        is set and the model's layers can be paged."""
+        return (self.kv_settings is not None and self.kv_settings.mode != "mlx"
+                and self.kv_geometry.unpaged is None)
+
+    @property
+    def kv_notice(self) -> str | None:
+        """Why a paged KV mode that is set does not apply to this model (one line), or None."""
+        if self.kv_settings is None or self.kv_settings.mode == "mlx":
+            return None
+        return self.kv_geometry.unpaged
 
     @property
     def kv_geometry(self) -> KVGeometry:
-        """The KV layer's view of this model: layers, KV heads, head dim, compute dtype."""
-        return geometry_of(self.model, self.profile.dtype)
+        """The KV layer's view of this model: each layer's kind (full attention, sliding
+        window), KV heads and head dims, compute dtype; read once, from mlx-lm's caches."""
+        if self._geometry is None:
+            self._geometry = geometry_of(self.model, self.profile.dtype,
+                                         cache_module().make_prompt_cache(self.model))
+        return self._geometry
 
     def prefix_key(self) -> bytes:
         """The key of this model's pages in the prefix cache (its KV bits included)."""
@@ -92,7 +114,8 @@ class LoadedModel:
         return model_key(model_identity(self.manifest, self.config, self.profile, bits))
 
     def new_prefix_cache(self, settings: PrefixSettings | None = None) -> PrefixCache:
-        """A prefix cache for this model (settings None: the environment's), not installed."""
+        """A prefix cache for this model (settings None: the environment's), not installed;
+        PrefixCacheError (one line) for a model whose caches it cannot hold."""
         return PrefixCache.for_geometry(self.kv_geometry, self.prefix_key(), settings)
 
     def enable_prefix_cache(self, settings: PrefixSettings | None = None) -> PrefixCache:
@@ -169,7 +192,7 @@ class PromptCache:
             common += 1
         drop = len(self.tokens) - common
         if drop:
-            if not all(c.is_trimmable() for c in self.cache):
+            if not all(trimmable(c, drop) for c in self.cache):
                 self.clear()
                 return 0
             for c in self.cache:
@@ -194,6 +217,10 @@ class PromptCache:
 def _make_cache(lm: LoadedModel) -> list[LayerCache]:
     if lm.kv_settings is not None and lm.paged:
         return [*make_paged_cache(lm.model, lm.kv_settings, lm.kv_geometry)]
+    notice = lm.kv_notice
+    if notice is not None and lm._noticed != notice:
+        lm._noticed = notice  # once per model and reason, not per prompt cache
+        log.warning("%s", notice)
     return list(cache_module().make_prompt_cache(lm.model))
 
 
@@ -229,7 +256,7 @@ def generate(
     """
     own = prompt_cache is None
     pc = prompt_cache or lm.new_cache()
-    if prefix_cache and lm.prefix_cache is None:
+    if prefix_cache and lm.prefix_cache is None and lm.kv_geometry.no_prefix is None:
         lm.enable_prefix_cache()
     prefix = lm.prefix_cache if prefix_cache is not False else None
     try:
@@ -297,13 +324,30 @@ def _generate(
             decode_tps=(n - 1) / (now - t_first) if n > 1 and now > t_first else 0.0,
             peak_memory_bytes=int(mx.get_peak_memory()), finish_reason=reason, **stats)
 
+    # A model with sliding-window layers stores their window at the prompt's last full page
+    # with the pages: a chunk ends there, and the window is copied out as it stands.
+    snap_at = None
+    window: list[Window | None] = [None]
+    if prefix is not None and plan is not None and prefix.has_windows and plan.hashes:
+        snap_at = len(plan.hashes) * plan.page_tokens
+
+    def snapshot() -> None:
+        if snap_at is not None and len(pc.tokens) == snap_at and window[0] is None:
+            assert prefix is not None
+            window[0] = prefix.snapshot(cache)
+
     t_prefill = time.perf_counter()
+    snapshot()
     while len(todo) > 1:
         n = min(PREFILL_STEP, len(todo) - 1)
+        done = len(pc.tokens)
+        if snap_at is not None and done < snap_at < done + n:
+            n = snap_at - done
         model(mx.array(todo[:n])[None], cache=cache)
         mx.eval([c.state for c in cache])
         pc.tokens.extend(todo[:n])
         todo = todo[n:]
+        snapshot()
         if cancel():
             timeline.add("prefill", t_prefill)
             yield event("", None, 0, time.perf_counter(), 0.0, "cancelled")
@@ -322,7 +366,7 @@ def _generate(
         # After the first token is out: copying new pages for the SSD never delays it.
         if not saved[0] and prefix is not None and plan is not None:
             saved[0] = True
-            prefix.store(pc.cache, prompt, plan)
+            prefix.store(pc.cache, prompt, plan, window[0])
 
     try:
         yield from _decode(lm, model, cache, pc, sampler, y, history, detok, stop, cancel,

@@ -11,7 +11,11 @@ prefix (the server's requests). `configure(settings)` applies new settings: KV s
 caches made from then on, so every session and cache is dropped; the prefix budget applies at
 once. `prewarm(key, system)` prefills the chat template's preamble and a system prompt into a
 chat's session (restored from the prefix cache where stored). `memory()` is the panel's
-MemorySnapshot. The `strata` command, the server host and the window's worker all use it.
+MemorySnapshot (KV in RAM counts each layer as it is held: a sliding-window layer its window,
+a paged layer its resident pages). A model the paged KV cache cannot hold runs in mlx-lm's
+cache: its one line is logged as a warning (once, by generate), comes with `on_loaded`
+("kv_notice") and is the reason the memory figures give for no SSD tier. The `strata`
+command, the server host and the window's worker all use it.
 """
 
 from __future__ import annotations
@@ -170,7 +174,7 @@ class ModelPool:
         if self.on_loaded is not None:
             self.on_loaded({"name": manifest["name"], "path": manifest["path"],
                             "weights_bytes": self.weights_bytes, "profile": lm.profile.name,
-                            "phases": timeline.durations()})
+                            "phases": timeline.durations(), "kv_notice": lm.kv_notice})
         return lm
 
     def unload(self) -> None:
@@ -312,7 +316,9 @@ class ModelPool:
         kv = sum(int(pc.nbytes) for pc in caches) if self.lm is not None else None
         kv_ssd, kv_reason = None, "paged KV off"
         settings = self.settings.kv
-        if settings is not None and settings.mode != "mlx":
+        if self.lm is not None and self.lm.kv_notice is not None:
+            kv_reason = self.lm.kv_notice
+        elif settings is not None and settings.mode != "mlx":
             if not settings.ssd:
                 kv_reason = "SSD tier off"
             else:
