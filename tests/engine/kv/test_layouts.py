@@ -324,6 +324,37 @@ def test_prefix_restore_gives_the_prefill_logits(name: str, models: dict[str, An
     pc.close()
 
 
+def store_prompt(pc: PrefixCache, model: Any, prompt: list[int]) -> None:
+    plan = pc.lookup(prompt)
+    caches = cache_module().make_prompt_cache(model)
+    model(mx.array(prompt[:len(plan.hashes) * PAGE])[None], cache=caches)
+    mx.eval([c.state for c in caches])
+    pc.store(caches, prompt, plan, pc.snapshot(caches))
+    pc.flush()
+
+
+def test_window_files_leave_with_their_pages(models: dict[str, Any], tmp_path: Path) -> None:
+    """Over budget, the least recently used prompt goes, its window file with its run; the
+    folder's figures count window files."""
+    from engine.kv.prefix import folder_runs
+
+    model = models["gpt_oss"]
+    g = geometry_of(model, "float32", cache_module().make_prompt_cache(model))
+    pc = PrefixCache.for_geometry(g, b"k" * 32, PrefixSettings(folder=tmp_path,
+                                                                page_tokens=PAGE,
+                                                                budget_mb=0.4))
+    rng = np.random.default_rng(5)
+    a, b = ([int(x) for x in rng.integers(3, VOCAB, 200)] for _ in range(2))
+    store_prompt(pc, model, a)
+    runs, size = folder_runs(tmp_path)
+    assert runs == 1 and size == pc.disk_bytes() > 12 * pc.page_bytes
+    assert pc.lookup(a).hit_pages == 12
+    store_prompt(pc, model, b)
+    assert pc.lookup(a).hit_pages == 0 and pc.lookup(b).hit_pages == 12
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".kvp", ".kvw"]
+    pc.close()
+
+
 # -- through the runtime: generate, the pool, the fallback --------------------------------
 def write_folder(folder: Path, name: str) -> Path:
     """A model folder as the library holds one: config.json, the weights, a tokenizer."""
