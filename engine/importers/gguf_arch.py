@@ -556,3 +556,83 @@ register(Arch(
            "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"},
     skip=PHI3_FACTORS,
 ))
+
+
+# -- starcoder2 (StarCoder2; LayerNorm and biases everywhere, GELU MLP) -----------------------
+def _starcoder2_config(m: Meta) -> dict[str, Any]:
+    config = common_config(m)
+    _full_rotary(m, config["head_dim"])
+    _derived_head_dim(m, config, "starcoder2")
+    _no_rope_scaling(m, "starcoder2")
+    config["norm_epsilon"] = float(m.need("attention.layer_norm_epsilon"))
+    return config
+
+
+register(Arch(
+    "starcoder2", "starcoder2", "Starcoder2ForCausalLM", _starcoder2_config,
+    layer={"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+           "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+           "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+           "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
+))
+
+
+# -- olmo2 (OLMo 2; OLMo 3 is olmo2 with sliding-window layers) -------------------------------
+def _olmo2_config(m: Meta) -> dict[str, Any]:
+    config = common_config(m)
+    _full_rotary(m, config["head_dim"])
+    _derived_head_dim(m, config, "olmo2")  # llama.cpp's olmo2 also takes hidden / heads
+    scaling = rope_scaling(m)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    return config
+
+
+def _olmo3_config(m: Meta) -> dict[str, Any]:
+    config = _olmo2_config(m)
+    layers = config["num_hidden_layers"]
+    config["architectures"] = ["Olmo3ForCausalLM"]
+    config["sliding_window"] = int(m.need("attention.sliding_window"))
+    sliding = _layer_is_sliding(m, layers, 4)
+    if all(sliding) or not any(sliding):
+        # mlx-lm's olmo3 builds one mask of each kind from a layer of that kind.
+        raise ImportFailed(f"{m.path}: olmo3 needs both sliding-window and full-attention "
+                           "layers")
+    config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    base_swa = float(m.get("rope.freq_base_swa", config["rope_theta"]))
+    if base_swa != config["rope_theta"]:
+        raise ImportFailed(f"{m.path}: a separate RoPE base for sliding-window layers "
+                           f"({base_swa:g}) is not supported for olmo3")
+    return config
+
+
+OLMO2_LAYER = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    # Over the whole projection (heads x head size), not per head as in qwen3.
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+register(Arch("olmo2", "olmo2", "Olmo2ForCausalLM", _olmo2_config, layer=OLMO2_LAYER))
+OLMO3 = Arch("olmo2", "olmo3", "Olmo3ForCausalLM", _olmo3_config, layer=OLMO2_LAYER)
+register_variant("olmo2", lambda m: OLMO3 if int(m.get("attention.sliding_window", 0) or 0) > 0
+                 else None)
+
+
+# -- granite (IBM Granite 3.x dense: llama with four multipliers) -----------------------------
+def _granite_config(m: Meta) -> dict[str, Any]:
+    config = _llama_config(m)
+    _derived_head_dim(m, config, "granite")
+    # llama.cpp's granite: a missing scale means none (attention: 1/sqrt(head size)).
+    config["logits_scaling"] = float(m.need("logit_scale"))
+    config["embedding_multiplier"] = float(m.get("embedding_scale", 0.0) or 1.0)
+    config["residual_multiplier"] = float(m.get("residual_scale", 0.0) or 1.0)
+    config["attention_multiplier"] = float(m.get("attention.scale", 0.0)
+                                           or config["head_dim"] ** -0.5)
+    return config
+
+
+register(Arch("granite", "granite", "GraniteForCausalLM", _granite_config,
+              reverse=(unpermute_qk,)))

@@ -12,8 +12,8 @@ The models are decisive, so that greedy tokens do not flip on rounding noise: th
 dominates the residual stream and the output head is a scaled, permuted copy of the embedding
 (tied heads are the embedding itself), so each position's top logit stands several units above
 the rest while every layer still moves every logit (logits' std is a few units).
-`ARCH_SPECS` holds one spec per architecture the dense importer maps; `ROPE_SPECS` the llama
-RoPE-scaling variants.
+`ARCH_SPECS` holds one spec per architecture the dense importer maps; `ROPE_SPECS` variants
+(llama's RoPE scaling types and Mistral Nemo's head size, OLMo 3's sliding windows).
 """
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ class ArchSpec:
     attn_softcap: float | None = None  # gemma2
     final_softcap: float | None = None  # gemma2
     rope_dims: int | None = None  # phi3: partial rotary dimensions
+    # granite: {"embedding_scale", "residual_scale", "attention.scale", "logit_scale"}
+    scales: dict[str, float] | None = field(default=None, hash=False)
+    swa_pattern: list[bool] | None = field(default=None, hash=False)  # olmo2 (OLMo 3)
     embed_std: float = 1.0
     head_gain: float = 0.2  # untied head = head_gain * permuted embedding rows
     proj_std: float = 0.05
@@ -63,6 +66,11 @@ class ArchSpec:
     @property
     def gemma(self) -> bool:
         return self.arch in ("gemma2", "gemma3")
+
+    @property
+    def permuted(self) -> bool:
+        """Whether the converter permutes Q/K rows (LlamaModel and its subclasses)."""
+        return self.arch in ("llama", "granite")
 
 
 # One spec per architecture, shaped like a real release of it where a shape matters.
@@ -89,6 +97,15 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     # reference's 512, so llama.cpp uses the long factors, as mlx-lm always does).
     "phi3": ArchSpec("phi3", heads=4, kv_heads=4, context=1024, rope={
         "rope_type": "longrope", "original_max_position_embeddings": 256}),
+    # StarCoder2: LayerNorm with biases, biases on every projection, GELU MLP, tied.
+    "starcoder2": ArchSpec("starcoder2", tie=True, qkv_bias=True, rope_base=1e5,
+                           embed_std=0.5, proj_std=0.03),
+    # OLMo 2: no pre-norms, post-norms, q/k norms over the whole projection, untied.
+    "olmo2": ArchSpec("olmo2", rope_base=5e5, embed_std=2.0),
+    # Granite 3.x: llama with the four multipliers of granite-3.0-2b.
+    "granite": ArchSpec("granite", scales={"embedding_scale": 12.0, "residual_scale": 0.22,
+                                           "attention.scale": 0.015625, "logit_scale": 8.0},
+                        embed_std=0.1, head_gain=1.6),
 }
 
 ROPE_SPECS: dict[str, ArchSpec] = {
@@ -97,6 +114,9 @@ ROPE_SPECS: dict[str, ArchSpec] = {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
     # Mistral Nemo's shape: head size 128 with hidden / heads = 64.
     "llama-nemo": replace(ARCH_SPECS["llama"], head_dim=128, rope=None, rope_base=1e6),
+    # OLMo 3: olmo2 with sliding-window layers (every 4th full), window 8 so that it acts.
+    "olmo3": replace(ARCH_SPECS["olmo2"], layers=4, sliding_window=8,
+                     swa_pattern=[True, True, True, False]),
 }
 
 
@@ -141,6 +161,28 @@ def _layer_shapes(s: ArchSpec) -> dict[str, tuple[int, ...]]:
             "mlp.gate_up_proj.weight": (2 * s.ffn, s.hidden),
             "mlp.down_proj.weight": (s.hidden, s.ffn),
         }
+    if s.arch == "starcoder2":
+        return {
+            "input_layernorm.weight": (s.hidden,), "input_layernorm.bias": (s.hidden,),
+            "self_attn.q_proj.weight": (q, s.hidden), "self_attn.q_proj.bias": (q,),
+            "self_attn.k_proj.weight": (kv, s.hidden), "self_attn.k_proj.bias": (kv,),
+            "self_attn.v_proj.weight": (kv, s.hidden), "self_attn.v_proj.bias": (kv,),
+            "self_attn.o_proj.weight": (s.hidden, q), "self_attn.o_proj.bias": (s.hidden,),
+            "post_attention_layernorm.weight": (s.hidden,),
+            "post_attention_layernorm.bias": (s.hidden,),
+            "mlp.c_fc.weight": (s.ffn, s.hidden), "mlp.c_fc.bias": (s.ffn,),
+            "mlp.c_proj.weight": (s.hidden, s.ffn), "mlp.c_proj.bias": (s.hidden,),
+        }
+    if s.arch == "olmo2":
+        return {
+            "self_attn.q_proj.weight": (q, s.hidden), "self_attn.k_proj.weight": (kv, s.hidden),
+            "self_attn.v_proj.weight": (kv, s.hidden), "self_attn.o_proj.weight": (s.hidden, q),
+            "self_attn.q_norm.weight": (q,), "self_attn.k_norm.weight": (kv,),
+            "post_attention_layernorm.weight": (s.hidden,),
+            "mlp.gate_proj.weight": (s.ffn, s.hidden), "mlp.up_proj.weight": (s.ffn, s.hidden),
+            "mlp.down_proj.weight": (s.hidden, s.ffn),
+            "post_feedforward_layernorm.weight": (s.hidden,),
+        }
     out: dict[str, tuple[int, ...]] = {
         "input_layernorm.weight": (s.hidden,),
         "self_attn.q_proj.weight": (q, s.hidden),
@@ -175,6 +217,8 @@ def hf_weights(s: ArchSpec, n_vocab: int, rng: np.random.Generator) -> dict[str,
     embed = (s.embed_std * rng.standard_normal((n_vocab, s.hidden))).astype(np.float32)
     w["model.embed_tokens.weight"] = embed
     w["model.norm.weight"] = norm((s.hidden,))
+    if s.arch == "starcoder2":
+        w["model.norm.bias"] = (0.1 * rng.standard_normal(s.hidden)).astype(np.float32)
     if not s.tie:
         perm = rng.permutation(n_vocab)
         w["lm_head.weight"] = (s.head_gain / s.embed_std * embed[perm]).astype(np.float32)
@@ -204,6 +248,8 @@ _LAYER_NAMES = {  # Hugging Face name under model.layers.N -> GGUF name under bl
     "mlp.up_proj": "ffn_up",
     "mlp.gate_up_proj": "ffn_up",  # phi3: the fused [gate; up] rows
     "mlp.down_proj": "ffn_down",
+    "mlp.c_fc": "ffn_up",  # starcoder2
+    "mlp.c_proj": "ffn_down",
 }
 _TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
               "lm_head": "output"}
@@ -216,7 +262,7 @@ def gguf_name(s: ArchSpec, hf: str) -> str:
         return f"{_TOP_NAMES[module]}.{suffix}"
     _, _, n, part = module.split(".", 3)
     names = dict(_LAYER_NAMES)
-    if s.gemma:
+    if s.gemma or s.arch == "olmo2":
         # Gemma's four norms: pre-attention, post-attention, pre-FFN, post-FFN.
         names.update({"post_attention_layernorm": "post_attention_norm",
                       "pre_feedforward_layernorm": "ffn_norm",
@@ -228,7 +274,7 @@ def gguf_name(s: ArchSpec, hf: str) -> str:
 
 def converted(s: ArchSpec, hf: str, data: np.ndarray) -> np.ndarray:
     """The values modify_tensors writes for a Hugging Face tensor."""
-    if s.arch == "llama" and (".q_proj." in hf or ".k_proj." in hf):
+    if s.permuted and (".q_proj." in hf or ".k_proj." in hf):
         return permute_qk(data, s.heads if ".q_proj." in hf else s.kv_heads)
     if s.gemma and hf.endswith("norm.weight"):
         return data + np.float32(1.0)
@@ -243,7 +289,10 @@ def _metadata(w: gguf.GGUFWriter, s: ArchSpec, n_vocab: int) -> None:
     w.add_feed_forward_length(s.ffn)
     w.add_head_count(s.heads)
     w.add_head_count_kv(s.kv_heads)
-    w.add_layer_norm_rms_eps(1e-6 if s.gemma else 1e-5)
+    if s.arch == "starcoder2":
+        w.add_layer_norm_eps(1e-5)  # norm_epsilon: a LayerNorm
+    else:
+        w.add_layer_norm_rms_eps(1e-6 if s.gemma else 1e-5)
     if s.head_dim is not None:
         w.add_key_length(s.head_dim)
         w.add_value_length(s.head_dim)
@@ -280,9 +329,14 @@ def _metadata(w: gguf.GGUFWriter, s: ArchSpec, n_vocab: int) -> None:
     w.add_rope_freq_base(s.rope_base)
     if s.rope_base_swa is not None:
         w.add_rope_freq_base_swa(s.rope_base_swa)
-    if s.arch == "llama":
+    if s.permuted:  # LlamaModel.set_gguf_parameters
         w.add_vocab_size(n_vocab)
         w.add_rope_dimension_count(s.hd)
+    for key, value in (s.scales or {}).items():  # GraniteModel
+        w.add_float32(f"{s.arch}.{key}", value)
+    if s.arch == "olmo2" and s.sliding_window:
+        w.add_sliding_window(s.sliding_window)
+        w.add_sliding_window_pattern(s.swa_pattern or [])
     if s.arch == "gemma3" and s.sliding_window:
         w.add_sliding_window(s.sliding_window)
 

@@ -1,20 +1,21 @@
 """Dense GGUF architectures import and compute what llama.cpp computes.
 
 Contract checked, per architecture (llama with Llama 3's RoPE scaling, qwen2, qwen3, gemma2,
-gemma3, phi3) and GGUF type (F32 as llama.cpp's converter writes it; Q8_0 and Q4_K_M made
-from it by llama.cpp's own quantizer): the file imports through `engine.importers.import_path`
-into a temporary library, loads with Strata's runtime in the float32 compute profile, and its
-next-token logits equal llama.cpp's (llama-cpp-python on the same file) within the tolerance
-`MATRIX` states, as a fraction of llama.cpp's logit standard deviation: at every position of a
-fixed 24-token prompt (prefilled into mlx-lm's own KV cache, rotating for Gemma 3's
-sliding-window layers) and at each of the decode steps that follow, teacher-forced along
-llama.cpp's greedy tokens; and 32 greedy tokens from Strata's decode loop equal llama.cpp's.
-The random models are decisive (logit std of several units and a wide top-token margin,
-both checked): see tests/engine/gguf_arch_factory.py. RoPE-scaling variants of llama (linear,
-yarn) and Mistral Nemo's head size are checked the same way in F32. Llama 3's scaling, which
-the converter folds into `rope_freqs`, is recovered as mlx-lm's rope_scaling whose frequencies
-equal the tensor's. Settings mlx-lm's model files cannot express are refused in one line.
-`MATRIX` is what docs/models.md's table is generated from.
+gemma3, phi3, starcoder2, olmo2, granite) and GGUF type (F32 as llama.cpp's converter writes
+it; Q8_0 and Q4_K_M made from it by llama.cpp's own quantizer): the file imports through
+`engine.importers.import_path` into a temporary library, loads with Strata's runtime in the
+float32 compute profile, and its next-token logits equal llama.cpp's (llama-cpp-python on the
+same file) within the tolerance `MATRIX` states, as a fraction of llama.cpp's logit standard
+deviation: at every position of a fixed 24-token prompt (prefilled into mlx-lm's own KV cache,
+rotating for sliding-window layers) and at each of the decode steps that follow,
+teacher-forced along llama.cpp's greedy tokens; and 32 greedy tokens from Strata's decode loop
+equal llama.cpp's. The random models are decisive (logit std of several units and a wide
+top-token margin, both checked): see tests/engine/gguf_arch_factory.py. Variants (llama's
+linear and yarn RoPE scaling, Mistral Nemo's head size, OLMo 3's sliding windows) are checked
+the same way in F32. Llama 3's scaling, which the converter folds into `rope_freqs`, is
+recovered as mlx-lm's rope_scaling whose frequencies equal the tensor's. Settings mlx-lm's
+model files cannot express are refused in one line. `MATRIX` is what docs/models.md's table
+is generated from.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ MATRIX: list[tuple[str, str, float]] = [
     (arch, gtype, TOLERANCE[gtype]) for arch in ARCH_SPECS for gtype in ("F32", "Q8_0", "Q4_K_M")
 ]
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-               "gemma3": "gemma3_text", "phi3": "phi3"}
+               "gemma3": "gemma3_text", "phi3": "phi3", "starcoder2": "starcoder2",
+               "olmo2": "olmo2", "granite": "granite"}
 N_PROMPT, N_GREEDY = 24, 32
 MIN_LOGIT_STD = 2.0  # below this a random model's greedy choices are near ties
 SPECS: dict[str, ArchSpec] = {**ARCH_SPECS, **ROPE_SPECS}
@@ -202,10 +204,11 @@ def test_matches_llamacpp(gguf_file: Callable[[str, str], Path],
 
 
 @pytest.mark.parametrize("case", sorted(ROPE_SPECS))
-def test_llama_variants_match_llamacpp(gguf_file: Callable[[str, str], Path],
-                                       imported: Callable[[str, str], dict[str, Any]],
-                                       tokens: list[int], case: str) -> None:
-    """rope.scaling.type linear and yarn, and a head size other than hidden / heads."""
+def test_variants_match_llamacpp(gguf_file: Callable[[str, str], Path],
+                                 imported: Callable[[str, str], dict[str, Any]],
+                                 tokens: list[int], case: str) -> None:
+    """llama's rope.scaling.type linear and yarn, a llama head size other than hidden / heads
+    (Mistral Nemo), and olmo2 with sliding-window layers (OLMo 3, run as mlx-lm's olmo3)."""
     check_against_llamacpp(case, "F32", TOLERANCE["F32"], gguf_file(case, "F32"),
                            imported(case, "F32"), tokens)
 
@@ -284,6 +287,14 @@ def test_config_fields(imported: Callable[[str, str], dict[str, Any]]) -> None:
     assert phi["rope_scaling"]["type"] == "longrope"
     assert len(phi["rope_scaling"]["long_factor"]) == 32
     assert (phi["max_position_embeddings"], phi["original_max_position_embeddings"]) == (1024, 256)
+    granite = read_config(imported("granite", "F32"))
+    assert (granite["embedding_multiplier"], granite["residual_multiplier"],
+            granite["attention_multiplier"], granite["logits_scaling"]
+            ) == pytest.approx((12.0, 0.22, 0.015625, 8.0))  # float32 in the file
+    olmo3 = read_config(imported("olmo3", "F32"))
+    assert olmo3["model_type"] == "olmo3" and olmo3["sliding_window"] == 8
+    assert olmo3["layer_types"] == ["sliding_attention"] * 3 + ["full_attention"]
+    assert read_config(imported("olmo2", "F32"))["model_type"] == "olmo2"
 
 
 # -- 3. what llama.cpp derives from the layer count, and what is refused -------------------
