@@ -37,10 +37,14 @@ PAGE = 16
 PROMPT = 300  # 18 full pages, 7.5 windows
 DECODE = 16
 CHUNK = 64
-TOL = 1e-4  # float32: measured 1e-6 to 7e-6 (exact mode), 0.0 for a restored prefix
+# float32, max |logit difference| over every prompt position and decode step (logits up to
+# ~5): measured 1.4e-5 (gpt-oss), 5.5e-5 (llama with windows, qwen3) and 1.1e-4 (gemma3) in
+# exact mode with pages read back from the SSD tier, the same with sparse at full budget;
+# 0.0 for a restored prefix. Ignoring the window or the sinks moves them by 3 to 7.
+TOL = 5e-4
 
 COMMON = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=VOCAB,
+              num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=VOCAB,
               rms_norm_eps=1e-5, max_position_embeddings=4096, rope_theta=10000.0)
 SWA = ["sliding_attention", "full_attention"] * 2
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -60,7 +64,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
                        full_attention_interval=2),
     "deepseek_v2": dict(COMMON, model_type="deepseek_v2", kv_lora_rank=32, q_lora_rank=None,
                         qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=24,
-                        num_key_value_heads=4,
+                        num_attention_heads=4, num_key_value_heads=4,
                         rope_scaling={"factor": 1.0, "original_max_position_embeddings": 4096}),
 }
 PAGED = ["gemma3_text", "gpt_oss", "llama_swa", "qwen3"]
@@ -125,8 +129,8 @@ def reference(models: dict[str, Any], ids: list[int]) -> dict[str, np.ndarray]:
 
 
 def settings(tmp: Path, mode: str = "exact", **kw: Any) -> KVSettings:
-    # 1 MB of RAM holds 64 pages of these layers at most: with the bigger heads below the
-    # pages go to the SSD tier and come back.
+    # 1 MB of RAM (the least there is) holds 16 pages per layer of these models (8 for
+    # qwen3's four paged layers): the prompt's 19 pages go to the SSD tier and come back.
     base = dict(mode=mode, page_tokens=PAGE, sink_tokens=PAGE, window_tokens=PAGE,
                 budget_tokens=4 * PAGE, ram_mb=1, ssd_dir=tmp)
     return KVSettings(**{**base, **kw}).validate()
@@ -140,9 +144,9 @@ def test_geometry_per_layer(models: dict[str, Any]) -> None:
         assert g[name].windows == (WINDOW, 0, WINDOW, 0), name
         assert g[name].paged_layers == [1, 3] and g[name].unpaged is None
     assert g["qwen3"].windows == () and g["qwen3"].paged_layers == [0, 1, 2, 3]
-    assert (g["qwen3"].kv_heads, g["qwen3"].head_dim) == (2, 32)
+    assert (g["qwen3"].kv_heads, g["qwen3"].head_dim) == (4, 64)
     # A sliding layer costs its window, not the context.
-    per_layer_token = 2 * 2 * 32 * 4
+    per_layer_token = 4 * (64 + 64) * 4
     assert g["gemma3_text"].bytes_per_token() == 2 * per_layer_token
     assert g["gemma3_text"].kv_bytes(10_000) == per_layer_token * (2 * 10_000 + 2 * WINDOW)
     assert g["qwen3"].kv_bytes(10_000) == per_layer_token * 4 * 10_000
@@ -175,11 +179,12 @@ def test_paged_exact_matches_mlx_lm(name: str, models: dict[str, Any], ids: list
     assert worst < TOL, (name, worst)
     store = caches[1].store
     assert store.n_layers == (4 if name == "qwen3" else 2)
-    assert store.stats()["pages_ssd"] > 0
+    stats = store.stats()
+    assert stats["pages_ssd"] > 0 and stats["evictions"] > 0 and stats["ssd_reads"] > 0
     # A sliding layer holds about its window, never the context.
     for c in caches:
         if isinstance(c, WindowLayerCache):
-            assert c.nbytes <= 2 * 2 * 32 * 4 * (WINDOW + 2 * 256)
+            assert c.nbytes <= 4 * (64 + 64) * 4 * (WINDOW + 2 * 256)
     close_caches(caches)
 
 
@@ -190,12 +195,12 @@ def test_ignoring_the_window_or_the_sinks_changes_the_logits(
     for name in ("gemma3_text", "gpt_oss"):
         wide = build(name, sliding_window=4096)
         full = run(wide, cache_module().make_prompt_cache(wide), ids)
-        assert np.abs(full - reference[name]).max() > 1000 * TOL, name
+        assert np.abs(full - reference[name]).max() > 2000 * TOL, name
     model = build("gpt_oss")
     for layer in model.layers:
         layer.self_attn.sinks = mx.zeros_like(layer.self_attn.sinks)
     plain = run(model, cache_module().make_prompt_cache(model), ids)
-    assert np.abs(plain - reference["gpt_oss"]).max() > 1000 * TOL
+    assert np.abs(plain - reference["gpt_oss"]).max() > 2000 * TOL
 
 
 @pytest.mark.parametrize("name", ["gpt_oss", "gemma3_text"])
@@ -342,7 +347,7 @@ def test_window_files_leave_with_their_pages(models: dict[str, Any], tmp_path: P
     g = geometry_of(model, "float32", cache_module().make_prompt_cache(model))
     pc = PrefixCache.for_geometry(g, b"k" * 32, PrefixSettings(folder=tmp_path,
                                                                 page_tokens=PAGE,
-                                                                budget_mb=0.4))
+                                                                budget_mb=1.5))
     rng = np.random.default_rng(5)
     a, b = ([int(x) for x in rng.integers(3, VOCAB, 200)] for _ in range(2))
     store_prompt(pc, model, a)
