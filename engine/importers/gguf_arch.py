@@ -636,3 +636,33 @@ def _granite_config(m: Meta) -> dict[str, Any]:
 
 register(Arch("granite", "granite", "GraniteForCausalLM", _granite_config,
               reverse=(unpermute_qk,)))
+
+
+# -- command-r (Cohere Command R, Aya 23; parallel attention and MLP, LayerNorm) --------------
+def _command_r_config(m: Meta) -> dict[str, Any]:
+    config = common_config(m)
+    _full_rotary(m, config["head_dim"])
+    _derived_head_dim(m, config, "cohere")
+    _no_rope_scaling(m, "cohere")
+    if m.has("blk.0.attn_q.bias"):
+        raise ImportFailed(f"{m.path}: attention biases are not supported for command-r")
+    config["tie_word_embeddings"] = True  # llama.cpp's command-r reads token_embd for output
+    config["layer_norm_eps"] = float(m.need("attention.layer_norm_epsilon"))
+    config["layer_norm_bias"] = False
+    # llama.cpp: no scaling when the key is absent.
+    config["logit_scale"] = float(m.get("logit_scale", 0.0) or 1.0)
+    # Command R+'s per-head norms (llama.cpp reads them in files of 64 layers or more).
+    config["use_qk_norm"] = m.has("blk.0.attn_q_norm.weight")
+    return config
+
+
+register(Arch(
+    "command-r", "cohere", "CohereForCausalLM", _command_r_config,
+    # Cohere's RoPE is the interleaved kind: llama.cpp's converter leaves Q/K rows as they
+    # are and mlx-lm's cohere runs traditional RoPE, so nothing to undo.
+    layer={"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
+           "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+           "attn_output": "self_attn.o_proj", **QK_NORMS,
+           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"},
+    top={k: v for k, v in LLAMA_TOP.items() if k != "output"},
+))

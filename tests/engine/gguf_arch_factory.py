@@ -106,6 +106,11 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     "granite": ArchSpec("granite", scales={"embedding_scale": 12.0, "residual_scale": 0.22,
                                            "attention.scale": 0.015625, "logit_scale": 8.0},
                         embed_std=0.1, head_gain=1.6),
+    # Command R: tied, parallel attention and MLP, LayerNorm without bias, logit_scale 0.0625
+    # (so a larger embedding for logits of a few units). llama.cpp reads per-head q/k norms
+    # (Command R+) only with 64 layers or more: not in a tiny file.
+    "command-r": ArchSpec("command-r", tie=True, rope_base=8e6, embed_std=3.0,
+                          scales={"logit_scale": 0.0625}),
 }
 
 ROPE_SPECS: dict[str, ArchSpec] = {
@@ -172,6 +177,14 @@ def _layer_shapes(s: ArchSpec) -> dict[str, tuple[int, ...]]:
             "post_attention_layernorm.bias": (s.hidden,),
             "mlp.c_fc.weight": (s.ffn, s.hidden), "mlp.c_fc.bias": (s.ffn,),
             "mlp.c_proj.weight": (s.hidden, s.ffn), "mlp.c_proj.bias": (s.hidden,),
+        }
+    if s.arch == "command-r":
+        return {
+            "input_layernorm.weight": (s.hidden,),
+            "self_attn.q_proj.weight": (q, s.hidden), "self_attn.k_proj.weight": (kv, s.hidden),
+            "self_attn.v_proj.weight": (kv, s.hidden), "self_attn.o_proj.weight": (s.hidden, q),
+            "mlp.gate_proj.weight": (s.ffn, s.hidden), "mlp.up_proj.weight": (s.ffn, s.hidden),
+            "mlp.down_proj.weight": (s.hidden, s.ffn),
         }
     if s.arch == "olmo2":
         return {
@@ -289,8 +302,8 @@ def _metadata(w: gguf.GGUFWriter, s: ArchSpec, n_vocab: int) -> None:
     w.add_feed_forward_length(s.ffn)
     w.add_head_count(s.heads)
     w.add_head_count_kv(s.kv_heads)
-    if s.arch == "starcoder2":
-        w.add_layer_norm_eps(1e-5)  # norm_epsilon: a LayerNorm
+    if s.arch in ("starcoder2", "command-r"):
+        w.add_layer_norm_eps(1e-5)  # norm_epsilon, layer_norm_eps: LayerNorms
     else:
         w.add_layer_norm_rms_eps(1e-6 if s.gemma else 1e-5)
     if s.head_dim is not None:
@@ -334,6 +347,8 @@ def _metadata(w: gguf.GGUFWriter, s: ArchSpec, n_vocab: int) -> None:
         w.add_rope_dimension_count(s.hd)
     for key, value in (s.scales or {}).items():  # GraniteModel
         w.add_float32(f"{s.arch}.{key}", value)
+    if s.arch == "command-r":  # CommandR2Model
+        w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
     if s.arch == "olmo2" and s.sliding_window:
         w.add_sliding_window(s.sliding_window)
         w.add_sliding_window_pattern(s.swa_pattern or [])

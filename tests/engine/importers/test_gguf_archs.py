@@ -1,7 +1,7 @@
 """Dense GGUF architectures import and compute what llama.cpp computes.
 
 Contract checked, per architecture (llama with Llama 3's RoPE scaling, qwen2, qwen3, gemma2,
-gemma3, phi3, starcoder2, olmo2, granite) and GGUF type (F32 as llama.cpp's converter writes
+gemma3, phi3, starcoder2, olmo2, granite, command-r) and GGUF type (F32 as the converter writes
 it; Q8_0 and Q4_K_M made from it by llama.cpp's own quantizer): the file imports through
 `engine.importers.import_path` into a temporary library, loads with Strata's runtime in the
 float32 compute profile, and its next-token logits equal llama.cpp's (llama-cpp-python on the
@@ -56,7 +56,7 @@ MATRIX: list[tuple[str, str, float]] = [
 ]
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
                "gemma3": "gemma3_text", "phi3": "phi3", "starcoder2": "starcoder2",
-               "olmo2": "olmo2", "granite": "granite"}
+               "olmo2": "olmo2", "granite": "granite", "command-r": "cohere"}
 N_PROMPT, N_GREEDY = 24, 32
 MIN_LOGIT_STD = 2.0  # below this a random model's greedy choices are near ties
 SPECS: dict[str, ArchSpec] = {**ARCH_SPECS, **ROPE_SPECS}
