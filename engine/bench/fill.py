@@ -22,6 +22,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.bench.common import prompt_ids
+from engine.errors import StrataError
 from engine.kv import (
     KVSettings,
     KVStore,
@@ -38,7 +39,12 @@ def paged_cache(model: Any, settings: KVSettings, dtype: str | None = None
     """One paged cache per layer over a fresh store, and the store (its counters and stats
     are what the suites report)."""
     caches = make_paged_cache(model, settings, geometry_of(model, dtype))
-    return caches, caches[0].store
+    paged = [c for c in caches if isinstance(c, PagedLayerCache)]
+    if len(paged) != len(caches):
+        # The fills tile one layer's pages; a sliding layer keeps a window instead.
+        raise StrataError("KV fill: the model has sliding-window layers; the fill suites "
+                          "measure full-attention models")
+    return paged, paged[0].store
 
 
 class FillCancelled(Exception):
