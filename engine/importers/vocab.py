@@ -16,8 +16,8 @@ Contract: `write_tokenizer(meta, dest)` writes into `dest`, from a GGUF's `token
 
 Encoding the written files with engine.runtime.tokenizer gives llama.cpp's
 `tokenize(text, add_special, parse_special=True)` ids. An unknown vocabulary kind or
-pre-tokenizer, duplicate tokens or a malformed list is ImportFailed naming it. Returns the
-manifest's tokenizer facts.
+pre-tokenizer, duplicate tokens or a malformed list is one-line ImportFailed naming it (and the
+file, given `source`). Returns the manifest's tokenizer facts.
 """
 
 from __future__ import annotations
@@ -117,7 +117,8 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **_pre(_GPT4O, "gpt-4o llama4 minimax-m2"),
     **_pre(_TEKKEN, "tekken", ignore_merges=True, add_bos=True),
     **_pre(_STARCODER, "smollm starcoder refact command-r codeshell exaone minerva-7b"),
-    **_pre(_GPT2_NO_TAIL, "gpt-2 phi-2 mpt olmo jais exaone4 a.x-4.0 mellum gigachat"),
+    **_pre(_GPT2_NO_TAIL, "gpt-2 phi-2 mpt olmo jais exaone4 a.x-4.0 mellum gigachat trillion "
+                          "granite-docling"),
     **_pre(_DEEPSEEK_LLM, "deepseek-llm"),
     **_pre(_DEEPSEEK_CODER, "deepseek-coder"),
     **_pre(_DEEPSEEK_V3, "deepseek-v3"),
@@ -372,8 +373,19 @@ def _chat_templates(meta: dict[str, Any]) -> str | list[dict[str, str]] | None:
     return ([{"name": "default", "template": str(default)}] if default else []) + named
 
 
-def write_tokenizer(meta: dict[str, Any], dest: Path) -> dict[str, Any]:
-    """Write tokenizer files into `dest`; return facts for the manifest."""
+def write_tokenizer(meta: dict[str, Any], dest: Path, source: Path | None = None
+                    ) -> dict[str, Any]:
+    """Write tokenizer files into `dest`; return facts for the manifest. `source`, the GGUF
+    file, names it in an ImportFailed."""
+    try:
+        return _write(meta, dest)
+    except ImportFailed as exc:
+        if source is None:
+            raise
+        raise ImportFailed(f"{source}: {exc}") from exc
+
+
+def _write(meta: dict[str, Any], dest: Path) -> dict[str, Any]:
     v = _vocabulary(meta)
     if v.kind in ("gpt2", "gemma4"):
         pre_name = "gemma4" if v.kind == "gemma4" else str(meta.get("tokenizer.ggml.pre")
@@ -416,7 +428,8 @@ def write_tokenizer(meta: dict[str, Any], dest: Path) -> dict[str, Any]:
         "add_bos_token": add_bos and bos is not None,
         "add_eos_token": v.flag("tokenizer.ggml.add_eos_token", False) and eos is not None,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(meta.get("context_length", 0)) or None,
+        "model_max_length": int(meta.get("context_length") or meta.get(
+            f"{meta.get('general.architecture')}.context_length") or 0) or None,
         "added_tokens_decoder": {str(s.id): {k: val for k, val in _added_token(s).items()
                                              if k != "id"} for s in specials},
         "chat_template": _chat_templates(meta),
