@@ -53,8 +53,12 @@ def weight_stats(arrays: Mapping[str, Any], config: Mapping[str, Any]
         if not isinstance(q, dict) and f"{module}.scales" in arrays:
             q = default  # quantized with the folder-wide settings (uniform MLX models)
         if isinstance(q, dict) and key.endswith(".weight"):
-            params += arr.size * 32 // q["bits"]
-            fmt = f"affine {q['bits']}-bit g{q['group_size']}"
+            mode = q.get("mode", quant.get("mode", "affine"))
+            bits = int(q.get("bits", 4))
+            group = q.get("group_size", {"mxfp4": 32, "nvfp4": 16, "mxfp8": 32}.get(mode, 64))
+            params += arr.size * 32 // bits
+            # The same words as the GGUF importer's labels: "affine 4-bit g32", "mxfp4 g32".
+            fmt = f"affine {bits}-bit g{group}" if mode == "affine" else f"{mode} g{group}"
         else:
             params += arr.size
             fmt = str(arr.dtype).split(".")[-1]

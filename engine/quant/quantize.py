@@ -82,7 +82,10 @@ def _float_model(config: dict[str, Any]) -> Any:
 def float_model(weights: FloatWeights) -> Any:
     """The float32 mlx-lm model of a source's float weights (the arrays are shared, not copied)."""
     model = _float_model(weights.config)
-    model.load_weights(list(weights.arrays.items()), strict=True)
+    arrays = dict(weights.arrays)
+    # mlx-lm's own renames and drops (gemma3's tied lm_head) before the strict load.
+    arrays = model.sanitize(arrays) if hasattr(model, "sanitize") else arrays
+    model.load_weights(list(arrays.items()), strict=True)
     model.eval()
     return model
 

@@ -64,8 +64,6 @@ MLX_FOLDERS: dict[str, dict[str, Any]] = {
 }
 # Where the float import (engine.quant, "f16") cannot run yet, and why (files of other owners).
 FLOAT_GAPS = {
-    "gemma3_text": "engine.quant.quantize.float_model loads the weights without the model's "
-                   "sanitize, which drops gemma3's tied lm_head",
     "gpt_oss": "engine.importers.source.Source.float_weights keeps a Hugging Face folder's "
                "MXFP4 experts packed (it casts, it does not dequantize)",
 }
