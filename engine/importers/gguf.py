@@ -140,6 +140,9 @@ def _convert(
         n = int(np.prod([int(x) for x in t.shape]))
         module = hf.rsplit(".", 1)[0]
         shape = tuple(reversed([int(x) for x in t.shape]))
+        if qtype in ("F32", "F16"):
+            # A reverse may reshape a float tensor (qwen2moe's 1-D shared-expert gate).
+            shape = tuple(raw.shape)
         try:
             conv = convert_tensor(hf, raw, qtype, shape)
         except ImportFailed as exc:

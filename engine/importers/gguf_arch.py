@@ -130,6 +130,9 @@ def arch_for(path: Path, meta: Mapping[str, Any], tensors: Mapping[str, tuple[in
 
 def hf_name(arch: Arch, gguf_name: str) -> str | None:
     parts = gguf_name.split(".")
+    # A whole "part.suffix" key maps a bare parameter (gpt-oss's attn_sinks.weight -> sinks).
+    if parts[0] == "blk" and len(parts) == 4 and f"{parts[2]}.{parts[3]}" in arch.layer:
+        return f"model.layers.{parts[1]}.{arch.layer[f'{parts[2]}.{parts[3]}']}"
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in arch.layer:
         return f"model.layers.{parts[1]}.{arch.layer[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in arch.top:
