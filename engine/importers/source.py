@@ -40,7 +40,7 @@ from engine.importers.hf import (
 from engine.library.store import MANIFEST, Library, clean_name
 from engine.platform import ComputeProfile
 from engine.runtime.fit import Fit, WeightSizes, estimate
-from engine.runtime.model import load_weights_into_model, read_config
+from engine.runtime.model import apply_profile, load_weights_into_model, read_config
 from engine.telemetry import CancelFlag, Progress
 
 KINDS = ("gguf", "hf", "mlx", "library")
@@ -208,12 +208,12 @@ class Source:
         if self.kind in ("library", "mlx"):
             model, config = load_weights_into_model(self.path, EXPAND)
             return FloatWeights(_arrays(model), config, self.path, tokenizer_info(self.path))
-        import mlx.core as mx  # heavy: MLX loads only when weights are read
-        from mlx.utils import tree_map
-
         config, model, _, _ = read_folder(self.path, "hf")
-        model.update(tree_map(lambda a: a.astype(mx.float32)
-                              if mx.issubdtype(a.dtype, mx.floating) else a, model.parameters()))
+        # Expanded like every other kind: a checkpoint's packed layers (gpt-oss's MXFP4
+        # experts) become float32, so its config no longer names them quantized.
+        apply_profile(model, EXPAND)
+        config = {k: v for k, v in config.items()
+                  if k not in ("quantization", "quantization_config")}
         return FloatWeights(_arrays(model), config, self.path, tokenizer_info(self.path))
 
 

@@ -27,8 +27,6 @@ from engine.errors import LoadFailed
 from engine.platform import ComputeProfile, check_versions
 from engine.runtime.fit import check_memory
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe",
-                         "gpt_oss")
 _versions_checked = False
 
 

@@ -63,10 +63,6 @@ MLX_FOLDERS: dict[str, dict[str, Any]] = {
     "deepseek_v2": {"quantize": True, "q_bits": 8},
 }
 # Where the float import (engine.quant, "f16") cannot run yet, and why (files of other owners).
-FLOAT_GAPS = {
-    "gpt_oss": "engine.importers.source.Source.float_weights keeps a Hugging Face folder's "
-               "MXFP4 experts packed (it casts, it does not dequantize)",
-}
 assert len(TOKENS) > WINDOW
 
 
@@ -175,8 +171,6 @@ def test_float_import_gives_mlx_lm_logits_of_the_source(world: World, family: st
     from engine.importers import import_path
     from engine.quant.quantize import Requantize
 
-    if family in FLOAT_GAPS:
-        pytest.xfail(FLOAT_GAPS[family])
     m = import_path(world.library, world.hf[family], name=f"{family}-f16",
                     requantize=Requantize("f16"))
     assert not any("bit" in f for fs in m["quantization"].values() for f in fs)
