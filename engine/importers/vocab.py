@@ -101,6 +101,7 @@ class PreTokenizer:
     splits: tuple[str, ...]
     ignore_merges: bool = False  # a piece that is itself a token is not merged up
     add_bos: bool = False  # llama.cpp's default when the GGUF does not say
+    byte_level: bool = True  # GPT-2's bytes-as-characters; else raw UTF-8, spaces as U+2581
 
 
 def _pre(splits: tuple[str, ...] | str, names: str, **kw: bool) -> dict[str, PreTokenizer]:
@@ -127,7 +128,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     # does. (llama.cpp adds punctuation and three-digit splits here; such files are rare old
     # conversions that its converter no longer writes.)
     **_pre(_GPT2, "default"),
-    **_pre(_NEWLINES, "gemma4", add_bos=True),
+    **_pre(_NEWLINES, "gemma4 granite-embed-multi-311m", add_bos=True, byte_level=False),
 }
 
 # -- special tokens -------------------------------------------------------------------------
@@ -297,7 +298,7 @@ def _split(regex: str) -> dict[str, Any]:
 
 
 def _bpe_json(v: Vocabulary, pre: PreTokenizer, specials: list[Special]) -> dict[str, Any]:
-    byte_level = v.kind == "gpt2"
+    byte_level = pre.byte_level
     splits: list[dict[str, Any]] = [_split(r) for r in pre.splits]
     if byte_level:
         splits.append({"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
@@ -305,7 +306,7 @@ def _bpe_json(v: Vocabulary, pre: PreTokenizer, specials: list[Special]) -> dict
         normalizer = None
         decoder: dict[str, Any] = {"type": "ByteLevel", "add_prefix_space": False,
                                    "trim_offsets": False, "use_regex": False}
-    else:  # gemma4: spaces become U+2581 before the split; bytes fall back to <0xXX>
+    else:  # Gemma 4: spaces become U+2581 before the split; bytes fall back to <0xXX>
         normalizer = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
         decoder = {"type": "Sequence", "decoders": [
             {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
@@ -399,8 +400,8 @@ def _write(meta: dict[str, Any], dest: Path) -> dict[str, Any]:
         text = json.dumps(_bpe_json(v, pre, specials), ensure_ascii=False)
         (dest / "tokenizer.json").write_text(text, encoding="utf-8")
         add_bos = v.flag("tokenizer.ggml.add_bos_token", pre.add_bos)
-        if v.kind == "gemma4":
-            add_bos = True  # llama.cpp overrides a false flag for Gemma 4
+        if not pre.byte_level:
+            add_bos = True  # llama.cpp overrides a false flag for Gemma 4's pre-tokenizer
         kind_name, tokenizer_class = "bpe", "PreTrainedTokenizerFast"
         bos_default = None
     elif v.kind == "llama":
