@@ -242,12 +242,11 @@ def special_tokens(v: Vocabulary) -> list[Special]:
                    else None)
     out: list[Special] = []
     for i, (text, ty) in enumerate(zip(v.tokens, v.types, strict=True)):
-        forced = text in _FORCED_CONTROL or i in eog
         if i == gemma4_s:
             continue
         if text in _HARMONY_TEXT or i == harmony_end:
             out.append(Special(i, text, special=False))
-        elif ty in (CONTROL, UNKNOWN) or forced:
+        elif ty in (CONTROL, UNKNOWN) or text in _FORCED_CONTROL:
             out.append(Special(i, text, special=True))
         elif ty == USER_DEFINED:
             out.append(Special(i, text, special=False))
@@ -256,8 +255,6 @@ def special_tokens(v: Vocabulary) -> list[Special]:
         # llama.cpp's Phi-3 rule: whitespace after a special token is eaten, except after these.
         for s in out:
             s.rstrip = s.content not in ("<unk>", "<s>", "<|endoftext|>")
-        if "</s>" in v.ids and all(s.content != "</s>" for s in out):
-            out.append(Special(v.ids["</s>"], "</s>", special=False, rstrip=True))
     return out
 
 
