@@ -113,9 +113,10 @@ def cmd_import(args: argparse.Namespace) -> int:
 
     # An import with a recipe: the importer opens the source, quantization makes the model.
     requantize = requantize_from_args(args)  # None without --recipe
-    _check_import_fits(Path(args.path), args.recipe)
+    _check_import_fits(Path(args.path), args.recipe, args.context)
     m = import_path(_library(), Path(args.path), name=args.name,
-                    progress=_progress_printer("importing"), requantize=requantize)
+                    progress=_progress_printer("importing"), requantize=requantize,
+                    context=args.context)
     if requantize is not None:
         print_quantized(m, args.json)
     elif args.json:
@@ -126,10 +127,10 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_import_fits(path: Path, recipe: str | None) -> None:
+def _check_import_fits(path: Path, recipe: str | None, context: int | None = None) -> None:
     """Refuse, in one line with the numbers and the largest context that would fit, an import
-    of a model that would not fit in this machine's memory once loaded (STRATA_CONTEXT: the
-    context it is counted at); nothing is written before."""
+    of a model that would not fit in this machine's memory once loaded (at `context`, else
+    STRATA_CONTEXT, else the trained one); nothing is written before."""
     from engine.errors import ImportFailed  # start-up: with the importers, below
     from engine.importers import open_source
     from engine.platform import compute_profile
@@ -143,7 +144,7 @@ def _check_import_fits(path: Path, recipe: str | None) -> None:
             size = expected_sizes(source, [recipe])[recipe][1]
         except StrataError:
             size = None  # 'auto' or a recipe file: sized when it runs
-    fit = source.preflight(profile, stored_bytes=size)
+    fit = source.preflight(profile, context, stored_bytes=size)
     if not fit.fits:
         raise ImportFailed(fit.refusal(source.path.name))
 
@@ -387,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.quant.cli import add_recipe_arguments  # start-up: the parser's quant part
 
     add_recipe_arguments(p, required=False)  # without --recipe: weights as stored
+    p.add_argument("--context", type=int, metavar="TOKENS",
+                   help="the context the model will run at (default: its trained one); "
+                        "the memory check counts the KV at it, and loads use it")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_import)
 

@@ -387,7 +387,8 @@ class EngineWorker(QObject):
         # An import with a recipe: the importer opens the source, quantization makes the model.
         manifest = import_path(self.library, path, progress=on_progress,
                                cancel=lambda: self._is_cancelled(job),
-                               requantize=Requantize(recipe) if recipe else None)
+                               requantize=Requantize(recipe) if recipe else None,
+                               context=context)
         yield self.import_finished, (job, manifest)
 
     def _prefix_clear_steps(self, job: int) -> Iterator[Step]:

@@ -59,10 +59,23 @@ def import_path(
     cancel: CancelFlag | None = None,
     replace: bool = False,
     requantize: Requantizer | None = None,
+    context: int | None = None,
 ) -> Manifest:
     """Import a GGUF file, an MLX folder or a Hugging Face folder into the library.
 
-    `source` is what the manifest names as the origin (default: the resolved path)."""
+    `source` is what the manifest names as the origin (default: the resolved path); `context`
+    (tokens), when given, is recorded as the context the model runs at (what the fit was
+    counted at; engine.runtime.fit.chosen_context reads it back)."""
+    manifest = _import(library, path, name, aliases, source, progress, cancel, replace,
+                       requantize)
+    if context:
+        manifest = library.update(manifest["name"], context=int(context))
+    return manifest
+
+
+def _import(library: Library, path: Path, name: str | None, aliases: list[str] | None,
+            source: str | None, progress: Progress | None, cancel: CancelFlag | None,
+            replace: bool, requantize: Requantizer | None) -> Manifest:
     opened = open_source(path)  # fails before touching the library
     if requantize is not None:
         return requantize.install(library, opened, name or opened.default_name,

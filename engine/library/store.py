@@ -203,6 +203,16 @@ class Library:
                 folder = Path(m.pop("path"))
                 _write_synced(folder / MANIFEST, json.dumps(m, indent=2, sort_keys=True))
 
+    def update(self, name: str, **fields: Any) -> Manifest:
+        """Set manifest fields of an installed model (its chosen context, say), atomically."""
+        with self._locked():
+            m = self.get(name)
+            m.update(fields)
+            folder = Path(m.pop("path"))
+            _write_synced(folder / MANIFEST, json.dumps(m, indent=2, sort_keys=True))
+            m["path"] = str(folder)
+        return m
+
     def remove(self, name: str) -> Manifest:
         m = self.get(name)
         folder = Path(m["path"])

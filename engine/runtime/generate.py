@@ -44,6 +44,7 @@ from engine.platform import (
     keep_freed_memory,
     release_freed_memory,
 )
+from engine.runtime.fit import chosen_context
 from engine.runtime.model import (
     cache_module,
     ensure_mlx_lm,
@@ -75,7 +76,9 @@ class LoadedModel:
         extra = config.get("eos_token_id")
         extra_ids = extra if isinstance(extra, list) else ([extra] if extra is not None else [])
         self.eos_ids = tokenizer.eos_ids(extra_ids)
-        self.context_length = int(config.get("max_position_embeddings") or 4096)
+        # The context chosen at import (or STRATA_CONTEXT), else the trained one.
+        folder = manifest.get("path")
+        self.context_length = chosen_context(config, Path(folder) if folder else None)
         # None or mode 'mlx': mlx-lm's KVCache; otherwise engine.kv's paged cache.
         self.kv_settings: KVSettings | None = None
         # The SSD prefix cache; None: off.

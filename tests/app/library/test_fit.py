@@ -126,6 +126,13 @@ def test_the_command_refuses_an_import_and_a_load_in_one_line(
     assert lines[0].startswith(f"strata: error: {starter_gguf().name}: needs about 0.92 GB")
     assert lines[0].endswith(f"up to {OFFER:,} tokens (STRATA_CONTEXT={OFFER})")
     assert not (home / "models").exists() or not any((home / "models").iterdir())
+    # The offer taken: imported at that context, and it loads there without STRATA_CONTEXT.
+    proc = run_strata("import", str(starter_gguf()), "--name", "short", "--context",
+                      str(OFFER), home=home, env=env)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_strata("generate", "--model", "short", "--prompt", "hi", "--max-tokens", "2",
+                      home=home, env=env)
+    assert proc.returncode == 0, proc.stderr
 
     proc = run_strata("generate", "--model", "starter", "--prompt", "hi", home=strata_home,
                       env=env)

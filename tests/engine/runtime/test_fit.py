@@ -241,3 +241,26 @@ def test_paged_kv_with_an_ssd_tier_needs_only_its_ram_budget(
     quantized = estimate(config, sizes, F32, kv_bits=4)
     per_value = 4 / 8 + 2 * 4 / 32
     assert quantized.kv_bytes == math.floor(2 * 2 * 32 * (1 << 20) * per_value)
+
+
+def test_a_context_chosen_at_import_is_the_one_loads_run_at(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The offer taken at import (`import_path(..., context=N)`, the dialog's and `strata
+    import --context`'s): the manifest records it, so the load fits without STRATA_CONTEXT
+    and runs at it."""
+    from engine.importers import import_path
+    from engine.importers.starter import starter_gguf
+    from engine.library import Library
+    from engine.runtime.generate import LoadedModel
+
+    monkeypatch.delenv("STRATA_CONTEXT", raising=False)
+    lib = Library(tmp_path / "home")
+    chosen = import_path(lib, starter_gguf(), name="short", context=4096)
+    whole = import_path(lib, starter_gguf(), name="whole")
+    assert chosen["context"] == 4096 and lib.get("short")["context"] == 4096
+    assert "context" not in whole
+    monkeypatch.setenv("STRATA_MAX_MEMORY_MB", "700")
+    with pytest.raises(LoadFailed, match="up to 4,096 tokens"):
+        LoadedModel.load(whole["path"], profile=F32)
+    lm = LoadedModel.load(chosen["path"], profile=F32)
+    assert lm.context_length == 4096
