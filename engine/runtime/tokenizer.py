@@ -106,6 +106,7 @@ class Tokenizer:
         self._hf: Any = None
         self._sp: Any = None
         self._added: dict[str, _Added] = {}
+        self._added_text: dict[int, str] = {}
         self._split: re.Pattern[str] | None = None
         if (folder / "tokenizer.json").is_file():
             from tokenizers import Tokenizer as HFTokenizer
@@ -117,6 +118,11 @@ class Tokenizer:
             self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
             decoder = self._hf.get_added_tokens_decoder()
             self.specials = {t.content: i for i, t in decoder.items()}
+            # The decoder would read a non-special added token's characters as its own
+            # symbols (DeepSeek's user-defined "\u00f8": as byte 0xF8): those are written as
+            # their text instead, as llama.cpp renders them.
+            self._added_text = {i: t.content for i, t in decoder.items() if not t.special
+                                and self._hf.decode([i], skip_special_tokens=False) != t.content}
         elif (folder / "tokenizer.model").is_file():
             import sentencepiece as spm
 
@@ -129,12 +135,14 @@ class Tokenizer:
             self.vocab_size = self._sp.get_piece_size()
             self._added = self._spm_added(model)
             self.specials = {text: a.id for text, a in self._added.items()}
+            # SentencePiece drops control pieces when decoding: every added token is written
+            # as its text, between runs decoded alone.
+            self._added_text = {a.id: text for text, a in self._added.items()}
             self._split = (re.compile("|".join(
                 re.escape(s) for s in sorted(self._added, key=len, reverse=True)))
                 if self._added else None)
         else:
             raise LoadFailed(f"{folder}: no tokenizer.json or tokenizer.model")
-        self._added_text = {i: text for text, i in self.specials.items()}
         self.bos_token = self._token_text("bos_token")
         self.eos_token = self._token_text("eos_token")
         self.add_bos = bool(self.config.get("add_bos_token", False))
@@ -255,9 +263,8 @@ class Tokenizer:
         return out
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of `ids`; added tokens as their own text (as llama.cpp renders them: neither
-        SentencePiece, which drops control pieces, nor a byte-level decoder, which would read
-        a user-defined token's characters as bytes, may see them)."""
+        """Text of `ids`, special tokens included; the added tokens the model's decoder would
+        drop or misread as their own text, the runs between them decoded alone."""
         text: list[str] = []
         run: list[int] = []
         for i in ids:
