@@ -33,6 +33,9 @@ import numpy as np
 from engine.errors import ImportFailed
 
 GROUP = 32
+# A tensor is converted this many values at a time: its float32 copies (the source's values,
+# MLX's, the check between them) stay about 16 MB each however large the tensor is.
+CHUNK_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -243,27 +246,87 @@ def _affine_repack(name: str, raw: np.ndarray, dense: np.ndarray, qtype: str, bi
     return q, s16, b16
 
 
-def _result(name: str, module: str, shape: tuple[int, ...], qtype: str, plan: Plan,
-            arrays: tuple[Any, ...], dense: np.ndarray, how: str) -> Converted:
+def _stored_error(parts: tuple[Any, ...], plan: Plan, dense: np.ndarray) -> float:
+    """Largest |MLX's dequantization of `parts` - the source's values| over one chunk."""
     import mlx.core as mx  # heavy: only while converting
 
-    lead = shape[:-1]
-    w, s, *b = (mx.array(a) if isinstance(a, np.ndarray) else a for a in arrays)
+    w, s, *b = parts
     stored = np.array(mx.dequantize(w, s if plan.mode != "affine" else s.astype(mx.float32),
                                     b[0].astype(mx.float32) if b else None,
                                     group_size=plan.group, bits=plan.bits, mode=plan.mode,
                                     dtype=mx.float32))
-    err = float(np.abs(stored - dense).max(initial=0.0))
-    if how != "requantized":
-        how = "exact" if err == 0.0 else "same grid"
-    out = {name: w.reshape(*lead, -1), f"{module}.scales": s.reshape(*lead, -1)}
-    if b:
-        out[f"{module}.biases"] = b[0].reshape(*lead, -1)
-    quant: dict[str, Any] = {"group_size": plan.group, "bits": plan.bits}
-    if plan.mode != "affine":
-        quant["mode"] = plan.mode
-    return Converted(out, quant, qtype, plan.stored, how == "exact", plan.bits, how, err,
-                     float(np.abs(dense).max(initial=0.0)))
+    return float(np.abs(stored - dense).max(initial=0.0))
+
+
+def _repack_rows(name: str, raw: np.ndarray, qtype: str, plan: Plan
+                 ) -> tuple[tuple[Any, ...], float, float] | None:
+    """One chunk of rows with its codes carried over: (arrays, max error, max |value|), or
+    None when they do not carry over (then the whole tensor is requantized)."""
+    import mlx.core as mx  # heavy: only while converting
+
+    dense = _dequantize(name, raw, qtype, raw.shape[0])
+    if plan.mode == "affine":
+        triple = _affine_repack(name, raw, dense, qtype, plan.bits)
+        if triple is None:
+            return None
+        parts: tuple[Any, ...] = tuple(mx.array(a) for a in triple)
+    else:
+        parts = tuple(mx.array(a) for a in _fp4_codes(raw, qtype))
+    err = _stored_error(parts, plan, dense)
+    if plan.mode != "affine" and err != 0.0:
+        return None  # a scale MLX cannot hold (NVFP4 with its sign bit set)
+    return parts, err, float(np.abs(dense).max(initial=0.0))
+
+
+def _requant_rows(name: str, raw: np.ndarray, qtype: str, plan: Plan
+                  ) -> tuple[tuple[Any, ...], float, float]:
+    import mlx.core as mx  # heavy: only while converting
+
+    dense = _dequantize(name, raw, qtype, raw.shape[0])
+    qw, qs, qb = mx.quantize(mx.array(dense), group_size=plan.group, bits=plan.bits)
+    parts = (qw, qs.astype(mx.float16), qb.astype(mx.float16))
+    return parts, _stored_error(parts, plan, dense), float(np.abs(dense).max(initial=0.0))
+
+
+def _matrix(name: str, raw: np.ndarray, qtype: str, plan: Plan
+            ) -> tuple[Plan, tuple[Any, ...], str, float, float]:
+    """A quantized matrix, CHUNK_ELEMENTS values at a time (so that no float32 copy of a
+    whole large tensor is ever held): (plan used, arrays, how, max error, max |value|)."""
+    import mlx.core as mx  # heavy: only while converting
+
+    rows = raw.shape[0]
+    cols = raw.shape[1] * _values_per_byte(qtype)
+    step = max(1, int(CHUNK_ELEMENTS // max(cols, 1)))
+    spans = [(a, min(a + step, rows)) for a in range(0, rows, step)]
+    done: list[tuple[tuple[Any, ...], float, float]] = []
+    how = "requantized"
+    if plan.way == "repack":
+        for a, b in spans:
+            part = _repack_rows(name, raw[a:b], qtype, plan)
+            if part is None:
+                done = []
+                break
+            mx.eval(*part[0])  # materialize now: the chunk's numpy buffers go away
+            done.append(part)
+        if done:
+            err = max(p[1] for p in done)
+            how = "exact" if err == 0.0 else "same grid"
+    if not done:
+        plan = Plan("affine", plan.bits, GROUP, "requantize")
+        for a, b in spans:
+            part = _requant_rows(name, raw[a:b], qtype, plan)
+            mx.eval(*part[0])
+            done.append(part)
+    arrays = tuple(mx.concatenate([p[0][i] for p in done], axis=0) if len(done) > 1
+                   else done[0][0][i] for i in range(len(done[0][0])))
+    return (plan, arrays, how, max(p[1] for p in done), max(p[2] for p in done))
+
+
+def _values_per_byte(qtype: str) -> float:
+    import gguf  # heavy: the type tables, only while converting
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    return block / size
 
 
 def convert_tensor(name: str, data: np.ndarray, qtype: str, shape: tuple[int, ...]
@@ -275,8 +338,11 @@ def convert_tensor(name: str, data: np.ndarray, qtype: str, shape: tuple[int, ..
     plan = PLANS[qtype]
     if plan.way == "float":
         if qtype == "BF16":
-            dense = _dequantize(name, data, qtype, 1)
-            arr = mx.array(dense).astype(mx.bfloat16)
+            # The stored bits as they are (no float32 copy of the tensor on the way).
+            bits16 = np.ascontiguousarray(data).view(np.uint16)
+            arr = mx.view(mx.array(bits16), mx.bfloat16)
+            if not bool(mx.all(mx.isfinite(arr)).item()):
+                raise _not_finite(name)
         else:
             arr = mx.array(np.ascontiguousarray(data))
         return Converted({name: arr.reshape(shape)}, None, qtype, qtype.lower(), True,
@@ -284,22 +350,18 @@ def convert_tensor(name: str, data: np.ndarray, qtype: str, shape: tuple[int, ..
 
     rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
     module = name.rsplit(".", 1)[0]
-    dense = _dequantize(name, data, qtype, rows)
     if len(shape) < 2 or not name.endswith(".weight") or shape[-1] % plan.group:
+        dense = _dequantize(name, data, qtype, rows)
         # Not a matrix MLX quantizes (a norm, a bias): its values exactly, as float32.
         return Converted({name: mx.array(dense.reshape(shape))}, None, qtype, "float32", True,
                          32, "exact", 0.0, float(np.abs(dense).max(initial=0.0)))
-    raw = np.ascontiguousarray(data).reshape(rows, -1)
-    if plan.way == "repack" and plan.mode == "affine":
-        triple = _affine_repack(name, raw, dense, qtype, plan.bits)
-        if triple is not None:
-            return _result(name, module, shape, qtype, plan, triple, dense, "repack")
-    elif plan.way == "repack":
-        q, scales = _fp4_codes(raw, qtype)
-        conv = _result(name, module, shape, qtype, plan, (q, scales), dense, "repack")
-        if conv.exact:  # else a scale MLX cannot hold (NVFP4 with its sign bit set)
-            return conv
-    qw, qs, qb = mx.quantize(mx.array(dense), group_size=GROUP, bits=plan.bits)
-    plan = Plan("affine", plan.bits, GROUP, "requantize")
-    return _result(name, module, shape, qtype, plan,
-                   (qw, qs.astype(mx.float16), qb.astype(mx.float16)), dense, "requantized")
+    raw = np.asarray(data).reshape(rows, -1)
+    plan, (w, sc, *b), how, err, top = _matrix(name, raw, qtype, plan)
+    lead = shape[:-1]
+    out = {name: w.reshape(*lead, -1), f"{module}.scales": sc.reshape(*lead, -1)}
+    if b:
+        out[f"{module}.biases"] = b[0].reshape(*lead, -1)
+    quant: dict[str, Any] = {"group_size": plan.group, "bits": plan.bits}
+    if plan.mode != "affine":
+        quant["mode"] = plan.mode
+    return Converted(out, quant, qtype, plan.stored, how == "exact", plan.bits, how, err, top)

@@ -32,7 +32,14 @@ import pytest
 from engine.importers import import_path
 from engine.importers.gguf_types import PLANS
 from engine.library import Library
-from tests.engine.gguf_factory import ModelSpec, Vocab, bpe_vocab, unpermute_index, write_gguf
+from tests.engine.gguf_factory import (
+    ModelSpec,
+    Vocab,
+    bpe_vocab,
+    encode,
+    unpermute_index,
+    write_gguf,
+)
 from tests.engine.llamacpp_reference import Reference, llama_cpp, reference
 
 
@@ -329,3 +336,24 @@ def test_logits_and_greedy_match_llama_cpp(cases: Callable[[str], Case], tokens:
         twin.close()
     assert np.abs(ours - twin_logits).max() <= TWIN_TOL[status], qtype
     assert greedy_ours(lm, prompt, N_GREEDY) == twin_greedy, qtype
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q6_K", "MXFP4", "IQ4_NL"])
+def test_a_tensor_converted_in_chunks_equals_it_converted_whole(
+        qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large tensors are converted a few rows at a time (no float32 copy of a whole tensor):
+    the same arrays, format and error as in one piece."""
+    import mlx.core as mx
+
+    from engine.importers import gguf_types
+
+    rng = np.random.default_rng(5)
+    raw, _, _ = encode((0.05 * rng.standard_normal((96, 256))).astype(np.float32), qtype, rng)
+    whole = gguf_types.convert_tensor("m.weight", raw, qtype, (96, 256))
+    monkeypatch.setattr(gguf_types, "CHUNK_ELEMENTS", 256 * 7)  # 7 rows a chunk: 14 chunks
+    parts = gguf_types.convert_tensor("m.weight", raw, qtype, (96, 256))
+    assert (parts.label, parts.quant, parts.max_error) == (whole.label, whole.quant,
+                                                           whole.max_error)
+    assert parts.arrays.keys() == whole.arrays.keys()
+    for k, v in whole.arrays.items():
+        assert mx.array_equal(v, parts.arrays[k]), k
