@@ -1,7 +1,8 @@
 #!/bin/sh
 # Install llama.cpp's Python binding (llama-cpp-python, the reference the tests compare GGUF
 # imports against and a peer in `strata bench`) into the virtual environment, and unpack
-# llama.cpp's real vocabulary files (models/ggml-vocab-*.gguf, the tokenizer tests' inputs).
+# llama.cpp's real vocabulary files and chat templates (models/ggml-vocab-*.gguf,
+# models/templates/*.jinja: the tokenizer tests' inputs).
 # PyPI has only its source: it is built once (about 2.5 minutes on 2 cores) into a wheel kept
 # in the user cache, so later installs take seconds. Usage: scripts/llama-cpp.sh VENV_PYTHON
 set -e
@@ -26,7 +27,8 @@ fi
 "$PY" -m pip install -q --no-deps --find-links "$WHEELS" "llama-cpp-python==$VERSION"
 # llama-cpp-python's own dependencies (small, pure Python wheels).
 "$PY" -m pip install -q "diskcache>=5.6.1" "typing-extensions>=4.5.0" >/dev/null
-if ! ls "$VOCAB"/ggml-vocab-*.gguf >/dev/null 2>&1; then
+if ! ls "$VOCAB"/ggml-vocab-*.gguf "$VOCAB"/templates/*.jinja >/dev/null 2>&1; then
   tar -xzf "$SDIST" -C "$VOCAB" --strip-components=4 --wildcards \
-    "llama_cpp_python-$VERSION/vendor/llama.cpp/models/ggml-vocab-*"
+    "llama_cpp_python-$VERSION/vendor/llama.cpp/models/ggml-vocab-*" \
+    "llama_cpp_python-$VERSION/vendor/llama.cpp/models/templates/*"
 fi

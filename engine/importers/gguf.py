@@ -126,7 +126,7 @@ def _convert(
 
     result = GGUFImport(config=config)
     meta["context_length"] = config["max_position_embeddings"]
-    result.tokenizer = write_tokenizer(meta, dest)
+    result.tokenizer = write_tokenizer(meta, dest, source=path)
     quant: dict[str, Any] = {"group_size": GROUP, "bits": 4}
     shard: dict[str, Any] = {}
     shard_bytes = 0

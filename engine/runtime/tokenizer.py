@@ -312,14 +312,40 @@ class Tokenizer:
             self._template = env.from_string(self.template_source or FALLBACK_TEMPLATE)
         context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
                    **variables}
-        return str(self._template.render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, **context))
+        msgs = list(messages)
+        try:
+            return str(self._template.render(
+                messages=msgs, add_generation_prompt=add_generation_prompt, **context))
+        except Exception as exc:  # the template's own raise_exception, or a Jinja error
+            merged = _system_into_first_user(msgs)
+            if merged is None:
+                raise
+            # Templates that refuse a system role (Gemma's): its text opens the first user
+            # turn, as LM Studio and Ollama do.
+            try:
+                return str(self._template.render(
+                    messages=merged, add_generation_prompt=add_generation_prompt, **context))
+            except Exception:
+                raise exc from None
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
                     ) -> list[int]:
         # Templates write BOS themselves when the model wants it, as Hugging Face assumes.
         return self.encode(self.render_chat(messages, add_generation_prompt), add_bos=False,
                            add_eos=False)
+
+
+def _system_into_first_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The messages with a leading system message folded into the first user one (None when
+    there is no such pair)."""
+    if not messages or messages[0].get("role") != "system":
+        return None
+    system, rest = messages[0], messages[1:]
+    for i, m in enumerate(rest):
+        if m.get("role") == "user" and isinstance(m.get("content"), str):
+            folded = dict(m, content=f"{system.get('content', '')}\n\n{m['content']}")
+            return [*rest[:i], folded, *rest[i + 1:]]
+    return None
 
 
 class StreamingDetokenizer:
