@@ -141,14 +141,26 @@ class StrataSubject(Subject):
         return self.lm.new_cache()
 
     def rewind(self, cache: Any, n: int) -> None:
+        from engine.kv.cache import trimmable  # loaded with LoadedModel by prepare(): no cost
+
         drop = len(cache.tokens) - n
         if drop <= 0:
             return
-        if not all(c.is_trimmable() for c in cache.cache):
-            raise RuntimeError("this KV cache cannot be trimmed")
-        for c in cache.cache:
-            c.trim(drop)
-        del cache.tokens[n:]
+        if all(trimmable(c, drop) for c in cache.cache):
+            for c in cache.cache:
+                c.trim(drop)
+            del cache.tokens[n:]
+            return
+        # A sliding-window layer past its window cannot forget positions: fill the first n
+        # tokens again (untimed, as every rewind is), as the engine itself does.
+        import mlx.core as mx  # loaded by prepare()
+
+        ids = list(cache.tokens[:n])
+        cache.clear()
+        for i in range(0, len(ids), 512):
+            self.lm.model(mx.array([ids[i:i + 512]]), cache=cache.cache)
+            mx.eval([c.state for c in cache.cache])
+        cache.tokens.extend(ids)
 
     def stream(self, ids: Sequence[int], cache: Any, max_tokens: int) -> Iterator[int]:
         # Loaded with the subject's stack by prepare() (see the module docstring).
@@ -216,11 +228,24 @@ class MlxLmSubject(Subject):
         return {"layers": make_prompt_cache(self.model), "tokens": []}
 
     def rewind(self, cache: Any, n: int) -> None:
-        from mlx_lm.models.cache import trim_prompt_cache  # loaded by prepare()
+        import mlx.core as mx  # loaded by prepare()
+        from mlx_lm.models.cache import (  # loaded by prepare()
+            can_trim_prompt_cache,
+            make_prompt_cache,
+            trim_prompt_cache,
+        )
 
         held = cache["layers"][0].offset
-        if held > n:
+        if held > n and can_trim_prompt_cache(cache["layers"]):
             trim_prompt_cache(cache["layers"], held - n)
+        elif held > n:
+            # A sliding-window cache past its window cannot forget positions: fill the first
+            # n tokens again, as Strata's PromptCache does (clear, then prefill).
+            ids = cache["tokens"][:n]
+            cache["layers"] = make_prompt_cache(self.model)
+            for i in range(0, len(ids), 512):
+                self.model(mx.array([ids[i:i + 512]]), cache=cache["layers"])
+                mx.eval([c.state for c in cache["layers"]])
         del cache["tokens"][n:]
 
     def stream(self, ids: Sequence[int], cache: Any, max_tokens: int) -> Iterator[int]:

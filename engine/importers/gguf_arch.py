@@ -445,12 +445,14 @@ GEMMA_LAYER = {
 }
 
 
-def _query_pre_attn_scalar(config: dict[str, Any], big_layers: int) -> float:
+def _query_pre_attn_scalar(config: dict[str, Any], big_layers: int) -> int:
     """llama.cpp scales queries by 1/sqrt(head size), except in the 27B models (told apart
-    by their layer count) where it is 1/sqrt(hidden / heads), as Google's gemma_pytorch."""
+    by their layer count) where it is 1/sqrt(hidden / heads), as Google's gemma_pytorch.
+    An int, as Hugging Face's Gemma configs have it (transformers' strict config checks the
+    type when mlx_lm.load opens the folder)."""
     if config["num_hidden_layers"] == big_layers:
-        return float(config["hidden_size"] // config["num_attention_heads"])
-    return float(config["head_dim"])
+        return int(config["hidden_size"] // config["num_attention_heads"])
+    return int(config["head_dim"])
 
 
 def _gemma2_config(m: Meta) -> dict[str, Any]:
