@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 import shutil
 import struct
 import tempfile
@@ -117,8 +118,11 @@ class Source:
 
     @property
     def default_name(self) -> str:
-        """The library name an import gives it: the file's stem, or the folder's name."""
-        return clean_name(self.path.stem if self.kind == "gguf" else self.path.resolve().name)
+        """The library name an import gives it: the file's stem (a split GGUF's without its
+        -00001-of-00003 part), or the folder's name."""
+        if self.kind == "gguf":
+            return clean_name(re.sub(r"-\d{5}-of-\d{5}$", "", self.path.stem))
+        return clean_name(self.path.resolve().name)
 
     def tokenizer_bytes(self) -> int:
         """Bytes of the tokenizer files a folder holds (a GGUF's are written at import: 0)."""
