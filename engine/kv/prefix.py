@@ -34,6 +34,18 @@ has a window file, and a restore sets each sliding layer's rotating cache to its
 a restored prefix gives the logits a prefill would. Window files go with the budget like runs
 (least recently used first) and when their page is no longer stored.
 
+Every KV mode: `restore` and `store` take mlx-lm's caches (pages map onto its KVCache arrays)
+or the paged KV cache's (engine.kv.cache): a paged restore commits each verified page to the
+caches' store as a computed page is committed (a RAM slot under the store's budget, written
+through to its SSD tier, evicted as usual), and a paged store copies the pages out of the
+store (either tier). The records hold the pages as the store encodes them: at 16 bits the
+keys and values in the compute dtype (the same records as mlx-lm's cache, so all three modes
+share them), at 8 and 4 bits the quantized bytes (format 2 layer records, with the group) and
+each layer's key summaries taken before quantization, so a restore gives the very pages and
+sparse selections the prefilling store had; bits and group are in the key (`model_key`). The
+page size is the store's (the runtime sets it). A sliding model's window file sets the
+paged mode's window caches; such a model restores into an empty cache only.
+
 Writes: `store` snapshots new pages on the calling thread; a background thread writes the run
 (temp file + rename, so a run appears whole or not at all). Disk budget: least recently used
 whole runs leave when the folder passes it, and with them every run whose parent page is no
@@ -67,7 +79,18 @@ import numpy as np
 import xxhash
 
 from engine.errors import StrataError
-from engine.kv.pagefile import _CRC, _HEADER, DTYPE_CODES, FORMAT_VERSION, MAGIC, PageHeader
+from engine.kv.cache import WINDOW_STEP, PagedLayerCache, WindowLayerCache
+from engine.kv.codec import PageCodec, Parts
+from engine.kv.pagefile import (
+    _CRC,
+    _HEADER,
+    _HEADER_Q,
+    DTYPE_CODES,
+    FORMAT_VERSION,
+    MAGIC,
+    QUANT_FORMAT_VERSION,
+    PageHeader,
+)
 from engine.kv.settings import KVGeometry
 from engine.platform import default_home, pid_alive
 
@@ -219,6 +242,9 @@ class _Job:
     mtime_ns: int = 0  # 0: now; else older than its parent runs' (LRU drops children first)
     window: Window | None = None  # the sliding layers' window at the prompt's depth
     hash: bytes | None = None  # the chain hash of that depth's last page
+    # From the paged store instead of k/v: per page, per layer (k parts, v parts, key min,
+    # key max), numpy arrays as the store encodes them (summaries only when quantized).
+    paged: list[list[tuple[Parts, Parts, Any, Any]]] | None = None
 
 
 @dataclass
@@ -241,11 +267,17 @@ class PrefixCache:
 
     def __init__(self, key: bytes, n_layers: int, kv_heads: int, head_dim: int, dtype: str,
                  settings: PrefixSettings | None = None, windows: Sequence[int] = (),
-                 window_shapes: Sequence[tuple[int, int, int]] = ()) -> None:
+                 window_shapes: Sequence[tuple[int, int, int]] = (), bits: int = 16,
+                 group: int = 64) -> None:
         """n_layers, kv_heads, head_dim: the full-attention layers' (those in page records).
         windows: each model layer's sliding window, 0 for full attention (empty: all full);
-        window_shapes: (kv_heads, key dim, value dim) of each sliding layer, in order."""
+        window_shapes: (kv_heads, key dim, value dim) of each sliding layer, in order.
+        bits, group: the paged KV cache's page encoding (engine.kv.codec); 8 and 4 bits store
+        the quantized page bytes as the paged store holds them (the key must say so too)."""
         self.settings = settings or settings_from_env()
+        if bits != 16 and dtype == "bfloat16":
+            raise PrefixCacheError("prefix cache: quantized pages of bfloat16 KV are not held")
+        self.codec = PageCodec(bits, group, "float32" if dtype == "bfloat16" else dtype)
         wins = list(windows) or [0] * n_layers
         # Model layer indices: full-attention ones (page records), sliding ones (window files).
         self.full = [i for i, w in enumerate(wins) if w == 0]
@@ -265,8 +297,15 @@ class PrefixCache:
         self.half = kv_heads * self.P * head_dim * self.np_dtype.itemsize
         self.head_bytes = self.P * head_dim * self.np_dtype.itemsize
         self.page_head = _PX.size + 4 * self.P + _CRC.size
-        self.page_bytes = (self.page_head
-                           + n_layers * (_HEADER.size + 2 * self.half + _CRC.size))
+        # One layer record: the SSD tier's (format 1 as computed, format 2 quantized). A
+        # quantized page also carries its key summaries (per layer min and max of the keys
+        # before quantization, compute dtype), so a sparse restore selects as the original.
+        self.payload = 2 * kv_heads * self.P * self.codec.vector_bytes(head_dim)
+        self.layer_bytes = (_HEADER_Q.size if self.codec.quantized else _HEADER.size
+                            ) + self.payload + _CRC.size
+        self.summary_bytes = (n_layers * 2 * kv_heads * head_dim * self.np_dtype.itemsize
+                              if self.codec.quantized else 0)
+        self.page_bytes = self.page_head + n_layers * self.layer_bytes + self.summary_bytes
         self.folder = self.settings.root()
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -287,15 +326,17 @@ class PrefixCache:
 
     @classmethod
     def for_geometry(cls, geometry: KVGeometry, key: bytes,
-                     settings: PrefixSettings | None = None) -> PrefixCache:
-        """The prefix cache of a model with this KV geometry and key (`model_key`); refused
-        (PrefixCacheError, the geometry's one line) for a model it cannot hold."""
+                     settings: PrefixSettings | None = None, bits: int = 16, group: int = 64
+                     ) -> PrefixCache:
+        """The prefix cache of a model with this KV geometry and key (`model_key`), its pages
+        encoded as the paged store's at `bits` and `group`; refused (PrefixCacheError, the
+        geometry's one line) for a model it cannot hold."""
         if geometry.no_prefix is not None:
             raise PrefixCacheError(geometry.no_prefix)
         sliding = geometry.window_layers
         return cls(key, len(geometry.paged_layers), geometry.kv_heads, geometry.head_dim,
                    geometry.dtype, settings, geometry.windows,
-                   [geometry.shape(i) for i in sliding])
+                   [geometry.shape(i) for i in sliding], bits, group)
 
     @property
     def has_windows(self) -> bool:
@@ -385,10 +426,16 @@ class PrefixCache:
     def restore(self, caches: list[Any], prompt: Sequence[int], plan: Plan, cached: int
                 ) -> int:
         """Fill `caches` (which hold `cached` tokens) with stored pages up to plan.hit_pages;
-        returns the tokens the caches hold now. Only pages that verify are used."""
+        returns the tokens the caches hold now. Only pages that verify are used. `caches`
+        are mlx-lm's (pages go into their arrays) or the paged KV cache's (pages go into its
+        store as committed pages; `_restore_paged`)."""
         first = cached // self.P
         if plan.hit_pages <= first:
             return cached
+        if _paged(caches, self.full):
+            return self._restore_paged(caches, prompt, plan, cached)
+        if self.codec.quantized:
+            return cached  # quantized pages map onto the paged store only
         t0 = time.perf_counter()
         window = None
         if self.sliding:
@@ -456,6 +503,153 @@ class PrefixCache:
         self.stats.bytes_read += good * self.page_bytes
         self.stats.restore_s += time.perf_counter() - t0
         return end
+
+    def _restore_paged(self, caches: list[Any], prompt: Sequence[int], plan: Plan,
+                       cached: int) -> int:
+        """The paged KV cache's restore: each stored page is read, verified and committed to
+        the caches' store in page order (a RAM slot, evicting and written through to its SSD
+        tier as any committed page), so RAM holds no more than the store's budget allows; a
+        sliding layer's window cache is set to the stored window. Pages after one that fails
+        are not used. A model with sliding layers restores into an empty cache only (the
+        window is all or nothing: a failure leaves the cache empty)."""
+        P = self.P
+        full = [caches[i] for i in self.full]
+        store = full[0].store
+        if not self._fits(store):
+            return cached  # a store of another layout: its pages are not these records
+        if self.sliding and cached:
+            return cached
+        t0 = time.perf_counter()
+        window = None
+        if self.sliding:
+            window = self._read_window(plan.hashes[plan.hit_pages - 1], plan.hit_pages)
+            if window is None:
+                return cached
+        first = cached // P
+        want = plan.hit_pages
+        opened = self._open(plan, first)
+        if plan.hit_pages <= first or (window is not None and plan.hit_pages != want):
+            for _, fd, advice in opened:
+                advice.result()
+                os.close(fd)
+            return cached
+        if cached > first * P:
+            for c in full:  # the partial page held in memory: the stored one replaces it
+                c.trim(cached - first * P)
+        good = 0
+        buf = bytearray(self.page_bytes)
+        try:
+            fds = {run.path: fd for run, fd, _ in opened}
+            for d in range(first, plan.hit_pages):
+                run, i = plan.where(d)
+                try:
+                    n = os.preadv(fds[run.path], [buf], run.offset(i, self.page_bytes))
+                except OSError:
+                    n = 0
+                if n != self.page_bytes:
+                    break  # truncated since lookup: this page and those after it are unused
+                layers = self._parse_record(buf, plan.hashes[d], d, prompt)
+                if layers is None:
+                    self.stats.corrupt_pages += 1
+                    self._cut(run, i)
+                    plan.stored_pages = d
+                    break
+                for layer, (kp, vp, kmin, kmax) in enumerate(layers):
+                    store.commit_parts(layer, kp, vp, kmin, kmax)
+                mx.eval([p for c in full for p in c.state])  # the page owns its slot now
+                good += 1
+        finally:
+            for _, fd, advice in opened:
+                advice.result()
+                os.close(fd)
+        plan.hit_pages = first + good
+        if window is not None and plan.hit_pages != want:
+            for c in full:  # no window for this depth: back to the empty cache
+                c.trim(c.offset)
+            return 0
+        end = (first + good) * P
+        for c in full:
+            c.offset = end
+            c.tail_k = c.tail_v = None
+        if good == 0:
+            return first * P
+        if window is not None:
+            for (i, _w), (k, v) in zip(self.sliding, window, strict=True):
+                _set_window(caches[i], k, v, end)
+        self._touch(plan.runs, plan.hit_pages)
+        if window is not None:
+            with contextlib.suppress(OSError):
+                os.utime(self.window_path(plan.hashes[plan.hit_pages - 1]))
+        self.stats.hits += 1
+        self.stats.restored_tokens += end - first * P
+        self.stats.bytes_read += good * self.page_bytes
+        self.stats.restore_s += time.perf_counter() - t0
+        return end
+
+    def _fits(self, store: Any) -> bool:
+        """Whether a paged store's pages are this cache's records: page size, shape, dtype,
+        bits and (quantized) group."""
+        c = store.codec
+        return ((store.P, store.kv_heads, store.head_dim, store.n_layers, c.bits, c.dtype)
+                == (self.P, self.kv_heads, self.head_dim, self.n_layers, self.codec.bits,
+                    self.codec.dtype)
+                and (not c.quantized or c.group == self.codec.group))
+
+    def _parse_record(self, buf: bytearray, h: bytes, depth: int, prompt: Sequence[int]
+                      ) -> list[tuple[Parts, Parts, Any, Any]] | None:
+        """A whole page record, verified (page header, hash, depth, tokens, the digest over
+        every byte after the header, each layer record's header): per layer the encoded k
+        and v parts and the key summaries, MLX arrays; None if anything does not check."""
+        P, heads, hd = self.P, self.kv_heads, self.head_dim
+        head = bytes(buf[:self.page_head])
+        body = head[:-_CRC.size]
+        if zlib.crc32(body) != _CRC.unpack(head[-_CRC.size:])[0]:
+            return None
+        magic, version, ptok, d, layers, _parent, own, digest = _PX.unpack(body[:_PX.size])
+        if (magic, version, ptok, d, layers, own) != (PREFIX_MAGIC, PREFIX_VERSION, P, depth,
+                                                      self.n_layers, h):
+            return None
+        toks = np.frombuffer(body, "<u4", count=P, offset=_PX.size)
+        if not np.array_equal(toks, np.asarray(prompt[depth * P:(depth + 1) * P], "<u4")):
+            return None
+        rest = memoryview(buf)[self.page_head:]
+        if xxhash.xxh3_64_intdigest(rest) != digest:
+            return None
+        q = self.codec.quantized
+        hs = _HEADER_Q if q else _HEADER
+        dims = self.codec.part_dims(hd)
+        out: list[tuple[Parts, Parts, Any, Any]] = []
+        off = self.page_head
+        for layer in range(self.n_layers):
+            expect = (MAGIC, QUANT_FORMAT_VERSION if q else FORMAT_VERSION, layer, depth,
+                      depth * P, P, self.dtype_code, self.codec.bits, heads, hd, P,
+                      self.payload) + ((self.codec.group,) if q else ())
+            if hs.unpack_from(buf, off) != expect:
+                return None
+            pos = off + hs.size
+            kv: list[Parts] = []
+            for _ in range(2):
+                parts = []
+                for n, dt in dims:
+                    a = np.frombuffer(buf, dt, count=heads * P * n, offset=pos)
+                    parts.append(mx.array(a.reshape(heads, P, n)))
+                    pos += a.nbytes
+                kv.append(tuple(parts))
+            out.append((kv[0], kv[1], None, None))
+            off += self.layer_bytes
+        mins: list[Any] = []
+        for layer in range(self.n_layers):
+            if not q:
+                k = out[layer][0][0]  # as computed: the summaries are the keys' own
+                mins.append((k.min(axis=1), k.max(axis=1)))
+                continue
+            arrs = []
+            for _ in range(2):
+                a = np.frombuffer(buf, self.np_dtype, count=heads * hd, offset=off)
+                arrs.append(mx.array(a.reshape(heads, hd)))
+                off += a.nbytes
+            mins.append((arrs[0], arrs[1]))
+        return [(kp, vp, lo, hi) for (kp, vp, _, _), (lo, hi) in zip(out, mins, strict=True)]
 
     def read_pages(self, plan: Plan, prompt: Sequence[int], ks: list[np.ndarray],
                    vs: list[np.ndarray], first: int = 0) -> int:
@@ -618,15 +812,25 @@ class PrefixCache:
         ks, vs, tokens = [], [], None
         for (i, w), (heads, dk, dv) in zip(self.sliding, self.window_shapes, strict=True):
             c = caches[i]
-            if not _is_rotating(c) or c.keys is None:
-                return None
-            keys, values, offset, keep, _max, idx = c.state
-            if keep or (tokens is not None and offset != tokens):
-                return None
-            tokens = int(offset)
-            n = min(w, tokens)
-            k, v = _temporal(keys, idx, tokens), _temporal(values, idx, tokens)
-            k, v = k[0, :, k.shape[2] - n:], v[0, :, v.shape[2] - n:]
+            if isinstance(c, WindowLayerCache):
+                # The paged mode's window cache: positions [start, offset) from index 0.
+                if c.keys is None or (tokens is not None and c.offset != tokens):
+                    return None
+                tokens = int(c.offset)
+                n, held = min(w, tokens), c.offset - c.start
+                if held < n:
+                    return None
+                k, v = c.keys[0, :, held - n:held], c.values[0, :, held - n:held]
+            else:
+                if not _is_rotating(c) or c.keys is None:
+                    return None
+                keys, values, offset, keep, _max, idx = c.state
+                if keep or (tokens is not None and offset != tokens):
+                    return None
+                tokens = int(offset)
+                n = min(w, tokens)
+                k, v = _temporal(keys, idx, tokens), _temporal(values, idx, tokens)
+                k, v = k[0, :, k.shape[2] - n:], v[0, :, v.shape[2] - n:]
             if self.dtype_name == "bfloat16":
                 k, v = k.view(mx.uint16), v.view(mx.uint16)
             kn, vn = np.array(k, copy=True), np.array(v, copy=True)
@@ -646,7 +850,14 @@ class PrefixCache:
         that depth); returns pages queued. Runs on the generating thread (MLX arrays belong
         to it): copies them out."""
         full = [caches[i] for i in self.full]
-        if self._closed or not all(_is_kvcache(c) and c.keys is not None for c in full):
+        paged = _paged(caches, self.full)
+        if paged:
+            if not self._fits(full[0].store):
+                return 0  # a store of another layout: never store it under this key
+        elif self.codec.quantized or not all(_is_kvcache(c) and c.keys is not None
+                                             for c in full):
+            return 0
+        if self._closed:
             return 0
         n = len(plan.hashes)
         if window is not None and (not n or window.tokens != n * self.P
@@ -671,6 +882,19 @@ class PrefixCache:
             return 0
         if stop < n:
             window = None  # its page is not stored: it could never be used
+        pages = []
+        for d in range(start, stop):
+            parent = plan.hashes[d - 1] if d else bytes(32)
+            toks = np.asarray(prompt[d * self.P:(d + 1) * self.P], "<u4")
+            pages.append((d, parent, plan.hashes[d], toks))
+        if paged:
+            copied = self._copy_paged(full[0].store, start, stop)
+            if copied is None:
+                return 0
+            oldest = self._touch(runs, start)
+            self._q.put(_Job(pages, [], [], start, mtime_ns=oldest, window=window,
+                             hash=plan.hashes[n - 1], paged=copied))
+            return len(pages)
         a, b = start * self.P, stop * self.P
         ks, vs = [], []
         for c in full:
@@ -682,15 +906,37 @@ class PrefixCache:
                 return 0  # a cache that is not what the key says: never store it
             ks.append(kn)
             vs.append(vn)
-        pages = []
-        for d in range(start, stop):
-            parent = plan.hashes[d - 1] if d else bytes(32)
-            toks = np.asarray(prompt[d * self.P:(d + 1) * self.P], "<u4")
-            pages.append((d, parent, plan.hashes[d], toks))
         oldest = self._touch(runs, start)
         self._q.put(_Job(pages, ks, vs, start, mtime_ns=oldest, window=window,
                          hash=plan.hashes[n - 1]))
         return len(pages)
+
+    def _copy_paged(self, store: Any, start: int, stop: int
+                    ) -> list[list[tuple[Parts, Parts, Any, Any]]] | None:
+        """Pages start..stop of every layer of a paged store, copied out as the store
+        encodes them (cold pages read back from its SSD tier), with their key summaries
+        when quantized; None if a page cannot be read or is not of this layout."""
+        out: list[list[tuple[Parts, Parts, Any, Any]]] = []
+        dims = self.codec.part_dims(self.head_dim)
+        want = [(self.kv_heads, self.P, n) for n, _ in dims]
+        try:
+            for d in range(start, stop):
+                row: list[tuple[Parts, Parts, Any, Any]] = []
+                for layer in range(self.n_layers):
+                    kp, vp = store.page_parts(layer, d)
+                    if ([tuple(a.shape) for a in kp] != want
+                            or [tuple(a.shape) for a in vp] != want
+                            or [a.dtype for a in kp] != [dt for _, dt in dims]):
+                        return None
+                    lo = hi = None
+                    if self.codec.quantized:
+                        kmin, kmax = store.summary(layer, d)
+                        lo, hi = np.array(kmin, copy=True), np.array(kmax, copy=True)
+                    row.append((kp, vp, lo, hi))
+                out.append(row)
+        except StrataError:
+            return None  # a page of the SSD tier that does not verify: never stored
+        return out
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued pages are on disk; False if `timeout` passed first."""
@@ -740,13 +986,21 @@ class PrefixCache:
         bufs: list[Any] = [b""]  # the page header, once the digest of the records is known
         x = xxhash.xxh3_64()
         pos = (depth - job.first) * P
+        q = self.codec.quantized
         for layer in range(self.n_layers):
-            head = PageHeader(layer, depth, depth * P, P, self.dtype_code, 16, self.kv_heads,
-                              self.head_dim, P, 2 * self.half).pack()
+            head = PageHeader(layer, depth, depth * P, P, self.dtype_code, self.codec.bits,
+                              self.kv_heads, self.head_dim, P, self.payload,
+                              self.codec.group if q else 0).pack()
             segs: list[Any] = [head]
-            for arr in (job.k[layer], job.v[layer]):
-                segs.extend(np.ascontiguousarray(arr[hh, pos:pos + P]).data.cast("B")
-                            for hh in range(self.kv_heads))
+            if job.paged is not None:
+                # Part by part, each (kv_heads, P, n): the SSD tier's record layout.
+                kp, vp, _, _ = job.paged[depth - job.first][layer]
+                for parts in (kp, vp):
+                    segs.extend(np.ascontiguousarray(a).data.cast("B") for a in parts)
+            else:
+                for arr in (job.k[layer], job.v[layer]):
+                    segs.extend(np.ascontiguousarray(arr[hh, pos:pos + P]).data.cast("B")
+                                for hh in range(self.kv_heads))
             crc = 0
             for s in segs:
                 crc = zlib.crc32(s, crc)
@@ -754,6 +1008,12 @@ class PrefixCache:
             for s in segs:
                 x.update(s)
             bufs.extend(segs)
+        if q and job.paged is not None:
+            for _, _, lo, hi in job.paged[depth - job.first]:
+                for a in (lo, hi):
+                    seg = np.ascontiguousarray(a, dtype=self.np_dtype).data.cast("B")
+                    x.update(seg)
+                    bufs.append(seg)
         body = _PX.pack(PREFIX_MAGIC, PREFIX_VERSION, P, depth, self.n_layers, parent, h,
                         x.intdigest()) + toks.tobytes()
         bufs[0] = body + _CRC.pack(zlib.crc32(body))
@@ -1099,3 +1359,27 @@ def prefix_folder_bytes(settings: PrefixSettings | None = None) -> int:
     """Bytes the prefix folder holds (for the memory panel), 0 if it does not exist."""
     s = settings or settings_from_env()
     return sum(size for _, size, _ in _scan(s.root()))
+
+
+def _paged(caches: Sequence[Any], full: Sequence[int]) -> bool:
+    """Whether the full-attention layers' caches are the paged KV cache's, over one store."""
+    cs = [caches[i] for i in full]
+    return bool(cs) and all(isinstance(c, PagedLayerCache) for c in cs) and len(
+        {id(c.store) for c in cs}) == 1
+
+
+def _set_window(c: Any, k: Any, v: Any, end: int) -> None:
+    """A sliding layer's cache as a prefill to `end` would leave it: its last min(window,
+    end) positions (k, v: (1, heads, n, dim)); mlx-lm's rotating cache or the paged mode's
+    window cache."""
+    if isinstance(c, WindowLayerCache):
+        n = k.shape[2]
+        cap = -(-(n + WINDOW_STEP) // WINDOW_STEP) * WINDOW_STEP
+        nk = mx.zeros((1, k.shape[1], cap, k.shape[3]), k.dtype)
+        nv = mx.zeros((1, v.shape[1], cap, v.shape[3]), v.dtype)
+        nk[..., :n, :] = k
+        nv[..., :n, :] = v
+        mx.eval(nk, nv)
+        c.keys, c.values, c.start, c.offset = nk, nv, end - n, end
+    else:
+        c.state = (k, v, end, 0, c.max_size, k.shape[2])

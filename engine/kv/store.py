@@ -171,13 +171,20 @@ class KVStore:
 
     def commit(self, layer: int, k: Any, v: Any) -> int:
         """Store a full page (k, v: (kv_heads, P, head_dim) MLX arrays); returns its index."""
+        # Summaries from the keys as computed: quantization error stays out of the bounds.
+        return self.commit_parts(layer, self.codec.encode(k), self.codec.encode(v),
+                                 k.min(axis=1), k.max(axis=1))
+
+    def commit_parts(self, layer: int, kp: Parts, vp: Parts, kmin: Any, kmax: Any) -> int:
+        """Store a full page already encoded by this store's codec (each part (kv_heads, P,
+        n), MLX arrays) with its key summaries ((kv_heads, head_dim) element-wise min and max
+        of the keys as computed); returns its index. A restored page enters as a computed one
+        does: a RAM slot (evicting as usual), written through to the SSD tier."""
         table = self.tables[layer]
         slot = self._slot(layer)
-        kp, vp = self.codec.encode(k), self.codec.encode(v)
         self._put(layer, slot, kp, vp)
         page = table.add_page(slot)
-        # Summaries from the keys as computed: quantization error stays out of the bounds.
-        table.add_summary(k.min(axis=1)[None], k.max(axis=1)[None])
+        table.add_summary(kmin[None], kmax[None])
         if self.writer is not None and self.writer.full_reason is None:
             mx.eval(*kp, *vp)
             serial = self.writer.put(layer, page, page * self.P,
@@ -212,6 +219,20 @@ class KVStore:
         k, v = self._read_np(layer, page)
         return (self.codec.decode(tuple(mx.array(a) for a in k)),
                 self.codec.decode(tuple(mx.array(a) for a in v)))
+
+    def page_parts(self, layer: int, page: int) -> tuple[Parts, Parts]:
+        """One page's encoded (k, v) parts as numpy arrays (kv_heads, P, n), from either tier
+        (a cold page is read and verified, not brought into RAM)."""
+        slot = int(self.tables[layer].slot_of[page])
+        pk, pv = self.pool_k[layer], self.pool_v[layer]
+        if slot >= 0 and pk is not None and pv is not None:
+            return (tuple(np.array(a[slot]) for a in pk), tuple(np.array(a[slot]) for a in pv))
+        return self._read_np(layer, page)
+
+    def summary(self, layer: int, page: int) -> tuple[Any, Any]:
+        """One page's key summaries: (kv_heads, head_dim) min and max, MLX arrays."""
+        table = self.tables[layer]
+        return table.kmin[page], table.kmax[page]
 
     def resident_parts(self, layer: int, n_pages: int) -> tuple[Parts, Parts] | None:
         """Encoded keys and values of pages [0, n_pages) if all are in RAM, else None (no

@@ -8,8 +8,11 @@ checked between steps. A `PromptCache` keeps the KV of the tokens it has seen, s
 prompt that shares a prefix prefills only what is new. With `lm.enable_prefix_cache()` the
 full pages of every prompt also go to the prefix cache on the SSD (engine.kv.prefix), and a
 later prompt (in this process or after a restart) restores its longest stored prefix instead
-of prefilling it; restored tokens count as `cached_tokens`. Every attention layout mlx-lm
-has: sliding-window layers keep their window in RAM while full-attention layers page, and a
+of prefilling it; restored tokens count as `cached_tokens`. In every KV mode: mlx-lm's cache
+takes the pages into its arrays, the paged modes (exact, sparse; 16, 8 or 4 bits) commit them
+to the store as its own pages and store theirs from it (engine.kv.prefix, paged restore).
+Every attention layout mlx-lm has: sliding-window layers keep their window in RAM while
+full-attention layers page, and a
 model the paged cache cannot hold (recurrent or hybrid layers, ...) runs in mlx-lm's cache
 with its one line in `LoadedModel.kv_notice` (logged once as a warning). All MLX work happens
 on the calling thread: the thread that loads a model must be the one that generates with it.
@@ -20,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +39,9 @@ from engine.kv import (
     make_paged_cache,
     trimmable,
 )
+from engine.kv.codec import codec_for
 from engine.kv.prefix import PrefixCache, PrefixSettings, Window, model_key
+from engine.kv.prefix import settings_from_env as prefix_settings_from_env
 from engine.library import Library, Manifest
 from engine.platform import (
     ComputeProfile,
@@ -111,15 +116,39 @@ class LoadedModel:
                                          cache_module().make_prompt_cache(self.model))
         return self._geometry
 
+    def kv_encoding(self) -> tuple[int, int]:
+        """(bits, group) of the pages prompt caches hold: the paged store's codec in a paged
+        mode (the group it really uses), (16, 64) in mlx-lm's cache."""
+        s = self.kv_settings
+        if s is None or not self.paged or s.bits == 16:
+            return 16, 64
+        g = self.kv_geometry
+        return s.bits, codec_for(s.bits, s.group(), g.dtype, g.head_dim).group
+
     def prefix_key(self) -> bytes:
-        """The key of this model's pages in the prefix cache (its KV bits included)."""
-        bits = self.kv_settings.bits if self.kv_settings is not None else 16
-        return model_key(model_identity(self.manifest, self.config, self.profile, bits))
+        """The key of this model's pages in the prefix cache (KV bits and group included)."""
+        bits, group = self.kv_encoding()
+        return model_key(model_identity(self.manifest, self.config, self.profile, bits, group))
 
     def new_prefix_cache(self, settings: PrefixSettings | None = None) -> PrefixCache:
         """A prefix cache for this model (settings None: the environment's), not installed;
-        PrefixCacheError (one line) for a model whose caches it cannot hold."""
-        return PrefixCache.for_geometry(self.kv_geometry, self.prefix_key(), settings)
+        PrefixCacheError (one line) for a model whose caches it cannot hold. In a paged mode
+        its pages are the paged store's (page size, bits, group), so that prompt caches
+        restore into and store from the store's pages."""
+        s = settings or prefix_settings_from_env()
+        if self.paged and self.kv_settings is not None:
+            s = replace(s, page_tokens=self.kv_settings.page_tokens)
+        bits, group = self.kv_encoding()
+        return PrefixCache.for_geometry(self.kv_geometry, self.prefix_key(), s, bits, group)
+
+    def prefix_cache_fits(self) -> bool:
+        """Whether the installed prefix cache is the one these KV settings need (key, page
+        size); False when there is none."""
+        pc = self.prefix_cache
+        if pc is None:
+            return False
+        want = self.kv_settings.page_tokens if self.paged and self.kv_settings else pc.P
+        return pc.key == self.prefix_key() and pc.P == want
 
     def enable_prefix_cache(self, settings: PrefixSettings | None = None) -> PrefixCache:
         """Turn on the SSD prefix cache for this model (settings: PrefixSettings or None for
@@ -259,8 +288,9 @@ def generate(
     """
     own = prompt_cache is None
     pc = prompt_cache or lm.new_cache()
-    if prefix_cache and lm.prefix_cache is None and lm.kv_geometry.no_prefix is None:
-        lm.enable_prefix_cache()
+    if prefix_cache and not lm.prefix_cache_fits() and lm.kv_geometry.no_prefix is None:
+        old = lm.prefix_cache
+        lm.enable_prefix_cache(None if old is None else old.settings)
     prefix = lm.prefix_cache if prefix_cache is not False else None
     try:
         yield from _generate(lm, prompt, params, max_tokens, stop, cancel, pc, timeline, prefix)
@@ -299,8 +329,8 @@ def _generate(
     mx.reset_peak_memory()
     start = time.perf_counter()
 
-    if paged:
-        prefix = None  # the SSD prefix cache maps onto mlx-lm's KVCache only
+    if prefix is not None and not lm.prefix_cache_fits():
+        prefix = None  # keyed for other KV settings (set since): never mix their pages
     plan = None
     with timeline.phase("cache lookup"):
         cached = pc.reuse(prompt)

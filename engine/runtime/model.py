@@ -101,15 +101,21 @@ def weights_fingerprint(manifest: Mapping[str, Any]) -> str:
 
 
 def model_identity(manifest: Mapping[str, Any], config: Mapping[str, Any],
-                   profile: ComputeProfile, kv_bits: int = 16) -> dict[str, Any]:
+                   profile: ComputeProfile, kv_bits: int = 16, kv_group: int = 64
+                   ) -> dict[str, Any]:
     """What must match for stored KV to be valid for a model: weights, the whole config
     (architecture, RoPE: theta, scaling, traditional; quantization), compute profile, KV
-    dtype and bits. engine.kv.prefix.model_key hashes it into the pages' key."""
+    dtype, bits and (8 and 4 bits) quantization group. engine.kv.prefix.model_key hashes it
+    into the pages' key. The KV mode is not in it: 16-bit pages are the model's keys and
+    values in the compute dtype whichever cache computed them (mlx-lm's, exact, sparse:
+    they differ by float rounding at most, as prefill chunkings do), and quantized pages
+    are the same bytes in exact and sparse mode (both prefill exactly)."""
+    kv: list[Any] = [profile.dtype, kv_bits] + ([kv_group] if kv_bits != 16 else [])
     return {
         "weights": weights_fingerprint(manifest),
         "config": dict(config),
         "profile": [profile.name, profile.dtype, profile.dequantize],
-        "kv": [profile.dtype, kv_bits],
+        "kv": kv,
     }
 
 

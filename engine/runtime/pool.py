@@ -142,10 +142,12 @@ class ModelPool:
             return
         try:
             wanted = self.prefix_settings()
-            if lm.prefix_cache is None:
+            pc = lm.prefix_cache
+            if pc is None or not lm.prefix_cache_fits():
+                # None yet, or keyed for other KV settings (bits, group, page size).
                 lm.enable_prefix_cache(wanted)
-            elif wanted.budget_mb != lm.prefix_cache.settings.budget_mb:
-                lm.prefix_cache.set_budget(wanted.budget_mb)  # evicts in the background
+            elif wanted.budget_mb != pc.settings.budget_mb:
+                pc.set_budget(wanted.budget_mb)  # evicts in the background
         except StrataError as exc:  # an unwritable folder: the prefix cache is optional
             log.warning("prefix cache off: %s", exc)
             self._prefix_reason = f"prefix cache unavailable: {exc}"

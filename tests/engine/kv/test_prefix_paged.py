@@ -1,0 +1,265 @@
+"""The prefix cache in the paged KV modes (exact and sparse, 16, 8 and 4 bits) on the real
+starter model and real files: a ~1,500-token system prompt prefilled in one mode is restored
+into a fresh paged store, in this process and after a restart (the real command line), as
+exactly the pages (and key summaries) the prefilling store held, in either paged mode, and
+the greedy reply is the prefilling process's; a prompt that diverges reuses the pages before
+the divergence; a corrupt or truncated record is refused and the answer stays the same; a
+sliding-window model restores its windows into the paged mode's window caches."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.kv import KVSettings
+from engine.kv.prefix import PrefixCache, PrefixSettings
+from engine.runtime.generate import LoadedModel, PromptCache, generate
+from engine.runtime.sampling import SamplingParams
+from tests.helpers import run_strata
+
+GREEDY = SamplingParams(temperature=0)
+REPLY = 8
+PAGE = 128  # the paged store's default page: the prefix cache follows it
+# Sparse mode attends to 768 tokens per step (sinks 128, window 512, one selected page): the
+# ~1,500-token prompt has 6 candidate pages, so the key summaries decide what is read.
+BUDGET = 768
+QUESTION = "Which ledgers mention the schooner?"
+SHIPS = ["Marten", "Halcyon", "Bittern", "Osprey", "Kestrel", "Petrel", "Curlew", "Tern"]
+CARGO = ["salt cod", "oak staves", "tar", "slate", "wool", "copper ore", "lamp oil", "rope"]
+
+
+def _system(ledgers: int, start: int = 0) -> str:
+    """A system prompt of natural text, about 32 tokens per ledger."""
+    return "You are the archivist of a small maritime museum. " + " ".join(
+        f"Ledger {i} of the harbour office records {CARGO[i % 8]} landed by the "
+        f"{SHIPS[(3 * i) % 8]} in {1850 + i}, and notes that the pilot was paid "
+        f"{5 + i % 7} shillings for the passage across the bar."
+        for i in range(start, start + ledgers))
+
+
+SYSTEM = _system(34)  # ~1,500 tokens with the template and the question
+
+
+def _kv(mode: str, bits: int, tmp: Path) -> KVSettings:
+    return KVSettings(mode=mode, bits=bits, budget_tokens=BUDGET, ssd_dir=tmp / "kv")
+
+
+@contextmanager
+def _paged(lm: LoadedModel, settings: KVSettings, folder: Path) -> Iterator[PrefixCache]:
+    """The shared model in a paged mode with a prefix cache on `folder`, undone after."""
+    old = lm.kv_settings
+    lm.kv_settings = settings
+    pc = lm.enable_prefix_cache(PrefixSettings(folder=folder))
+    try:
+        yield pc
+    finally:
+        lm.disable_prefix_cache()
+        lm.kv_settings = old
+
+
+def _reply(lm: LoadedModel, ids: list[int], cache: PromptCache | None = None,
+           **kw: Any) -> tuple[list[int], str, Any]:
+    tokens, text, last = [], [], None
+    for ev in generate(lm, ids, GREEDY, REPLY, prompt_cache=cache, **kw):
+        text.append(ev.text)
+        if ev.token is not None:
+            tokens.append(ev.token)
+        last = ev
+    return tokens, "".join(text), last
+
+
+def _same_pages(a: PromptCache, b: PromptCache, n_pages: int) -> None:
+    """Every layer's pages [0, n_pages) hold the same encoded bytes and key summaries."""
+    sa, sb = a.cache[0].store, b.cache[0].store  # type: ignore[attr-defined]
+    assert sa.codec == sb.codec
+    for layer in range(sa.n_layers):
+        for p in range(n_pages):
+            pa, pb = sa.page_parts(layer, p), sb.page_parts(layer, p)
+            for x, y in zip(pa[0] + pa[1], pb[0] + pb[1], strict=True):
+                assert x.dtype == y.dtype and np.array_equal(x, y), (layer, p)
+            for x, y in zip(sa.summary(layer, p), sb.summary(layer, p), strict=True):
+                assert mx.array_equal(x, y).item(), (layer, p)
+
+
+@dataclass
+class Stored:
+    """One bit width's system prompt, prefilled in sparse mode into `folder`, then restored
+    into a fresh exact-mode store in this process."""
+
+    bits: int
+    system: str
+    folder: Path
+    ids: list[int]
+    pages: int  # full pages stored (all but the last token's page)
+    sparse: tuple[list[int], str]  # the prefilling process's reply
+    exact: tuple[list[int], str]  # the reply of a restored exact-mode store
+
+
+# 4 bits on a shorter prompt (~800 tokens, 6 pages): the suite's time goes to prefills.
+@pytest.fixture(scope="module", params=[16, 8, 4])
+def stored(request: pytest.FixtureRequest, starter_lm: LoadedModel,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stored]:
+    bits = int(request.param)
+    system = SYSTEM if bits != 4 else _system(16)
+    tmp = tmp_path_factory.mktemp(f"paged-{bits}")
+    folder = tmp / "px"
+    ids = starter_lm.tokenizer.encode_chat([{"role": "system", "content": system},
+                                            {"role": "user", "content": QUESTION}])
+    pages = (len(ids) - 1) // PAGE
+    with _paged(starter_lm, _kv("sparse", bits, tmp), folder) as pc:
+        first = starter_lm.new_cache()
+        tok_s, text_s, last = _reply(starter_lm, ids, first)
+        assert last.cached_tokens == 0 and pc.stats.hits == 0
+        pc.flush()
+        assert pc.stats.pages_written == pages and not pc.stats.write_errors
+    assert len(list(folder.glob("*.kvp"))) == 1
+    with _paged(starter_lm, _kv("exact", bits, tmp), folder) as pc:
+        again = starter_lm.new_cache()
+        tok_e, text_e, last = _reply(starter_lm, ids, again)
+        assert last.cached_tokens == pages * PAGE and pc.stats.hits == 1
+        _same_pages(first, again, pages)
+    first.close()
+    again.close()
+    yield Stored(bits, system, folder, ids, pages, (tok_s, text_s), (tok_e, text_e))
+
+
+def test_a_restore_holds_the_prefilled_pages_and_answers_alike(stored: Stored) -> None:
+    """(The fixture compared every page and summary of the two stores.) Both replies are
+    whole; sparse mode's may differ from exact mode's (it reads 6 of its 12 pages)."""
+    assert (len(stored.ids) > 1400 and stored.pages == 11) or stored.bits == 4
+    assert len(stored.exact[0]) == len(stored.sparse[0]) == REPLY
+
+
+@pytest.mark.parametrize("mode", ["sparse", "exact"])
+def test_a_restarted_process_reuses_the_pages_in_either_mode(stored: Stored, mode: str,
+                                                             starter: Any, strata_home: Path
+                                                             ) -> None:
+    if stored.bits == 4 and mode == "exact":
+        pytest.skip("4 bits: one restart (sparse) is enough; exact restores in process")
+    args = ["generate", "--model", starter["name"], "--kv-mode", mode, "--kv-bits",
+            str(stored.bits), "--system", stored.system, "--prompt", QUESTION, "--temp", "0",
+            "--max-tokens", str(REPLY), "--json", "--timeline"]
+    if mode == "sparse":
+        args += ["--kv-budget", str(BUDGET)]
+    r = run_strata(*args, home=strata_home, timeout=300,
+                   env={"STRATA_PREFIX_DIR": str(stored.folder)})
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["prompt_tokens"] == len(stored.ids)
+    assert out["cached_tokens"] == stored.pages * PAGE
+    assert "cache restore" in r.stderr
+    assert out["text"] == (stored.sparse if mode == "sparse" else stored.exact)[1]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_record_is_refused_and_the_answer_is_unchanged(
+        stored: Stored, damage: str, starter_lm: LoadedModel, tmp_path: Path) -> None:
+    if stored.bits == 4 and damage == "truncate":
+        pytest.skip("truncation does not depend on the page encoding")
+    folder = tmp_path / "px"
+    shutil.copytree(stored.folder, folder)
+    with _paged(starter_lm, _kv("exact", stored.bits, tmp_path), folder) as pc:
+        plan = pc.lookup(stored.ids)
+        assert plan.hit_pages == stored.pages and len(plan.runs) == 1
+        run = plan.runs[0]
+        last = run.offset(stored.pages - 1, pc.page_bytes)
+        if damage == "flip":
+            data = bytearray(run.path.read_bytes())
+            data[last + pc.page_head + 5 * pc.layer_bytes + 999] ^= 0x10  # a value of layer 5
+            run.path.write_bytes(bytes(data))
+        else:
+            with open(run.path, "r+b") as f:
+                f.truncate(last + pc.page_bytes // 2)
+        tokens, text, ev = _reply(starter_lm, stored.ids)
+        assert ev.cached_tokens == (stored.pages - 1) * PAGE
+        assert pc.stats.corrupt_pages == (damage == "flip")
+        assert (tokens, text) == stored.exact
+        pc.flush()  # the page it prefilled again is stored again
+        assert pc.lookup(stored.ids).hit_pages == stored.pages
+
+
+def test_a_prompt_that_diverges_reuses_the_pages_before(starter_lm: LoadedModel,
+                                                        tmp_path: Path) -> None:
+    # The same first 6 ledgers, then others: about 2.2 pages shared; b has 5 pages.
+    a, b = (starter_lm.tokenizer.encode_chat([{"role": "system", "content": _system(6)
+                                               + _system(n, start)},
+                                              {"role": "user", "content": QUESTION}])
+            for start, n in ((20, 2), (30, 8)))
+    shared = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    assert 2 * PAGE < shared < 3 * PAGE and len(b) > 4 * PAGE
+    with _paged(starter_lm, _kv("exact", 16, tmp_path), tmp_path / "px") as pc:
+        want = _reply(starter_lm, b, prefix_cache=False)
+        _reply(starter_lm, a)
+        pc.flush()
+        got = _reply(starter_lm, b)
+        assert got[2].cached_tokens == shared // PAGE * PAGE
+        assert got[:2] == want[:2]
+        pc.flush()
+        # b's own pages went to a second run that continues a's shared pages (not copied).
+        plan_a, plan_b = pc.lookup(a), pc.lookup(b)
+        assert plan_a.hit_pages == (len(a) - 1) // PAGE
+        assert plan_b.hit_pages == (len(b) - 1) // PAGE
+        assert len(plan_b.runs) == 2 and plan_b.runs[1].first == shared // PAGE
+
+
+def test_a_sliding_window_model_restores_its_windows_in_paged_mode(tmp_path: Path) -> None:
+    from tests.engine.kv.test_layouts import PAGE as LPAGE
+    from tests.engine.kv.test_layouts import settings, write_folder
+
+    lm = LoadedModel.load(write_folder(tmp_path / "gemma3", "gemma3_text"))
+    prompt = [int(x) for x in np.random.default_rng(2).integers(3, 300, 400)]
+    plain = _reply(lm, prompt, prefix_cache=False)[0]
+    for bits in (16, 8):
+        lm.kv_settings = settings(tmp_path / "kv", bits=bits)
+        lm.enable_prefix_cache(PrefixSettings(folder=tmp_path / f"px{bits}"))
+        assert lm.prefix_cache is not None and lm.prefix_cache.P == LPAGE
+        first, _, ev1 = _reply(lm, prompt)
+        lm.prefix_cache.flush()
+        assert sorted(p.suffix for p in (tmp_path / f"px{bits}").iterdir()) == [".kvp",
+                                                                                ".kvw"]
+        second, _, ev2 = _reply(lm, prompt)
+        assert ev1.cached_tokens == 0 and ev2.cached_tokens == (len(prompt) - 1) // LPAGE * LPAGE
+        assert second == first
+        if bits == 16:
+            assert first == plain
+        lm.disable_prefix_cache()
+
+
+def test_the_key_separates_encodings_not_modes(stored: Stored, starter_lm: LoadedModel,
+                                               tmp_path: Path) -> None:
+    """16-bit pages are one layout in every mode (mlx-lm's cache restores what a paged
+    mode stored); 8 and 4 bits are keyed by bits and group, and mlx-lm's cache (16-bit only)
+    never finds them."""
+    keys = set()
+    old = starter_lm.kv_settings
+    try:
+        for mode in ("exact", "sparse"):
+            for group in (32, 64):
+                starter_lm.kv_settings = KVSettings(mode=mode, bits=stored.bits,
+                                                    group_size=group)
+                keys.add(starter_lm.prefix_key())
+        starter_lm.kv_settings = None
+        keys.add(starter_lm.prefix_key())
+    finally:
+        starter_lm.kv_settings = old
+    assert len(keys) == (1 if stored.bits == 16 else 3)
+    folder = tmp_path / "px"
+    shutil.copytree(stored.folder, folder)
+    pc = starter_lm.enable_prefix_cache(PrefixSettings(folder=folder))
+    try:
+        if stored.bits != 16:
+            assert pc.lookup(stored.ids).hit_pages == 0
+            return
+        _, _, ev = _reply(starter_lm, stored.ids)
+        assert ev.cached_tokens == stored.pages * PAGE and pc.stats.hits == 1
+    finally:
+        starter_lm.disable_prefix_cache()
