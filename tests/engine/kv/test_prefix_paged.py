@@ -216,7 +216,7 @@ def test_a_sliding_window_model_restores_its_windows_in_paged_mode(tmp_path: Pat
     from tests.engine.kv.test_layouts import settings, write_folder
 
     lm = LoadedModel.load(write_folder(tmp_path / "gemma3", "gemma3_text"))
-    prompt = [int(x) for x in np.random.default_rng(2).integers(3, 300, 400)]
+    prompt = [int(x) for x in np.random.default_rng(2).integers(3, 300, 1100)]
     plain = _reply(lm, prompt, prefix_cache=False)[0]
     for bits in (16, 8):
         lm.kv_settings = settings(tmp_path / "kv", bits=bits)
@@ -226,9 +226,16 @@ def test_a_sliding_window_model_restores_its_windows_in_paged_mode(tmp_path: Pat
         lm.prefix_cache.flush()
         assert sorted(p.suffix for p in (tmp_path / f"px{bits}").iterdir()) == [".kvp",
                                                                                 ".kvw"]
-        second, _, ev2 = _reply(lm, prompt)
+        cache = lm.new_cache()
+        second, _, ev2 = _reply(lm, prompt, cache)
         assert ev1.cached_tokens == 0 and ev2.cached_tokens == (len(prompt) - 1) // LPAGE * LPAGE
         assert second == first
+        # 1 MB of RAM holds 56 of the 68 restored pages per layer: the rest went to the SSD
+        # tier as the restore committed them, and attention read them back.
+        st = cache.cache[1].store  # type: ignore[attr-defined]
+        assert st.max_slots < st.tables[0].n_pages
+        assert st.counters["evictions"] > 0 and st.counters["ssd_reads"] > 0
+        cache.close()
         if bits == 16:
             assert first == plain
         lm.disable_prefix_cache()
