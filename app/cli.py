@@ -183,6 +183,17 @@ def _add_kv(p: argparse.ArgumentParser) -> None:
                    help="sparse mode: tokens attended per step (sinks and window included)")
 
 
+def _system_text(args: argparse.Namespace) -> str | None:
+    """--system, or the text of --system-file (one line naming the file if unreadable)."""
+    if getattr(args, "system_file", None) is None:
+        return str(args.system) if args.system else None
+    try:
+        return Path(args.system_file).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StrataError(f"{args.system_file}: cannot read the system prompt ({exc})"
+                          ) from exc
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     # Start-up: the runtime (and MLX with it) loads only for the commands that generate.
     from engine.runtime.generate import generate
@@ -196,6 +207,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise StrataError(f"{args.prompt_file}: cannot read prompt ({exc})") from exc
     else:
         prompt_text = args.prompt
+    system = _system_text(args)  # an unreadable file fails before the model loads
     params = _sampling(args)
     timeline = Timeline()
     timeline.add("interpreter and imports", PROCESS_START)
@@ -203,7 +215,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     pool = ModelPool(_library(), PoolSettings(kv=_kv_settings(args),
                                               prefix_cache=args.prefix_cache))
     lm = pool.get(args.model, timeline=timeline)
-    messages = ([{"role": "system", "content": args.system}] if args.system else [])
+    messages = ([{"role": "system", "content": system}] if system else [])
     messages.append({"role": "user", "content": prompt_text})
     ids = (lm.tokenizer.encode(prompt_text) if args.raw else lm.tokenizer.encode_chat(messages))
     parts: list[str] = []
@@ -251,8 +263,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     def new_session() -> Any:
         pool.forget(0)
         session = pool.session(0)
-        if args.system:
-            session.messages.append({"role": "system", "content": args.system})
+        system = _system_text(args)
+        if system:
+            session.messages.append({"role": "system", "content": system})
         return session
 
     session = new_session()
@@ -336,7 +349,9 @@ def cmd_smoke(args: argparse.Namespace) -> int:
 # -- parser -------------------------------------------------------------------------------
 def _add_sampling(p: argparse.ArgumentParser, temp: float) -> None:
     p.add_argument("--model", default="starter", help="library name or alias (default: starter)")
-    p.add_argument("--system", help="system prompt")
+    system = p.add_mutually_exclusive_group()
+    system.add_argument("--system", help="system prompt")
+    system.add_argument("--system-file", help="system prompt read from this file")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temp", type=float, default=temp, help="temperature; 0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0)

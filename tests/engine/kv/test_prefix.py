@@ -46,6 +46,16 @@ def _ids(lm: Any, n: int, salt: str = "") -> list[int]:
 
 
 # -- restart -------------------------------------------------------------------------------
+def test_an_unreadable_system_file_is_one_line(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.txt"
+    r = subprocess.run([sys.executable, "-m", "app", "generate", "--system-file", str(missing),
+                        "--prompt", "hi"], capture_output=True, text=True, cwd=REPO,
+                       env=dict(os.environ, STRATA_HOME=str(tmp_path / "home")), timeout=120)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(missing) in lines[0] and "system prompt" in lines[0]
+
+
 def test_restart_reuses_the_prefix_and_output_is_unchanged(starter: Any, tmp_path: Path
                                                            ) -> None:
     env = dict(os.environ, STRATA_PREFIX_DIR=str(tmp_path / "px"))
@@ -61,6 +71,10 @@ def test_restart_reuses_the_prefix_and_output_is_unchanged(starter: Any, tmp_pat
     first, _ = run()
     assert first["cached_tokens"] == 0 and first["prompt_tokens"] > 600
     assert len(list((tmp_path / "px").glob("*.kvp"))) == 1, "the first process left no run"
+    # The same system prompt from a file (--system-file) finds the same stored prefix.
+    (tmp_path / "system.txt").write_text(SYSTEM)
+    at = cmd.index("--system")
+    cmd[at:at + 2] = ["--system-file", str(tmp_path / "system.txt")]
     second, timeline = run()
     assert second["cached_tokens"] >= first["prompt_tokens"] - 128
     assert second["text"] == first["text"]
