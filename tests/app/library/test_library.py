@@ -97,6 +97,40 @@ def test_dropping_a_text_file_is_refused_with_the_reason(make_window: WindowFact
     assert window.library.model.rowCount() == 0
 
 
+def test_dropping_a_gguf_of_an_unknown_architecture_is_refused_at_once(
+        make_window: WindowFactory, tmp_path: Path, qtbot: Any) -> None:
+    """The issue's user: a GGUF whose architecture Strata cannot run, with a 262,144-entry
+    vocabulary, dropped on the window: a readable refusal naming the architecture and what
+    is supported, from the header, and the library unchanged."""
+    import time
+
+    import gguf
+    import numpy as np
+
+    home = tmp_path / "home"
+    window = make_window(home=home, fetch_starter=False, preload=False)
+    path = tmp_path / "recurrent.gguf"
+    w = gguf.GGUFWriter(str(path), "rwkv7")
+    w.add_block_count(1)
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"t{i}" for i in range(262_144)])
+    w.add_tensor("token_embd.weight", np.zeros((262_144, 8), np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    start = time.perf_counter()
+    with qtbot.waitSignal(window.library.import_done, timeout=REPLY_TIMEOUT_MS) as blocker:
+        _drop(window, path)
+    elapsed = time.perf_counter() - start
+    job, ok, reason = blocker.args
+    assert not ok and "unsupported architecture 'rwkv7'" in reason and "gemma3" in reason
+    message = window.library.dialogs[job].message.text()
+    assert "cannot be imported" in message and "rwkv7" in message
+    assert _library_state(home) == []
+    assert elapsed < 5.0, f"refused after {elapsed:.1f} s"  # the issue saw 26 s (Qt included)
+
+
 def test_a_file_open_event_imports_like_a_drop(make_window: WindowFactory, tmp_path: Path,
                                                qapp: Any, qtbot: Any) -> None:
     window = make_window(home=tmp_path / "home", fetch_starter=False, preload=False)
