@@ -601,16 +601,8 @@ class PrefixCache:
         every byte after the header, each layer record's header): per layer the encoded k
         and v parts and the key summaries, MLX arrays; None if anything does not check."""
         P, heads, hd = self.P, self.kv_heads, self.head_dim
-        head = bytes(buf[:self.page_head])
-        body = head[:-_CRC.size]
-        if zlib.crc32(body) != _CRC.unpack(head[-_CRC.size:])[0]:
-            return None
-        magic, version, ptok, d, layers, _parent, own, digest = _PX.unpack(body[:_PX.size])
-        if (magic, version, ptok, d, layers, own) != (PREFIX_MAGIC, PREFIX_VERSION, P, depth,
-                                                      self.n_layers, h):
-            return None
-        toks = np.frombuffer(body, "<u4", count=P, offset=_PX.size)
-        if not np.array_equal(toks, np.asarray(prompt[depth * P:(depth + 1) * P], "<u4")):
+        digest = self._header_digest(bytes(buf[:self.page_head]), h, depth, prompt)
+        if digest is None:
             return None
         rest = memoryview(buf)[self.page_head:]
         if xxhash.xxh3_64_intdigest(rest) != digest:
@@ -757,23 +749,31 @@ class PrefixCache:
             return None
         return bufs
 
+    def _header_digest(self, head: bytes, h: bytes, depth: int, prompt: Sequence[int]
+                       ) -> int | None:
+        """The digest a page header promises for the bytes after it, if the header checks
+        (CRC, magic, layout, its hash, depth, tokens); None otherwise."""
+        P = self.P
+        body = head[:-_CRC.size]
+        if zlib.crc32(body) != _CRC.unpack(head[-_CRC.size:])[0]:
+            return None
+        magic, version, ptok, d, layers, _parent, own, digest = _PX.unpack(body[:_PX.size])
+        if (magic, version, ptok, d, layers, own) != (PREFIX_MAGIC, PREFIX_VERSION, P, depth,
+                                                      self.n_layers, h):
+            return None
+        toks = np.frombuffer(body, "<u4", count=P, offset=_PX.size)
+        if not np.array_equal(toks, np.asarray(prompt[depth * P:(depth + 1) * P], "<u4")):
+            return None  # a hash collision would land here, never in the cache
+        return int(digest)
+
     def _check_page(self, bufs: list[Any], h: bytes, depth: int, prompt: Sequence[int]
                     ) -> bool:
         """Verify a page `_fill_page` read: False if any byte, the hash, the depth or the
         tokens are not as expected."""
         P = self.P
-        head = bufs[0]
-        # Page header: magic, layout, hashes, digest, tokens, CRC.
-        body = bytes(head[:-_CRC.size])
-        if zlib.crc32(body) != _CRC.unpack(head[-_CRC.size:])[0]:
+        digest = self._header_digest(bytes(bufs[0]), h, depth, prompt)
+        if digest is None:
             return False
-        magic, version, ptok, d, layers, _parent, own, digest = _PX.unpack(body[:_PX.size])
-        if (magic, version, ptok, d, layers, own) != (PREFIX_MAGIC, PREFIX_VERSION, P, depth,
-                                                      self.n_layers, h):
-            return False
-        toks = np.frombuffer(body, "<u4", count=P, offset=_PX.size)
-        if not np.array_equal(toks, np.asarray(prompt[depth * P:(depth + 1) * P], "<u4")):
-            return False  # a hash collision would land here, never in the cache
         # Every byte of the layer records (headers, keys, values, their CRCs) against the digest.
         x = xxhash.xxh3_64()
         for b in bufs[1:]:
