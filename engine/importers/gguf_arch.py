@@ -305,13 +305,14 @@ def _rope_dims(m: Meta, head_dim: int) -> int:
     return int(m.get("rope.dimension_count", head_dim))
 
 
-def _full_rotary(m: Meta, head_dim: int) -> None:
+def full_rotary(m: Meta, head_dim: int) -> None:
+    """Refuse partial RoPE (mlx-lm's files here rotate the whole head)."""
     if _rope_dims(m, head_dim) != head_dim:
         raise ImportFailed(f"{m.path}: partial RoPE ({_rope_dims(m, head_dim)} of {head_dim} "
                            f"head dimensions) is not supported for {m.arch}")
 
 
-def _derived_head_dim(m: Meta, config: dict[str, Any], model_type: str) -> None:
+def derived_head_dim(m: Meta, config: dict[str, Any], model_type: str) -> None:
     """mlx-lm files that take the head size as hidden / heads: refuse a file that differs."""
     derived = config["hidden_size"] // config["num_attention_heads"]
     if config["head_dim"] != derived:
@@ -319,10 +320,13 @@ def _derived_head_dim(m: Meta, config: dict[str, Any], model_type: str) -> None:
                            f"heads ({derived}), which mlx-lm's {model_type} assumes")
 
 
-def _no_rope_scaling(m: Meta, model_type: str) -> None:
-    if rope_scaling(m) is not None:
-        raise ImportFailed(f"{m.path}: RoPE scaling is not supported for {m.arch} "
-                           f"(mlx-lm's {model_type} uses plain RoPE)")
+def no_rope_scaling(m: Meta, model_type: str) -> None:
+    """For mlx-lm files that build plain RoPE whatever the config says: refuse scaling."""
+    scaling = rope_scaling(m)
+    if scaling is not None:
+        raise ImportFailed(f"{m.path}: RoPE scaling {scaling.get('rope_type')!r} is not "
+                           f"supported for {model_type} (mlx-lm's {model_type} uses plain "
+                           "RoPE)")
 
 
 def _layer_is_sliding(m: Meta, layers: int, default: int) -> list[bool]:
@@ -358,7 +362,7 @@ def minus_one_norms(config: dict[str, Any], name: str, data: np.ndarray) -> np.n
 # -- llama (Llama 2 and 3.x, Mistral, SmolLM, ...) -----------------------------------------
 def _llama_config(m: Meta) -> dict[str, Any]:
     config = common_config(m)
-    _full_rotary(m, config["head_dim"])  # llama.cpp refuses anything else for llama
+    full_rotary(m, config["head_dim"])  # llama.cpp refuses anything else for llama
     bias = m.has("blk.0.attn_q.bias")
     if bias and not m.has("blk.0.attn_output.bias"):
         # mlx-lm's llama puts a bias on all four projections or on none.
@@ -389,14 +393,20 @@ register(Arch("mistral", "llama", "MistralForCausalLM", _llama_config,
 
 
 # -- qwen2 (Qwen2, Qwen2.5) ------------------------------------------------------------------
-def _qwen2_config(m: Meta) -> dict[str, Any]:
+def _hidden_over_heads_config(m: Meta, model_type: str) -> dict[str, Any]:
+    """The common config of a family whose mlx-lm file takes the head size as hidden / heads
+    and reads rope_scaling (qwen2, olmo2)."""
     config = common_config(m)
-    _full_rotary(m, config["head_dim"])
-    _derived_head_dim(m, config, "qwen2")  # mlx-lm's qwen2 takes hidden / heads
+    full_rotary(m, config["head_dim"])
+    derived_head_dim(m, config, model_type)
     scaling = rope_scaling(m)
     if scaling is not None:
         config["rope_scaling"] = scaling
     return config
+
+
+def _qwen2_config(m: Meta) -> dict[str, Any]:
+    return _hidden_over_heads_config(m, "qwen2")
 
 
 def _qwen2_as_llama_config(m: Meta) -> dict[str, Any]:
@@ -415,7 +425,7 @@ register_variant("qwen2", lambda m: None if m.has("blk.0.attn_q.bias") else QWEN
 # -- qwen3 (dense) ---------------------------------------------------------------------------
 def _qwen3_config(m: Meta) -> dict[str, Any]:
     config = common_config(m)
-    _full_rotary(m, config["head_dim"])
+    full_rotary(m, config["head_dim"])
     if m.has("blk.0.attn_q.bias"):
         raise ImportFailed(f"{m.path}: Q/K/V biases are not supported for qwen3")
     scaling = rope_scaling(m)
@@ -457,8 +467,8 @@ def _query_pre_attn_scalar(config: dict[str, Any], big_layers: int) -> int:
 
 def _gemma2_config(m: Meta) -> dict[str, Any]:
     config = common_config(m)
-    _full_rotary(m, config["head_dim"])
-    _no_rope_scaling(m, "gemma2")
+    full_rotary(m, config["head_dim"])
+    no_rope_scaling(m, "gemma2")
     config["tie_word_embeddings"] = True  # llama.cpp's gemma2 reads token_embd for output
     config["attn_logit_softcapping"] = float(m.get("attn_logit_softcapping", 50.0))
     config["final_logit_softcapping"] = float(m.get("final_logit_softcapping", 30.0))
@@ -472,7 +482,7 @@ def _gemma2_config(m: Meta) -> dict[str, Any]:
 def _gemma3_config(m: Meta) -> dict[str, Any]:
     config = common_config(m)
     layers = config["num_hidden_layers"]
-    _full_rotary(m, config["head_dim"])
+    full_rotary(m, config["head_dim"])
     cap = m.get("final_logit_softcapping")
     if cap is not None and float(cap) != 0.0:
         raise ImportFailed(f"{m.path}: final logit softcapping is not supported for gemma3 "
@@ -548,7 +558,7 @@ def _phi3_config(m: Meta) -> dict[str, Any]:
         }
     else:
         # mlx-lm's phi3 takes a rope_scaling only with LongRoPE factors.
-        _no_rope_scaling(m, "phi3")
+        no_rope_scaling(m, "phi3")
     return config
 
 
@@ -566,9 +576,9 @@ register(Arch(
 # -- starcoder2 (StarCoder2; LayerNorm and biases everywhere, GELU MLP) -----------------------
 def _starcoder2_config(m: Meta) -> dict[str, Any]:
     config = common_config(m)
-    _full_rotary(m, config["head_dim"])
-    _derived_head_dim(m, config, "starcoder2")
-    _no_rope_scaling(m, "starcoder2")
+    full_rotary(m, config["head_dim"])
+    derived_head_dim(m, config, "starcoder2")
+    no_rope_scaling(m, "starcoder2")
     config["norm_epsilon"] = float(m.need("attention.layer_norm_epsilon"))
     return config
 
@@ -584,13 +594,7 @@ register(Arch(
 
 # -- olmo2 (OLMo 2; OLMo 3 is olmo2 with sliding-window layers) -------------------------------
 def _olmo2_config(m: Meta) -> dict[str, Any]:
-    config = common_config(m)
-    _full_rotary(m, config["head_dim"])
-    _derived_head_dim(m, config, "olmo2")  # llama.cpp's olmo2 also takes hidden / heads
-    scaling = rope_scaling(m)
-    if scaling is not None:
-        config["rope_scaling"] = scaling
-    return config
+    return _hidden_over_heads_config(m, "olmo2")  # llama.cpp's olmo2 also takes hidden / heads
 
 
 def _olmo3_config(m: Meta) -> dict[str, Any]:
@@ -629,7 +633,7 @@ register_variant("olmo2", lambda m: OLMO3 if int(m.get("attention.sliding_window
 # -- granite (IBM Granite 3.x dense: llama with four multipliers) -----------------------------
 def _granite_config(m: Meta) -> dict[str, Any]:
     config = _llama_config(m)
-    _derived_head_dim(m, config, "granite")
+    derived_head_dim(m, config, "granite")
     # llama.cpp's granite: a missing scale means none (attention: 1/sqrt(head size)).
     config["logits_scaling"] = float(m.need("logit_scale"))
     config["embedding_multiplier"] = float(m.get("embedding_scale", 0.0) or 1.0)
@@ -646,9 +650,9 @@ register(Arch("granite", "granite", "GraniteForCausalLM", _granite_config,
 # -- command-r (Cohere Command R, Aya 23; parallel attention and MLP, LayerNorm) --------------
 def _command_r_config(m: Meta) -> dict[str, Any]:
     config = common_config(m)
-    _full_rotary(m, config["head_dim"])
-    _derived_head_dim(m, config, "cohere")
-    _no_rope_scaling(m, "cohere")
+    full_rotary(m, config["head_dim"])
+    derived_head_dim(m, config, "cohere")
+    no_rope_scaling(m, "cohere")
     if m.has("blk.0.attn_q.bias"):
         raise ImportFailed(f"{m.path}: attention biases are not supported for command-r")
     config["tie_word_embeddings"] = True  # llama.cpp's command-r reads token_embd for output

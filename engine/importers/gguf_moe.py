@@ -26,6 +26,9 @@ from engine.importers.gguf_arch import (
     Arch,
     Meta,
     common_config,
+    derived_head_dim,
+    full_rotary,
+    no_rope_scaling,
     register,
     register_variant,
     rope_scaling,
@@ -55,29 +58,6 @@ def _moe_counts(m: Meta) -> tuple[int, int]:
     return experts, used
 
 
-def _no_rope_scaling(m: Meta, model_type: str) -> None:
-    """mlx-lm's mixtral, qwen2_moe and qwen3_moe build plain RoPE whatever the config says."""
-    scaling = rope_scaling(m)
-    if scaling is not None:
-        raise ImportFailed(f"{m.path}: RoPE scaling {scaling['rope_type']!r} is not supported "
-                           f"for {model_type} (mlx-lm's {model_type} uses plain RoPE)")
-
-
-def _full_rotary(m: Meta, head_dim: int) -> None:
-    rot = m.get("rope.dimension_count")
-    if rot is not None and int(rot) != head_dim:
-        raise ImportFailed(f"{m.path}: partial RoPE ({rot} of {head_dim} head dimensions) "
-                           "is not supported")
-
-
-def _derived_head_dim(m: Meta, config: dict[str, Any], model_type: str) -> None:
-    """mlx-lm's mixtral and qwen2_moe take the head size as hidden / heads."""
-    derived = config["hidden_size"] // config["num_attention_heads"]
-    if config["head_dim"] != derived:
-        raise ImportFailed(f"{m.path}: head size {config['head_dim']} differs from hidden / "
-                           f"heads ({derived}), which mlx-lm's {model_type} assumes")
-
-
 def _untied(m: Meta, model_type: str) -> None:
     """mlx-lm's qwen2_moe and gpt_oss always have their own lm_head."""
     if not m.has("output.weight"):
@@ -89,9 +69,9 @@ def _untied(m: Meta, model_type: str) -> None:
 def _mixtral_config(m: Meta) -> dict[str, Any]:
     config = common_config(m)
     experts, used = _moe_counts(m)
-    _no_rope_scaling(m, "mixtral")
-    _full_rotary(m, config["head_dim"])
-    _derived_head_dim(m, config, "mixtral")
+    no_rope_scaling(m, "mixtral")
+    full_rotary(m, config["head_dim"])
+    derived_head_dim(m, config, "mixtral")
     config["num_local_experts"], config["num_experts_per_tok"] = experts, used
     config["intermediate_size"] = int(m.get("expert_feed_forward_length",
                                             config["intermediate_size"]))
@@ -113,9 +93,9 @@ register_variant("llama", lambda m: MIXTRAL if int(m.get("expert_count", 0) or 0
 def _qwen2moe_config(m: Meta) -> dict[str, Any]:
     config = common_config(m)
     experts, used = _moe_counts(m)
-    _no_rope_scaling(m, "qwen2_moe")
-    _full_rotary(m, config["head_dim"])
-    _derived_head_dim(m, config, "qwen2_moe")
+    no_rope_scaling(m, "qwen2_moe")
+    full_rotary(m, config["head_dim"])
+    derived_head_dim(m, config, "qwen2_moe")
     _untied(m, "qwen2_moe")
     config["num_experts"], config["num_experts_per_tok"] = experts, used
     # llama.cpp's fallbacks when the keys are absent: n_ff / n_expert_used and n_ff.
@@ -149,8 +129,8 @@ register(Arch(
 def _qwen3moe_config(m: Meta) -> dict[str, Any]:
     config = common_config(m)
     experts, used = _moe_counts(m)
-    _no_rope_scaling(m, "qwen3_moe")
-    _full_rotary(m, config["head_dim"])
+    no_rope_scaling(m, "qwen3_moe")
+    full_rotary(m, config["head_dim"])
     config["num_experts"], config["num_experts_per_tok"] = experts, used
     config["moe_intermediate_size"] = int(m.get("expert_feed_forward_length",
                                                 config["intermediate_size"]))
@@ -204,7 +184,7 @@ def _yarn(m: Meta) -> dict[str, Any] | None:
 def _gpt_oss_config(m: Meta) -> dict[str, Any]:
     config = common_config(m)
     experts, used = _moe_counts(m)
-    _full_rotary(m, config["head_dim"])
+    full_rotary(m, config["head_dim"])
     _untied(m, "gpt_oss")
     base_swa = m.get("rope.freq_base_swa")
     if base_swa is not None and float(base_swa) != config["rope_theta"]:
