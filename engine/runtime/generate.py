@@ -58,7 +58,7 @@ from engine.runtime.model import (
     weight_files,
 )
 from engine.runtime.readahead import read_ahead
-from engine.runtime.sampling import Sampler, SamplingParams
+from engine.runtime.sampling import LogitsProcessor, Sampler, SamplingParams
 from engine.runtime.tokenizer import StreamingDetokenizer, Tokenizer
 from engine.telemetry import GenerationEvent, Timeline
 
@@ -280,11 +280,14 @@ def generate(
     prompt_cache: PromptCache | None = None,
     timeline: Timeline | None = None,
     prefix_cache: bool | None = None,
+    logits_processors: Sequence[LogitsProcessor] = (),
 ) -> Iterator[GenerationEvent]:
     """Stream a completion of `prompt` (token ids). See the module docstring.
 
     prefix_cache: None uses the model's SSD prefix cache if enabled; False skips it; True
-    enables it first if needed.
+    enables it first if needed. logits_processors: `(tokens so far, logits) -> logits`
+    before sampling (a grammar's mask); they see every token up to the one being sampled, so
+    decode is not pipelined while they run.
     """
     own = prompt_cache is None
     pc = prompt_cache or lm.new_cache()
@@ -293,7 +296,8 @@ def generate(
         lm.enable_prefix_cache(None if old is None else old.settings)
     prefix = lm.prefix_cache if prefix_cache is not False else None
     try:
-        yield from _generate(lm, prompt, params, max_tokens, stop, cancel, pc, timeline, prefix)
+        yield from _generate(lm, prompt, params, max_tokens, stop, cancel, pc, timeline, prefix,
+                             logits_processors)
     finally:
         if own:
             pc.close()  # a paged cache's threads and files go with the reply
@@ -312,6 +316,7 @@ def _generate(
     prompt_cache: PromptCache | None = None,
     timeline: Timeline | None = None,
     prefix: PrefixCache | None = None,
+    logits_processors: Sequence[LogitsProcessor] = (),
 ) -> Iterator[GenerationEvent]:
     params = params or SamplingParams()
     if not prompt:
@@ -324,8 +329,9 @@ def _generate(
     timeline = timeline or Timeline()
     pc = prompt_cache or lm.new_cache()
     model, cache = lm.model, None
-    sampler = Sampler(params)
-    pipelined = params.repetition_penalty == 1.0
+    sampler = Sampler(params, logits_processors)
+    # The next step is queued before this token is known: only when sampling needs no history.
+    pipelined = params.repetition_penalty == 1.0 and not logits_processors
     mx.reset_peak_memory()
     start = time.perf_counter()
 

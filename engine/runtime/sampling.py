@@ -3,10 +3,13 @@
 Contract: `Sampler(params)(logits, history)` returns a (1,) uint32 MLX array, lazily (the
 caller evaluates it, so sampling overlaps with the next step's graph building). Temperature 0
 is greedy. Filters apply in llama.cpp's order: repetition penalty, top-k, min-p, top-p.
+Logits processors (mlx-lm's seam: `(tokens so far, logits) -> logits`, e.g. a grammar's mask)
+run first, on the raw logits; the history they get holds every token before the one sampled.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,11 +40,16 @@ class SamplingParams:
         return self
 
 
+LogitsProcessor = Callable[[list[int], Any], Any]
+
+
 class Sampler:
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams,
+                 processors: Sequence[LogitsProcessor] = ()) -> None:
         import mlx.core as mx
 
         self.params = params.validate()
+        self.processors = list(processors)
         self._key = mx.random.key(params.seed) if params.seed is not None else None
 
     def __call__(self, logits: Any, history: list[int]) -> Any:
@@ -49,6 +57,8 @@ class Sampler:
 
         p = self.params
         logits = logits.astype(mx.float32)
+        for proc in self.processors:
+            logits = proc(history, logits)
         if p.repetition_penalty != 1.0 and history:
             recent = mx.array(sorted(set(history[-p.repetition_window :])))
             picked = logits[:, recent]

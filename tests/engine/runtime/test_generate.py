@@ -86,6 +86,27 @@ def test_repetition_penalty_changes_greedy_output(starter_lm: Any) -> None:
     assert len(penal) == 12 and penal != plain
 
 
+def test_logits_processors_see_history_and_steer_greedy_output(starter_lm: Any) -> None:
+    """A processor that bans each greedy pick forces a different reply; it sees every token."""
+    import mlx.core as mx
+
+    ids = starter_lm.tokenizer.encode_chat(FRANCE)
+    _, plain, _ = _run(starter_lm, ids, max_tokens=6)
+    seen: list[list[int]] = []
+
+    def ban_plain(history: list[int], logits: Any) -> Any:
+        seen.append(list(history))
+        i = len(history) - len(ids)
+        if i < len(plain):
+            logits[:, plain[i]] = -mx.inf
+        return logits
+
+    _, steered, _ = _run(starter_lm, ids, max_tokens=6, logits_processors=[ban_plain])
+    assert all(a != b for a, b in zip(steered, plain, strict=False))
+    assert [len(h) for h in seen] == [len(ids) + k for k in range(len(seen))]
+    assert seen[-1][len(ids):] == steered[:len(seen) - 1]
+
+
 def test_invalid_sampling_is_a_user_error() -> None:
     with pytest.raises(StrataError, match="top_p"):
         SamplingParams(top_p=0).validate()
