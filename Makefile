@@ -3,7 +3,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-export QT_QPA_PLATFORM ?= $(if $(filter Linux,$(shell uname -s)),$(if $(DISPLAY),,offscreen),)
+# offscreen only on a Linux box with no display at all (neither X11 nor Wayland).
+export QT_QPA_PLATFORM ?= $(if $(filter Linux,$(shell uname -s)),$(if $(DISPLAY)$(WAYLAND_DISPLAY),,offscreen),)
 
 .PHONY: setup run test lint bench app clean
 
@@ -17,7 +18,9 @@ $(VENV)/.installed: pyproject.toml scripts/system-deps.sh scripts/llama-cpp.sh
 	./scripts/llama-cpp.sh $(BIN)/python
 	touch $@
 
+# system-deps again: a venv made before a library was added still gets it (silent, ~0.3 s).
 run: setup
+	./scripts/system-deps.sh
 	$(BIN)/strata pull starter
 	$(BIN)/strata
 
