@@ -194,6 +194,22 @@ def _system_text(args: argparse.Namespace) -> str | None:
                           ) from exc
 
 
+def _json_schema_grammar(path: str | None) -> str | None:
+    """--json-schema FILE: the schema's grammar, or one line naming the file and the reason."""
+    if path is None:
+        return None
+    from engine.runtime.grammar import GrammarError, json_grammar  # start-up: llguidance
+
+    try:
+        schema = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise StrataError(f"{path}: cannot read the JSON schema ({exc})") from exc
+    try:
+        return json_grammar(schema, where=path)
+    except GrammarError as exc:
+        raise StrataError(str(exc)) from exc
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     # Start-up: the runtime (and MLX with it) loads only for the commands that generate.
     from engine.runtime.generate import generate
@@ -208,6 +224,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         prompt_text = args.prompt
     system = _system_text(args)  # an unreadable file fails before the model loads
+    grammar = _json_schema_grammar(args.json_schema)  # so does a bad schema
     params = _sampling(args)
     timeline = Timeline()
     timeline.add("interpreter and imports", PROCESS_START)
@@ -220,8 +237,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     ids = (lm.tokenizer.encode(prompt_text) if args.raw else lm.tokenizer.encode_chat(messages))
     parts: list[str] = []
     last = None
+    processors = []
+    if grammar is not None:
+        from engine.runtime.grammar import GrammarProcessor  # start-up: llguidance only here
+
+        processors.append(GrammarProcessor(lm.tokenizer, grammar))
     for ev in generate(lm, ids, params, args.max_tokens, stop=args.stop or (),
-                       timeline=timeline):
+                       timeline=timeline, logits_processors=processors):
         parts.append(ev.text)
         if not args.json:
             print(ev.text, end="", flush=True)
@@ -421,6 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="no chat template")
     p.add_argument("--timeline", action="store_true", help="print the first-token timeline")
+    p.add_argument("--json-schema", metavar="FILE",
+                   help="constrain the output to JSON valid against this JSON schema")
     _add_kv(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_generate)
