@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +22,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
 
@@ -38,6 +39,10 @@ JUNK = ("README.md", ".gitattributes", "pytorch_model.bin", "consolidated.safete
 
 
 # -- the fake Hub ---------------------------------------------------------------------------
+def git_blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
 def is_lfs(name: str) -> bool:
     return name.endswith((".safetensors", ".bin", ".onnx", ".gguf"))
 
@@ -48,7 +53,11 @@ class FakeHub:
     def __init__(self) -> None:
         self.repos: dict[str, dict[str, bytes]] = {}
         self.commits: dict[str, str] = {}
+        self.meta: dict[str, dict[str, Any]] = {}  # repo: tags, params, architecture, downloads
         self.requests: list[tuple[str, str]] = []
+        self.ranges: list[tuple[str, str]] = []  # (file name, Range header) of ranged answers
+        self.drops: dict[str, int] = {}  # file name: close the connection after N bytes, once
+        self.corrupt: set[str] = set()  # file names served with one byte flipped
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -68,8 +77,10 @@ class FakeHub:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def add(self, repo_id: str, files: dict[str, bytes]) -> str:
+    def add(self, repo_id: str, files: dict[str, bytes], **meta: Any) -> str:
+        """A repository; `meta`: tags, params, architecture, downloads (search results)."""
         self.repos[repo_id] = files
+        self.meta[repo_id] = meta
         digest = hashlib.sha1()
         for name in sorted(files):
             digest.update(name.encode() + hashlib.sha256(files[name]).digest())
@@ -100,15 +111,19 @@ class FakeHub:
     # -- answering -------------------------------------------------------------------------
     def handle(self, req: BaseHTTPRequestHandler, body: bool) -> None:
         path = unquote(urlsplit(req.path).path)
+        query = parse_qs(urlsplit(req.path).query)
         self.requests.append((req.command, path))
         parts = path.strip("/").split("/")
+        if parts == ["api", "models"]:
+            return self.search(req, query, body)
         if parts[:2] == ["api", "models"] and len(parts) >= 4:
             repo_id = "/".join(parts[2:4])
             rest = parts[4:]
             if repo_id not in self.repos:
                 return self.error(req, 404, "RepoNotFound", "Repository not found", body)
             if not rest or rest[0] == "revision":
-                return self.info(req, repo_id, rest[1] if len(rest) > 1 else "main", body)
+                return self.info(req, repo_id, rest[1] if len(rest) > 1 else "main", body,
+                                 blobs="blobs" in query)
             if rest[0] == "tree" and len(rest) >= 2:
                 return self.tree(req, repo_id, rest[1], body)
         elif parts[0] == "cdn-lfs" and len(parts) == 2:
@@ -126,14 +141,58 @@ class FakeHub:
         self.error(req, 404, "RevisionNotFound", "Invalid rev id", body)
         return False
 
-    def info(self, req: BaseHTTPRequestHandler, repo_id: str, rev: str, body: bool) -> None:
-        if self.check_rev(req, repo_id, rev, body):
-            self.send_json(req, {
-                "_id": "0" * 24, "id": repo_id, "modelId": repo_id, "private": False,
-                "sha": self.commits[repo_id], "lastModified": "2025-01-01T00:00:00.000Z",
-                "tags": ["mlx"],
-                "siblings": [{"rfilename": f} for f in sorted(self.repos[repo_id])],
-            }, body)
+    def search(self, req: BaseHTTPRequestHandler, query: dict[str, list[str]],
+               body: bool) -> None:
+        """GET /api/models?search=&filter=&num_parameters=min:N,max:M&limit=&expand=..."""
+        text = (query.get("search") or [""])[0].lower()
+        filters = query.get("filter", [])
+        bounds = dict(b.split(":") for b in (query.get("num_parameters") or [""])[0].split(",")
+                      if ":" in b)
+        out = []
+        for repo_id in self.repos:
+            meta = self.meta.get(repo_id, {})
+            tags = list(meta.get("tags", []))
+            params = int(meta.get("params", 0))
+            if text not in repo_id.lower() or not all(f in tags for f in filters):
+                continue
+            if "min" in bounds and params < int(bounds["min"]):
+                continue
+            if "max" in bounds and params > int(bounds["max"]):
+                continue
+            item: dict[str, Any] = {"_id": "0" * 24, "id": repo_id, "tags": tags,
+                                    "downloads": int(meta.get("downloads", 0)), "likes": 0,
+                                    "library_name": "mlx" if "mlx" in tags else None}
+            arch = meta.get("architecture", "")
+            if "gguf" in tags:
+                item["gguf"] = {"total": params, "architecture": arch}
+            else:
+                item["config"] = {"model_type": arch}
+                item["safetensors"] = {"parameters": {"F16": params}, "total": params}
+            out.append(item)
+        out.sort(key=lambda m: -m["downloads"])
+        limit = int((query.get("limit") or ["1000"])[0])
+        self.send_json(req, out[:limit], body)
+
+    def info(self, req: BaseHTTPRequestHandler, repo_id: str, rev: str, body: bool,
+             blobs: bool = False) -> None:
+        if not self.check_rev(req, repo_id, rev, body):
+            return
+        siblings: list[dict[str, Any]] = []
+        for f, data in sorted(self.repos[repo_id].items()):
+            entry: dict[str, Any] = {"rfilename": f}
+            if blobs:  # files_metadata=True: size, git blob id, LFS sha256
+                entry["size"] = len(data)
+                entry["blobId"] = git_blob_id(data)
+                if is_lfs(f):
+                    entry["lfs"] = {"sha256": hashlib.sha256(data).hexdigest(),
+                                    "size": len(data), "pointerSize": 134}
+            siblings.append(entry)
+        self.send_json(req, {
+            "_id": "0" * 24, "id": repo_id, "modelId": repo_id, "private": False,
+            "sha": self.commits[repo_id], "lastModified": "2025-01-01T00:00:00.000Z",
+            "tags": list(self.meta.get(repo_id, {}).get("tags", ["mlx"])),
+            "siblings": siblings,
+        }, body)
 
     def tree(self, req: BaseHTTPRequestHandler, repo_id: str, rev: str, body: bool) -> None:
         if not self.check_rev(req, repo_id, rev, body):
@@ -171,27 +230,53 @@ class FakeHub:
             req.send_header("Content-Length", "0")
             req.end_headers()
             return
-        self.send_bytes(req, data, f'"{sha}"', body, {"X-Repo-Commit": self.commits[repo_id]})
+        self.send_bytes(req, data, f'"{sha}"', body, {"X-Repo-Commit": self.commits[repo_id]},
+                        name=name)
 
     def cdn(self, req: BaseHTTPRequestHandler, sha: str, body: bool) -> None:
         for files in self.repos.values():
-            for data in files.values():
+            for name, data in files.items():
                 if hashlib.sha256(data).hexdigest() == sha:
-                    return self.send_bytes(req, data, f'"{sha}"', body)
+                    return self.send_bytes(req, data, f'"{sha}"', body, name=name)
         self.error(req, 404, None, "Not found", body)
 
     def send_bytes(self, req: BaseHTTPRequestHandler, data: bytes, etag: str, body: bool,
-                   extra: dict[str, str] | None = None) -> None:
-        req.send_response(200)
+                   extra: dict[str, str] | None = None, name: str = "") -> None:
+        """The file, or the part a `Range: bytes=A-B` asks for (206); a name in `drops` has
+        its connection closed after that many bytes once, one in `corrupt` a byte flipped."""
+        if name in self.corrupt:
+            data = bytes([data[0] ^ 0xFF]) + data[1:]
+        start, end = 0, len(data) - 1
+        ranged = str(req.headers.get("Range") or "")
+        if ranged:
+            self.ranges.append((name, ranged))
+        if ranged.startswith("bytes="):
+            a, _, b = ranged[6:].partition("-")
+            start = int(a) if a else len(data) - int(b)
+            end = min(int(b), len(data) - 1) if a and b else len(data) - 1
+        req.send_response(206 if ranged else 200)
         req.send_header("Content-Type", "application/octet-stream")
-        req.send_header("Content-Length", str(len(data)))
+        req.send_header("Content-Length", str(end - start + 1))
+        if ranged:
+            req.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
         req.send_header("ETag", etag)
         req.send_header("Accept-Ranges", "bytes")
         for k, v in (extra or {}).items():
             req.send_header(k, v)
         req.end_headers()
-        if body:
-            req.wfile.write(data)
+        if not body:
+            return
+        cut = self.drops.pop(name, None) if name else None
+        if cut is not None and cut < end - start + 1:
+            req.wfile.write(data[start:start + cut])
+            req.wfile.flush()
+            req.close_connection = True  # mid-file: the client sees the body end early
+            req.connection.shutdown(socket.SHUT_RDWR)
+            return
+        try:
+            req.wfile.write(data[start:end + 1])
+        except (ConnectionResetError, BrokenPipeError):
+            pass  # the client stopped reading (a pause, a cancel)
 
     def send_json(self, req: BaseHTTPRequestHandler, obj: Any, body: bool) -> None:
         data = json.dumps(obj).encode()
@@ -526,3 +611,150 @@ def test_staging_refuses_names_that_leave_the_folder(tmp_path: Path) -> None:
                                                           "stage2"]
     _stage(snapshot, ["model.safetensors"], tmp_path / "ok")
     assert (tmp_path / "ok" / "model.safetensors").read_bytes() == b"x"
+
+
+# -- Discover: search, variants, resumable downloads ---------------------------------------
+GGUF_DISCOVER = "tiny-org/SmolLM2-135M-Instruct-GGUF"
+Q4 = "SmolLM2-135M-Instruct-Q4_1.gguf"
+Q8 = "SmolLM2-135M-Instruct-Q8_0.gguf"
+STARTER_PARAMS = 134_515_008
+
+
+@pytest.fixture(scope="module")
+def discover_hub(repos: dict[str, dict[str, bytes]]) -> Iterator[FakeHub]:
+    """A GGUF repository (the starter, and a larger listed-only variant) and an MLX one,
+    searchable, reached through HF_ENDPOINT in this process."""
+    from engine.importers.starter import starter_gguf
+
+    gguf_bytes = starter_gguf().read_bytes()
+    hub = FakeHub()
+    hub.add(GGUF_DISCOVER, {"README.md": b"# SmolLM2 GGUF\n", Q4: gguf_bytes,
+                            Q8: gguf_bytes + bytes(40 << 20)},
+            tags=["gguf", "llama"], params=STARTER_PARAMS, architecture="llama",
+            downloads=500)
+    hub.add(MLX_REPO, repos[MLX_REPO], tags=["mlx", "llama", "safetensors"], params=300_000,
+            architecture="llama", downloads=20)
+    hub.start()
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in _env(hub.url, Path("/nonexistent-hf-home")).items():
+            if value is None:
+                mp.delenv(key, raising=False)
+            else:
+                mp.setenv(key, value)
+        yield hub
+    hub.stop()
+
+
+def test_search_by_name_format_architecture_and_size(discover_hub: FakeHub) -> None:
+    from engine.importers.hub import search_models
+
+    found = search_models("smollm2")
+    assert [m.repo_id for m in found] == [GGUF_DISCOVER]
+    assert found[0].formats == ("gguf",) and found[0].architecture == "llama"
+    assert found[0].params == STARTER_PARAMS
+    assert [m.repo_id for m in search_models("tiny", fmt="mlx")] == [MLX_REPO]
+    assert {m.repo_id for m in search_models("tiny")} == {GGUF_DISCOVER, MLX_REPO}
+    assert search_models("tiny", architecture="qwen2") == []
+    assert [m.repo_id for m in search_models("", max_params=1_000_000)] == [MLX_REPO]
+    assert [m.repo_id for m in search_models("", min_params=1_000_000)] == [GGUF_DISCOVER]
+    searches = [p for m, p in discover_hub.requests if p == "/api/models"]
+    assert searches  # through HfApi.list_models' own endpoint
+
+
+def test_variants_have_size_bits_and_a_fit(discover_hub: FakeHub,
+                                           repos: dict[str, dict[str, bytes]],
+                                           tmp_path: Path) -> None:
+    from engine.importers.hub import list_variants
+    from engine.library.found import safetensors_headers
+    from engine.platform import ComputeProfile
+    from engine.runtime.fit import WeightSizes
+
+    variants = list_variants(GGUF_DISCOVER)
+    assert [v.label for v in variants] == [Q4, Q8]
+    q4, q8 = variants
+    assert q4.exact and not q8.exact
+    assert q4.bytes == len(discover_hub.repos[GGUF_DISCOVER][Q4])
+    assert q4.files[0].sha256 == hashlib.sha256(discover_hub.repos[GGUF_DISCOVER][Q4]
+                                                ).hexdigest()
+    assert q4.config is not None and q4.config["num_hidden_layers"] == 30
+    assert q4.weights is not None and q4.weights.params == STARTER_PARAMS
+    assert q4.bits_per_weight is not None and 5.5 < q4.bits_per_weight < 6.0
+    assert q8.bits_per_weight is not None and q8.bits_per_weight > q4.bits_per_weight
+    # Only the header was fetched, by HTTP Range: nowhere near the whole 98 MB file.
+    assert all(r.startswith("bytes=0-") for p, r in discover_hub.ranges)
+    profile = ComputeProfile("native", dequantize=False, dtype="float16")
+    fit = q4.fit(profile)
+    assert fit is not None and fit.context == 8192 and fit.weights_bytes > 0
+    assert q8.fit(profile).weights_bytes > fit.weights_bytes  # type: ignore[union-attr]
+
+    (mlx,) = list_variants(MLX_REPO)
+    assert mlx.kind == "mlx" and mlx.label == "MLX folder"
+    assert "README.md" not in {f.path for f in mlx.files}
+    files = {f.path: repos[MLX_REPO][f.path] for f in mlx.files}
+    assert mlx.bytes == sum(len(d) for d in files.values())
+    assert mlx.config is not None and "quantization" in mlx.config
+    for name, data in files.items():  # the sizes are the folder's own safetensors headers'
+        (tmp_path / name).write_bytes(data)
+    headers = safetensors_headers(sorted(tmp_path.glob("*.safetensors")))
+    items = {k: (h.size, h.nbytes, h.dtype) for k, h in headers.items()}
+    assert mlx.weights == WeightSizes.from_items(mlx.config, items)
+    assert mlx.weights.quant_params > 0
+
+
+def _pausing(limit: int, calls: list[tuple[int, int]]) -> tuple[Any, Any]:
+    def progress(done: int, total: int) -> None:
+        calls.append((done, total))
+
+    return progress, (lambda: bool(calls) and calls[-1][0] >= limit)
+
+
+def test_download_survives_a_dropped_connection_and_a_pause(discover_hub: FakeHub,
+                                                            tmp_path: Path) -> None:
+    from engine.errors import Cancelled
+    from engine.importers.hub import download, list_variants, pending_downloads, start_download
+
+    data = discover_hub.repos[GGUF_DISCOVER][Q4]
+    q4 = list_variants(GGUF_DISCOVER)[0]
+    discover_hub.ranges.clear()
+    discover_hub.drops[Q4] = 20 << 20  # the connection drops 20 MB in
+    folder = start_download(tmp_path, q4)
+    calls: list[tuple[int, int]] = []
+    progress, pause = _pausing(50 << 20, calls)
+    with pytest.raises(Cancelled):
+        download(folder, progress, pause)  # paused at 50 MB
+    part = folder / (Q4 + ".part")
+    assert (50 << 20) <= part.stat().st_size < len(data)
+    assert not (folder / Q4).exists()
+    # The drop was resumed from where it stopped, in the same call.
+    assert [r for _, r in discover_hub.ranges] == [f"bytes={20 << 20}-"]
+
+    # A restart: the pending download is found from its state file and resumed.
+    (pending,) = pending_downloads(tmp_path)
+    assert pending[0] == folder and pending[1].label == Q4 and pending[2] == part.stat().st_size
+    have = part.stat().st_size
+    calls.clear()
+    path = download(folder, lambda d, t: calls.append((d, t)))
+    assert path == folder / Q4 and path.read_bytes() == data
+    assert not part.exists()
+    assert discover_hub.ranges[-1][1] == f"bytes={have}-"
+    assert calls[0][0] >= have and calls[-1] == (len(data), len(data))
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+
+
+def test_checksum_mismatch_is_refused_and_removed(discover_hub: FakeHub,
+                                                  tmp_path: Path) -> None:
+    from engine.errors import FetchFailed
+    from engine.importers.hub import download, list_variants, start_download
+
+    q4 = list_variants(GGUF_DISCOVER)[0]
+    discover_hub.corrupt.add(Q4)
+    try:
+        folder = start_download(tmp_path, q4)
+        with pytest.raises(FetchFailed) as info:
+            download(folder)
+    finally:
+        discover_hub.corrupt.discard(Q4)
+    message = str(info.value)
+    assert "\n" not in message and "checksum mismatch" in message and Q4 in message
+    assert "sha256" in message
+    assert sorted(p.name for p in folder.iterdir()) == ["download.json"]
