@@ -15,6 +15,13 @@ pool (for sessions made after them); `prewarm(chat, model, system)` asks it to p
 system prompt. Server jobs (app/server.py) run on the same thread between chat jobs, over the
 same pool, so they share the model and the prefix cache.
 
+Chat extras: a reply with `assistant_prefix` continues that text (a reply cut short): the
+prompt is the chat template up to the assistant's turn plus the prefix's tokens, so the model
+picks up mid-sentence. `read_document(path, model)` reads a file for a chat's context
+(engine.importers.documents) and measures it on `model`'s tokenizer: tokens, the KV bytes
+those tokens cost under the KV settings in force, the KV RAM budget and the model's context
+(`document_read`; a file that cannot be read is error_occurred(job, "document", line)).
+
 Will it fit: the worker settles the compute profile on the engine thread as it starts
 (`profile_chosen`); an import plan gives each option a `fit` (engine.runtime.fit.Fit: weights
 plus KV at the chosen context against this machine's memory) and an import that would not fit
@@ -30,7 +37,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -41,9 +48,16 @@ import app.compat  # noqa: F401  (PySide6 work-around, see there)
 from engine.errors import Cancelled, ImportFailed, StrataError
 from engine.library import Library
 from engine.platform import ComputeProfile
-from engine.runtime.fit import Fit, WeightSizes, chosen_context, estimate, gpu_memory_limit
+from engine.runtime.fit import (
+    Fit,
+    WeightSizes,
+    chosen_context,
+    estimate,
+    gpu_memory_limit,
+    value_bytes,
+)
 from engine.runtime.sampling import SamplingParams
-from engine.telemetry import Timeline
+from engine.telemetry import GenerationEvent, Timeline
 
 if TYPE_CHECKING:
     from engine.importers import Source
@@ -69,6 +83,7 @@ class ReplyRequest:
     top_p: float = 1.0
     max_tokens: int = 512
     seed: int | None = None
+    assistant_prefix: str = ""  # continue this reply rather than start one
 
 
 # -- the worker (lives on the engine thread) ----------------------------------------------
@@ -103,6 +118,7 @@ class EngineWorker(QObject):
     settings_applied = Signal(dict)  # the engine settings now in force
     prefix_cleared = Signal(int, dict)  # job, {"runs", "bytes"} removed from the disk
     profile_chosen = Signal(object)  # engine.platform.ComputeProfile models load in
+    document_read = Signal(int, dict)  # job, the document and its measure (see the module doc)
 
     def __init__(self, home: Path) -> None:
         super().__init__()
@@ -213,6 +229,10 @@ class EngineWorker(QObject):
         self._sample(force=True)
         self.settings_applied.emit(dict(settings))
 
+    @Slot(int, str, str)
+    def _on_document_requested(self, job: int, path: str, model: str) -> None:
+        self._run(job, "document", self._document_steps(path, model))
+
     @Slot(int)
     def _on_prefix_clear_requested(self, job: int) -> None:
         self._run(job, "prefix clear", self._prefix_clear_steps(job))
@@ -299,9 +319,13 @@ class EngineWorker(QObject):
         yield self.reply_started, (job,)
         timeline = Timeline()
         last = None
-        for ev in self.pool.reply(req.chat_id, req.model, req.text, req.history, req.system,
-                                  params, req.max_tokens,
-                                  cancel=lambda: self._is_cancelled(job), timeline=timeline):
+        cancel = lambda: self._is_cancelled(job)  # noqa: E731
+        if req.assistant_prefix:
+            events = self._continue_events(req, params, cancel, timeline)
+        else:
+            events = self.pool.reply(req.chat_id, req.model, req.text, req.history, req.system,
+                                     params, req.max_tokens, cancel=cancel, timeline=timeline)
+        for ev in events:
             last = ev
             if ev.text:
                 yield self.reply_delta, (job, ev.text)
@@ -318,6 +342,61 @@ class EngineWorker(QObject):
             "finish_reason": last.finish_reason or "stop", "phases": phases,
         }
         yield self.reply_finished, (job, stats)
+
+    def _continue_events(self, req: ReplyRequest, params: SamplingParams,
+                         cancel: Callable[[], bool], timeline: Timeline
+                         ) -> Iterator[GenerationEvent]:
+        """The rest of `req.assistant_prefix`, in the chat's session (its KV reused)."""
+        from engine.runtime.generate import generate  # loaded with the pool already
+
+        session = self.pool.session(req.chat_id)
+        lm = session.lm
+        messages = [{"role": "system", "content": req.system}] if req.system else []
+        messages += [dict(m) for m in req.history]
+        messages.append({"role": "user", "content": req.text})
+        prompt = lm.tokenizer.encode_chat(messages)
+        prompt += lm.tokenizer.encode(req.assistant_prefix, add_bos=False, add_eos=False)
+        session.messages = messages
+        reply: list[str] = []
+        try:
+            for ev in generate(lm, prompt, params, req.max_tokens, cancel=cancel,
+                               prompt_cache=session.cache, timeline=timeline):
+                reply.append(ev.text)
+                yield ev
+        finally:
+            session.messages.append({"role": "assistant",
+                                     "content": req.assistant_prefix + "".join(reply)})
+
+    def _document_steps(self, path: str, model: str) -> Iterator[Step]:
+        from engine.importers.documents import read_document  # start-up: when one is attached
+
+        doc = read_document(path)
+        lm = self.pool.get(model) if model else self.pool.lm
+        if lm is None:
+            raise StrataError(f"{doc.name}: no model to count its tokens with")
+        tokens = len(lm.tokenizer.encode(doc.text, add_bos=False, add_eos=False))
+        yield self.document_read, ({
+            "path": doc.path, "name": doc.name, "kind": doc.kind, "pages": doc.pages,
+            "bytes": doc.bytes, "text": doc.text, "tokens": tokens, "model": lm.manifest["name"],
+            **self.kv_cost(tokens)},)
+
+    def kv_cost(self, tokens: int) -> dict[str, Any]:
+        """What `tokens` more tokens of context cost the loaded model's KV cache, under the KV
+        settings in force: kv_bytes, bytes_per_token, the KV RAM budget (the paged cache's;
+        auto: a quarter of RAM), the KV mode and the model's context length."""
+        from engine.kv import KVSettings  # loaded with the pool already
+
+        lm = self.pool.lm
+        if lm is None:
+            return {}
+        g = lm.kv_geometry
+        kv = self.pool.settings.kv or KVSettings()
+        bits = kv.bits if kv.mode != "mlx" else 16
+        per_value = value_bytes(g.width, bits, kv.group() if bits != 16 else None)
+        per_token = g.bytes_per_token() * per_value / g.width
+        return {"kv_bytes": int(g.kv_bytes(tokens) * per_value / g.width),
+                "bytes_per_token": per_token, "kv_ram_bytes": kv.ram_bytes(),
+                "kv_mode": kv.mode, "context_length": int(lm.context_length)}
 
     def _prewarm_steps(self, job: int, chat_id: int, model: str, system: str
                        ) -> Iterator[Step]:
@@ -430,6 +509,7 @@ class Engine(QObject):
     settings_applied = Signal(dict)
     prefix_cleared = Signal(int, dict)
     profile_chosen = Signal(object)
+    document_read = Signal(int, dict)
 
     starter_requested = Signal(int, bool)
     load_requested = Signal(int, str)
@@ -441,6 +521,7 @@ class Engine(QObject):
     prewarm_requested = Signal(int, int, str, str)
     settings_requested = Signal(dict)
     prefix_clear_requested = Signal(int)
+    document_requested = Signal(int, str, str)  # job, path, model
     server_job_requested = Signal(object, object)  # host, job (emitted from HTTP threads)
     shutdown_requested = Signal()
 
@@ -462,13 +543,14 @@ class Engine(QObject):
         self.prewarm_requested.connect(self.worker._on_prewarm_requested)
         self.settings_requested.connect(self.worker._on_settings_requested)
         self.prefix_clear_requested.connect(self.worker._on_prefix_clear_requested)
+        self.document_requested.connect(self.worker._on_document_requested)
         self.server_job_requested.connect(self.worker._on_server_job_requested)
         self.shutdown_requested.connect(self.worker._on_shutdown_requested)
         for name in ("busy_changed", "starter_progressed", "starter_ready", "model_loading",
                      "model_loaded", "reply_started", "reply_delta", "reply_finished",
                      "import_planned", "import_started", "import_progress", "import_finished",
                      "model_removed", "error_occurred", "memory_sampled", "prefix_warmed",
-                     "settings_applied", "prefix_cleared", "profile_chosen"):
+                     "settings_applied", "prefix_cleared", "profile_chosen", "document_read"):
             getattr(self.worker, name).connect(getattr(self, name))  # queued: GUI thread
         self.busy_changed.connect(self._on_busy_changed)
         self._busy = False
@@ -570,6 +652,12 @@ class Engine(QObject):
         """Engine settings (app.chat.store.EngineSettings.as_dict()) for the loaded model and
         every later one; `settings_applied` or an error_occurred('settings') answers."""
         self.settings_requested.emit(dict(settings))
+
+    def read_document(self, path: Path | str, model: str) -> int:
+        """Read a document for a chat and measure it on `model` (see the module doc)."""
+        job = self._next()
+        self.document_requested.emit(job, str(path), model)
+        return job
 
     def clear_prefix_cache(self) -> int:
         """Remove every stored prefix from the disk; `prefix_cleared` answers."""

@@ -1,7 +1,9 @@
 """The list of chats as a Qt item model over `ChatStore`: titles shown, edited in place.
 
 Contract: rows are chats, newest activity first; `setData(EditRole)` renames through the
-store; `refresh()` re-reads the store and keeps nothing else.
+store; `refresh()` re-reads the store and keeps nothing else but the search filter:
+`set_filter(snippets)` shows only the chats it names (chat id -> the matching text, shown as
+the tooltip), `set_filter(None)` shows every chat again.
 """
 
 from __future__ import annotations
@@ -20,12 +22,24 @@ class ChatListModel(QAbstractListModel):
     def __init__(self, store: ChatStore, parent: Any = None) -> None:
         super().__init__(parent)
         self._store = store
+        self._filter: dict[int, str] | None = None
         self._chats: list[Chat] = store.chats()
 
     def refresh(self) -> None:
         self.beginResetModel()
-        self._chats = self._store.chats()
+        chats = self._store.chats()
+        if self._filter is not None:
+            chats = [c for c in chats if c.id in self._filter]
+        self._chats = chats
         self.endResetModel()
+
+    def set_filter(self, snippets: dict[int, str] | None) -> None:
+        self._filter = snippets
+        self.refresh()
+
+    @property
+    def filtered(self) -> bool:
+        return self._filter is not None
 
     def rowCount(self, parent: Index = QModelIndex()) -> int:  # noqa: B008
         return 0 if parent.isValid() else len(self._chats)
@@ -37,7 +51,9 @@ class ChatListModel(QAbstractListModel):
         if role in (Qt.ItemDataRole.DisplayRole, Qt.ItemDataRole.EditRole):
             return chat.title
         if role == Qt.ItemDataRole.ToolTipRole:
-            return f"{chat.title}\nmodel: {chat.model or 'default'}"
+            found = self._filter.get(chat.id, "") if self._filter is not None else ""
+            return f"{chat.title}\nmodel: {chat.model or 'default'}" + (
+                f"\nfound: {found}" if found else "")
         if role == ChatIdRole:
             return chat.id
         return None

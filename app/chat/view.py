@@ -1,37 +1,47 @@
 """The chat screen's widgets: chat list, message view, input, and per-chat settings.
 
 Contract: widgets only. `ChatView` shows what it is given and emits requests
-(`send_requested`, `stop_requested`, `new_chat_requested`, ...); `ChatController` decides.
-`MessageView` renders finished messages once and re-renders only the streaming reply.
+(`send_requested`, `stop_requested`, `new_chat_requested`, `regenerate_requested`,
+`attach_requested`, `export_requested`, ...); `ChatController` decides. `MessageView`
+renders finished messages once and re-renders only the streaming reply. Documents dropped on
+the chat (or picked with Attach) are requested by path; model files and folders are left to
+the window, which imports them. Every control has an accessible name; SHORTCUTS lists the
+keys of the chat's actions.
 The right-hand panel also holds the app-wide engine settings (KV cache mode and budgets,
 the prefix cache on disk); `engine_settings_edited` carries them as an `EngineSettings`.
 """
 
 from __future__ import annotations
 
-from PySide6.QtCore import QEvent, QModelIndex, QObject, QPoint, Qt, Signal, Slot
+import os
+
+from PySide6.QtCore import QEvent, QModelIndex, QObject, QPoint, Qt, QUrl, Signal, Slot
 from PySide6.QtGui import (
+    QDesktopServices,
+    QDragEnterEvent,
+    QDropEvent,
     QFont,
+    QGuiApplication,
     QKeyEvent,
     QKeySequence,
-    QPalette,
     QShortcut,
-    QTextBlock,
     QTextBlockFormat,
     QTextCharFormat,
     QTextCursor,
-    QTextFormat,
 )
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QCheckBox,
     QComboBox,
     QDoubleSpinBox,
+    QFileDialog,
     QFormLayout,
     QFrame,
     QGroupBox,
     QHBoxLayout,
+    QInputDialog,
     QLabel,
+    QLineEdit,
     QListView,
     QMenu,
     QMessageBox,
@@ -46,43 +56,83 @@ from PySide6.QtWidgets import (
 )
 
 from app.chat.model import ChatIdRole, ChatListModel
-from app.chat.store import EngineSettings, Message, Sampling
+from app.chat.render import RichWriter, split_reasoning
+from app.chat.store import Attachment, EngineSettings, Message, Sampling
 from app.format import reply_stats_line
 
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
+MODEL_SUFFIXES = (".gguf", ".safetensors", ".npz", ".bin")  # dropped: the window imports
+SHORTCUTS = {
+    "search": "Ctrl+F", "attach": "Ctrl+Shift+A", "regenerate": "Ctrl+R",
+    "edit": "Ctrl+Shift+E", "continue": "Ctrl+Shift+Return", "previous branch": "Alt+Left",
+    "next branch": "Alt+Right", "copy code": "Ctrl+Shift+C", "export": "Ctrl+Shift+S",
+    "import": "Ctrl+Shift+I", "save preset": "Ctrl+Shift+P",
+}
+DOCUMENT_FILTER = ("Documents (*.txt *.md *.markdown *.rst *.pdf *.py *.json *.csv *.html "
+                   "*.c *.h *.cpp *.rs *.go *.js *.ts *.java *.sh *.toml *.yaml *.yml);;"
+                   "All files (*)")
+
+
+def document_paths(urls: list[QUrl]) -> list[str]:
+    """The dropped files a chat takes as documents: local files that are not model files
+    (empty if any is not, so a model dropped with a note still goes to the library)."""
+    paths = [u.toLocalFile() for u in urls if u.isLocalFile()]
+    if not paths or len(paths) != len(urls):
+        return []
+    for path in paths:
+        if os.path.isdir(path) or path.lower().endswith(MODEL_SUFFIXES):
+            return []
+    return paths
 KV_MODE_LABELS = (("mlx", "In RAM (mlx-lm)"), ("exact", "Paged, exact"),
                   ("sparse", "Paged, sparse"))
 KV_BITS_LABELS = ((16, "16-bit (as computed)"), (8, "8-bit"), (4, "4-bit"))
 
 
-def _is_code_block(block: QTextBlock) -> bool:
-    """A code block line: fenced, or (the first line, merged into our block) all monospace."""
-    fmt = block.blockFormat()
-    if fmt.hasProperty(QTextFormat.Property.BlockCodeFence) or fmt.nonBreakableLines():
-        return True
-    it = block.begin()
-    seen = False
-    while not it.atEnd():
-        families = it.fragment().charFormat().fontFamilies() or []
-        if "monospace" not in families:
-            return False
-        seen = True
-        it += 1
-    return seen
+def cut_short(message: Message) -> bool:
+    """A reply that stopped before its end: Stop, an error, or the token limit."""
+    return message.role == "assistant" and (
+        message.status == "interrupted" or message.stats.get("finish_reason") == "length")
 
 
 # -- message view -------------------------------------------------------------------------
 class MessageView(QTextBrowser):
-    """A read-only document of messages; the last one may be streaming."""
+    """A read-only document of messages; the last one may be streaming.
+
+    Replies are Markdown (app.chat.render: tables, highlighted code with a Copy link per block,
+    reasoning folded). Each message ends in action links (Copy, Edit, Regenerate, Continue) and
+    one with alternatives shows a "‹ 1/2 ›" switcher; links are reachable with Tab and Enter.
+    """
+
+    regenerate_requested = Signal(int)  # assistant message id
+    edit_requested = Signal(int)  # user message id
+    continue_requested = Signal(int)  # assistant message id
+    branch_requested = Signal(int, int)  # message id, step (-1: previous, +1: next)
+    copied = Signal(str)  # what was copied, for the status line
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setAccessibleName("Messages")
-        self.setOpenExternalLinks(True)
+        self.setOpenLinks(False)  # ours: actions and copy links; web links go to the browser
         self.setFrameShape(QFrame.Shape.NoFrame)
         self.document().setDocumentMargin(16)
+        self.writer = RichWriter(self.palette(), self.font().pointSizeF())
         self._stream_pos: int | None = None
+        self._stream_codes = 0
         self._stream_status = ""
+        self._stream_text = ""
+        self._messages: list[Message] = []
+        self._attachments: dict[int, list[Attachment]] = {}
+        self._branches: dict[int, tuple[int, int]] = {}
+        self._streaming_id: int | None = None
+        self._expanded: set[int] = set()  # messages whose reasoning is unfolded
+        self.anchorClicked.connect(self._on_anchor_clicked)
+
+    def changeEvent(self, event: QEvent) -> None:
+        super().changeEvent(event)
+        if event.type() == QEvent.Type.PaletteChange:  # light and dark code styles
+            self.writer = RichWriter(self.palette(), self.font().pointSizeF())
+            if self._messages:
+                self._render()
 
     def _at_bottom(self) -> bool:
         bar = self.verticalScrollBar()
@@ -92,17 +142,11 @@ class MessageView(QTextBrowser):
         bar = self.verticalScrollBar()
         bar.setValue(bar.maximum())
 
-    def _muted(self) -> QTextCharFormat:
-        fmt = QTextCharFormat()
-        fmt.setForeground(self.palette().color(QPalette.ColorRole.PlaceholderText))
-        fmt.setFontPointSize(max(self.font().pointSizeF() - 1.5, 7.0))
-        return fmt
-
     def _new_block(self, cursor: QTextCursor, top: float = 0.0) -> None:
         block = QTextBlockFormat()
         block.setTopMargin(top)
-        if cursor.position() == 0 and self.document().isEmpty():
-            cursor.setBlockFormat(block)
+        if cursor.block().length() <= 1 and cursor.positionInBlock() == 0:
+            cursor.setBlockFormat(block)  # the empty block after a frame, or the first one
             cursor.setCharFormat(QTextCharFormat())
         else:
             cursor.insertBlock(block, QTextCharFormat())
@@ -113,58 +157,112 @@ class MessageView(QTextBrowser):
         fmt.setFontWeight(QFont.Weight.Bold)
         cursor.insertText(ROLE_NAMES.get(message.role, message.role), fmt)
         if message.role == "assistant" and model:
-            cursor.insertText(f"  {model}", self._muted())
+            cursor.insertText(f"  {model}", self.writer.muted())
+        index, count = self._branches.get(message.id, (0, 1))
+        if count > 1:
+            muted = self.writer.muted()
+            cursor.insertText("    ", muted)
+            cursor.insertText("‹", self.writer.link(f"branch:-1:{message.id}", 0.0))
+            cursor.insertText(f" {index + 1}/{count} ", muted)
+            cursor.insertText("›", self.writer.link(f"branch:1:{message.id}", 0.0))
 
-    def _insert_markdown(self, cursor: QTextCursor, text: str) -> None:
-        """Markdown at the cursor, code blocks shaded in the palette's alternate base."""
-        start = cursor.position()
-        cursor.insertMarkdown(text or " ")
-        shade = self.palette().color(QPalette.ColorRole.AlternateBase)
-        block = self.document().findBlock(start)
-        while block.isValid() and block.position() <= cursor.position():
-            fmt = block.blockFormat()
-            if _is_code_block(block):
-                fmt.setBackground(shade)
-                QTextCursor(block).setBlockFormat(fmt)
-            block = block.next()
+    def _insert_reply(self, cursor: QTextCursor, message_id: int, text: str,
+                      streaming: bool) -> None:
+        """A reply's reasoning (folded unless opened) and its answer as rich Markdown."""
+        parts = split_reasoning(text)
+        if parts.thought or parts.open:
+            self._new_block(cursor, top=2.0)
+            opened = message_id in self._expanded
+            label = ("Thinking…" if parts.open and streaming else "Reasoning")
+            cursor.insertText(f"{'▾' if opened else '▸'} {label} ({parts.words} words)",
+                              self.writer.link(f"think:{message_id}", -0.5))
+            if opened:
+                block = QTextBlockFormat()
+                block.setLeftMargin(14)
+                block.setTopMargin(2)
+                for line in parts.thought.splitlines() or [""]:
+                    cursor.insertBlock(block, QTextCharFormat())
+                    cursor.insertText(line, self.writer.muted())
+        if parts.answer or not (parts.thought or parts.open):
+            self._new_block(cursor, top=4.0)
+            self.writer.write(cursor, parts.answer)
 
     def _insert_body(self, cursor: QTextCursor, message: Message) -> None:
         self._new_block(cursor, top=4.0)
+        for att in self._attachments.get(message.id, []):
+            cursor.insertText(f"Attached: {att.name} · {att.pages} page"
+                              f"{'s' * (att.pages != 1)} · {att.tokens:,} tokens",
+                              self.writer.muted())
+            cursor.insertBlock(QTextBlockFormat(), QTextCharFormat())
         if message.role == "assistant":
-            self._insert_markdown(cursor, message.content)
+            self._insert_reply(cursor, message.id, message.content, streaming=False)
         else:
             cursor.insertText(message.content)
 
-    def _insert_footer(self, cursor: QTextCursor, text: str) -> None:
+    def _insert_footer(self, cursor: QTextCursor, message: Message | None, text: str) -> None:
+        actions: list[tuple[str, str]] = []
+        if message is not None:
+            actions.append(("Copy", f"copy:{message.id}"))
+            if message.role == "user":
+                actions.append(("Edit", f"edit:{message.id}"))
+            elif message.role == "assistant":
+                actions.append(("Regenerate", f"regenerate:{message.id}"))
+                if cut_short(message):
+                    actions.append(("Continue", f"continue:{message.id}"))
+        if not text and not actions:
+            return
+        self._new_block(cursor, top=2.0)
+        muted = self.writer.muted()
         if text:
-            self._new_block(cursor, top=2.0)
-            cursor.insertText(text, self._muted())
+            cursor.insertText(text + ("   " if actions else ""), muted)
+        for i, (label, href) in enumerate(actions):
+            if i:
+                cursor.insertText(" · ", muted)
+            cursor.insertText(label, self.writer.link(href))
 
-    def set_messages(self, messages: list[Message], streaming_id: int | None = None) -> None:
-        """Render `messages`; the one with id `streaming_id` is left open for `update_stream`."""
+    def set_messages(self, messages: list[Message], streaming_id: int | None = None,
+                     attachments: dict[int, list[Attachment]] | None = None,
+                     branches: dict[int, tuple[int, int]] | None = None) -> None:
+        """Render `messages`; the one with id `streaming_id` is left open for `update_stream`.
+        `branches`: (index, count) of a message among its alternatives."""
+        self._messages = list(messages)
+        self._streaming_id = streaming_id
+        self._attachments = attachments or {}
+        self._branches = branches or {}
+        self._stream_text = next((m.content for m in messages if m.id == streaming_id), "")
+        self._stream_status = "generating…"
+        self._render()
+        self._scroll_to_bottom()
+
+    def _render(self) -> None:
+        bar = self.verticalScrollBar()
+        keep = bar.value()
         self.clear()
+        self.writer.reset()
         self._stream_pos = None
         cursor = QTextCursor(self.document())
-        for msg in messages:
+        for msg in self._messages:
             model = str(msg.stats.get("model", ""))
             self._insert_header(cursor, msg, model)
-            if msg.id == streaming_id:
+            if msg.id == self._streaming_id:
                 self._new_block(cursor, top=4.0)
                 self._stream_pos = cursor.position()
-                self._stream_status = "generating…"
-                self._fill_stream(cursor, msg.content)
+                self._stream_codes = len(self.writer.codes)
+                self._fill_stream(cursor, self._stream_text)
                 break
             self._insert_body(cursor, msg)
+            footer = ""
             if msg.role == "assistant":
                 footer = reply_stats_line(msg.stats, msg.status)
                 if msg.status == "interrupted" and not footer:
                     footer = "interrupted"
-                self._insert_footer(cursor, footer)
-        self._scroll_to_bottom()
+            self._insert_footer(cursor, msg, footer)
+        bar.setValue(keep)
 
     def _fill_stream(self, cursor: QTextCursor, text: str) -> None:
-        self._insert_markdown(cursor, text)
-        self._insert_footer(cursor, self._stream_status)
+        assert self._streaming_id is not None
+        self._insert_reply(cursor, self._streaming_id, text, streaming=True)
+        self._insert_footer(cursor, None, self._stream_status)
 
     def update_stream(self, text: str, status: str | None = None) -> None:
         """Replace the streaming reply's text (Markdown) in place."""
@@ -172,6 +270,7 @@ class MessageView(QTextBrowser):
             return
         if status is not None:
             self._stream_status = status
+        self._stream_text = text
         follow = self._at_bottom()
         cursor = QTextCursor(self.document())
         cursor.setPosition(min(self._stream_pos, self.document().characterCount() - 1))
@@ -179,6 +278,7 @@ class MessageView(QTextBrowser):
         cursor.removeSelectedText()
         cursor.setBlockFormat(QTextBlockFormat())
         cursor.setCharFormat(QTextCharFormat())
+        self.writer.truncate(self._stream_codes)
         self._fill_stream(cursor, text)
         if follow:
             self._scroll_to_bottom()
@@ -186,6 +286,50 @@ class MessageView(QTextBrowser):
     @property
     def streaming(self) -> bool:
         return self._stream_pos is not None
+
+    def code_blocks(self) -> list[str]:
+        """The code of every block shown, in order (what each Copy link copies)."""
+        return list(self.writer.codes)
+
+    def copy_code(self, index: int) -> bool:
+        codes = self.writer.codes
+        if not -len(codes) <= index < len(codes):
+            return False
+        QGuiApplication.clipboard().setText(codes[index])
+        self.copied.emit("code block")
+        return True
+
+    # -- links ---------------------------------------------------------------------------
+    @Slot(QUrl)
+    def _on_anchor_clicked(self, url: QUrl) -> None:
+        scheme, arg = url.scheme(), url.path()
+        if scheme in ("http", "https", "mailto", "ftp"):
+            QDesktopServices.openUrl(url)
+            return
+        try:
+            if scheme == "branch":
+                step, message_id = (int(x) for x in arg.split(":", 1))
+                self.branch_requested.emit(message_id, step)
+                return
+            number = int(arg)
+        except ValueError:
+            return
+        if scheme == "copycode":
+            self.copy_code(number)
+        elif scheme == "copy":
+            msg = next((m for m in self._messages if m.id == number), None)
+            if msg is not None:
+                QGuiApplication.clipboard().setText(msg.content)
+                self.copied.emit("message")
+        elif scheme == "think":
+            self._expanded ^= {number}
+            self._render()
+        elif scheme == "regenerate":
+            self.regenerate_requested.emit(number)
+        elif scheme == "edit":
+            self.edit_requested.emit(number)
+        elif scheme == "continue":
+            self.continue_requested.emit(number)
 
 
 # -- the chat screen ----------------------------------------------------------------------
@@ -202,11 +346,25 @@ class ChatView(QWidget):
     sampling_edited = Signal(object)  # Sampling
     engine_settings_edited = Signal(object)  # EngineSettings
     prefix_clear_requested = Signal()
+    search_edited = Signal(str)
+    attach_requested = Signal(list)  # paths
+    attachments_cleared = Signal()
+    regenerate_requested = Signal(int)  # assistant message id; 0: the last reply
+    edit_requested = Signal(int)  # user message id; 0: the last one
+    edit_cancelled = Signal()
+    continue_requested = Signal(int)  # assistant message id; 0: the last reply
+    branch_requested = Signal(int, int)  # message id (0: the last with alternatives), step
+    export_requested = Signal(str)  # path: .md or .json
+    import_requested = Signal(str)  # path of a .json export
+    preset_chosen = Signal(str)
+    preset_saved = Signal(str)  # name
+    preset_deleted = Signal(str)
 
     def __init__(self, chats: ChatListModel, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.chats = chats
         self._loading_settings = False
+        self.setAcceptDrops(True)
 
         # left: chats
         self.new_chat_button = QPushButton("New chat")
@@ -222,14 +380,30 @@ class ChatView(QWidget):
         self.rename_button.setAccessibleName("Rename chat")
         self.delete_button = QPushButton("Delete")
         self.delete_button.setAccessibleName("Delete chat")
+        self.search = QLineEdit()
+        self.search.setAccessibleName("Search chats")
+        self.search.setPlaceholderText(f"Search chats ({SHORTCUTS['search']})")
+        self.search.setClearButtonEnabled(True)
+        self.export_button = QPushButton("Export…")
+        self.export_button.setAccessibleName("Export chat")
+        self.export_button.setToolTip(f"Save this chat as Markdown or JSON "
+                                      f"({SHORTCUTS['export']})")
+        self.import_button = QPushButton("Import…")
+        self.import_button.setAccessibleName("Import chat")
+        self.import_button.setToolTip(f"Open a chat exported as JSON ({SHORTCUTS['import']})")
         left = QWidget()
         ll = QVBoxLayout(left)
         ll.setContentsMargins(8, 8, 4, 8)
         ll.addWidget(self.new_chat_button)
+        ll.addWidget(self.search)
         ll.addWidget(self.chat_list, 1)
         row = QHBoxLayout()
         row.addWidget(self.rename_button)
         row.addWidget(self.delete_button)
+        ll.addLayout(row)
+        row = QHBoxLayout()
+        row.addWidget(self.export_button)
+        row.addWidget(self.import_button)
         ll.addLayout(row)
 
         # centre: messages, empty state, input
@@ -246,6 +420,7 @@ class ChatView(QWidget):
         self.input.setAccessibleName("Chat input")
         self.input.setPlaceholderText("Message the model. Ctrl+Enter sends.")
         self.input.setMaximumHeight(110)
+        self.input.setAcceptDrops(False)  # a dropped file is a document for the chat
         self.input.setTabChangesFocus(True)
         self.send_button = QPushButton("Send")
         self.send_button.setAccessibleName("Send")
@@ -255,6 +430,25 @@ class ChatView(QWidget):
         self.stop_button.setAccessibleName("Stop")
         self.stop_button.setToolTip("Stop the reply (Ctrl+.)")
         self.stop_button.setEnabled(False)
+        self.attach_button = QPushButton("Attach…")
+        self.attach_button.setAccessibleName("Attach document")
+        self.attach_button.setToolTip("Add a text, Markdown, source or PDF file to the next "
+                                      f"message ({SHORTCUTS['attach']}), or drop it here")
+        self.attachments_label = QLabel()
+        self.attachments_label.setAccessibleName("Attached documents")
+        self.attachments_label.setWordWrap(True)
+        self.attachments_label.setTextInteractionFlags(
+            Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.clear_attachments_button = QPushButton("Remove")
+        self.clear_attachments_button.setAccessibleName("Remove attached documents")
+        self.clear_attachments_button.setToolTip("Send the next message without them")
+        attach_row = QHBoxLayout()
+        attach_row.setContentsMargins(0, 0, 0, 0)
+        attach_row.addWidget(self.attachments_label, 1)
+        attach_row.addWidget(self.clear_attachments_button)
+        self.attachments_row = QWidget()
+        self.attachments_row.setLayout(attach_row)
+        self.attachments_row.setVisible(False)
         self.status_label = QLabel()
         self.status_label.setAccessibleName("Chat status")
         self.status_label.setWordWrap(True)
@@ -262,6 +456,7 @@ class ChatView(QWidget):
         buttons = QVBoxLayout()
         buttons.addWidget(self.send_button)
         buttons.addWidget(self.stop_button)
+        buttons.addWidget(self.attach_button)
         buttons.addStretch(1)
         input_row = QHBoxLayout()
         input_row.addWidget(self.input, 1)
@@ -271,6 +466,7 @@ class ChatView(QWidget):
         cl.setContentsMargins(4, 8, 4, 8)
         cl.addWidget(self.stack, 1)
         cl.addWidget(self.status_label)
+        cl.addWidget(self.attachments_row)
         cl.addLayout(input_row)
 
         # right: settings for this chat
@@ -298,9 +494,27 @@ class ChatView(QWidget):
         self.max_tokens.setAccessibleName("Max tokens")
         self.max_tokens.setRange(1, 32768)
         self.max_tokens.setSingleStep(64)
+        self.preset_picker = QComboBox()
+        self.preset_picker.setAccessibleName("Preset")
+        self.preset_picker.setToolTip("Apply a saved system prompt and sampling to this chat")
+        self.preset_save = QPushButton("Save…")
+        self.preset_save.setAccessibleName("Save preset")
+        self.preset_save.setToolTip("Save this chat's system prompt and sampling as a preset "
+                                    f"({SHORTCUTS['save preset']})")
+        self.preset_delete = QPushButton("Delete")
+        self.preset_delete.setAccessibleName("Delete preset")
+        self.preset_delete.setToolTip("Delete the chosen preset")
+        preset_row = QHBoxLayout()
+        preset_row.setContentsMargins(0, 0, 0, 0)
+        preset_row.addWidget(self.preset_picker, 1)
+        preset_row.addWidget(self.preset_save)
+        preset_row.addWidget(self.preset_delete)
         chat_settings = QWidget()
         rl = QVBoxLayout(chat_settings)
         rl.setContentsMargins(0, 0, 0, 0)
+        rl.addWidget(QLabel("Preset"))
+        rl.addLayout(preset_row)
+        rl.addSpacing(6)
         rl.addWidget(QLabel("Model"))
         rl.addWidget(self.model_picker)
         rl.addSpacing(6)
@@ -355,6 +569,35 @@ class ChatView(QWidget):
         self.prefix_cache.toggled.connect(self._on_engine_setting_changed)
         self.prefix_mb.editingFinished.connect(self._on_engine_setting_changed)
         self.prefix_clear.clicked.connect(self.prefix_clear_requested)
+        self.search.textChanged.connect(self.search_edited)
+        self.export_button.clicked.connect(self._on_export_clicked)
+        self.import_button.clicked.connect(self._on_import_clicked)
+        self.attach_button.clicked.connect(self._on_attach_clicked)
+        self.clear_attachments_button.clicked.connect(self.attachments_cleared)
+        self.preset_picker.activated.connect(self._on_preset_activated)
+        self.preset_save.clicked.connect(self._on_preset_save_clicked)
+        self.preset_delete.clicked.connect(self._on_preset_delete_clicked)
+        m = self.messages
+        m.regenerate_requested.connect(self.regenerate_requested)
+        m.edit_requested.connect(self.edit_requested)
+        m.continue_requested.connect(self.continue_requested)
+        m.branch_requested.connect(self.branch_requested)
+        m.copied.connect(self._on_copied)
+        actions = {
+            "search": self._on_search_shortcut_activated, "attach": self._on_attach_clicked,
+            "regenerate": lambda: self.regenerate_requested.emit(0),
+            "edit": lambda: self.edit_requested.emit(0),
+            "continue": lambda: self.continue_requested.emit(0),
+            "previous branch": lambda: self.branch_requested.emit(0, -1),
+            "next branch": lambda: self.branch_requested.emit(0, 1),
+            "copy code": lambda: self.messages.copy_code(-1),
+            "export": self._on_export_clicked, "import": self._on_import_clicked,
+            "save preset": self._on_preset_save_clicked,
+        }
+        self.shortcuts: dict[str, QShortcut] = {}
+        for name, slot in actions.items():
+            self.shortcuts[name] = QShortcut(QKeySequence(SHORTCUTS[name]), self, slot,
+                                             context=Qt.ShortcutContext.WindowShortcut)
         for keys in ("Ctrl+Return", "Ctrl+Enter"):
             QShortcut(QKeySequence(keys), self, self._on_send_clicked,
                       context=Qt.ShortcutContext.WindowShortcut)
@@ -369,8 +612,15 @@ class ChatView(QWidget):
         if watched is self.input and event.type() == QEvent.Type.KeyPress:
             assert isinstance(event, QKeyEvent)
             ctrl = bool(event.modifiers() & Qt.KeyboardModifier.ControlModifier)
+            shift = bool(event.modifiers() & Qt.KeyboardModifier.ShiftModifier)
+            if ctrl and shift and event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
+                self.continue_requested.emit(0)
+                return True
             if ctrl and event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
                 self._on_send_clicked()
+                return True
+            if event.key() == Qt.Key.Key_Escape and self.editing:
+                self.edit_cancelled.emit()
                 return True
             if ctrl and event.key() == Qt.Key.Key_Period:
                 self.stop_requested.emit()
@@ -480,6 +730,38 @@ class ChatView(QWidget):
         self.status_label.setText(text)
         self.status_label.setVisible(bool(text))
 
+    @property
+    def editing(self) -> bool:
+        return bool(self.input.property("editing"))
+
+    def set_editing(self, editing: bool, text: str = "") -> None:
+        """Editing a sent message: its text in the input, Send makes a new branch."""
+        self.input.setProperty("editing", editing)
+        if editing:
+            self.input.setPlainText(text)
+            self.input.setFocus()
+            self.send_button.setText("Send edit")
+            self.set_status("Editing a message: Send (Ctrl+Enter) sends it as a new branch "
+                            "(the earlier one stays); Esc cancels.")
+        else:
+            self.send_button.setText("Send")
+
+    def set_attachments(self, lines: list[str]) -> None:
+        """The documents waiting for the next message, one line each (empty: none)."""
+        self.attachments_label.setText("\n".join(lines))
+        self.attachments_row.setVisible(bool(lines))
+
+    def set_presets(self, names: list[str], current: str = "") -> None:
+        self.preset_picker.blockSignals(True)
+        self.preset_picker.clear()
+        self.preset_picker.addItem("(none)", "")
+        for name in names:
+            self.preset_picker.addItem(name, name)
+        found = self.preset_picker.findData(current)
+        self.preset_picker.setCurrentIndex(max(found, 0))
+        self.preset_picker.blockSignals(False)
+        self.preset_delete.setEnabled(bool(names))
+
     def set_models(self, names: list[str], current: str) -> None:
         self.model_picker.blockSignals(True)
         self.model_picker.clear()
@@ -583,3 +865,71 @@ class ChatView(QWidget):
             self.sampling_edited.emit(Sampling(temperature=self.temperature.value(),
                                                top_p=self.top_p.value(),
                                                max_tokens=self.max_tokens.value()))
+
+    # -- drops: documents for the chat ---------------------------------------------------
+    def dragEnterEvent(self, event: QDragEnterEvent) -> None:
+        if document_paths(event.mimeData().urls() if event.mimeData().hasUrls() else []):
+            event.acceptProposedAction()
+        else:
+            event.ignore()  # model files and folders: the window imports them
+
+    def dropEvent(self, event: QDropEvent) -> None:
+        paths = document_paths(event.mimeData().urls() if event.mimeData().hasUrls() else [])
+        if not paths:
+            event.ignore()
+            return
+        event.acceptProposedAction()
+        self.attach_requested.emit(paths)
+
+    # -- slots: new controls -----------------------------------------------------------------
+    @Slot()
+    def _on_search_shortcut_activated(self) -> None:
+        self.search.setFocus()
+        self.search.selectAll()
+
+    @Slot(str)
+    def _on_copied(self, what: str) -> None:
+        self.set_status(f"Copied the {what} to the clipboard.")
+
+    @Slot()
+    def _on_attach_clicked(self) -> None:
+        paths, _ = QFileDialog.getOpenFileNames(self, "Attach documents", "", DOCUMENT_FILTER)
+        if paths:
+            self.attach_requested.emit(list(paths))
+
+    @Slot()
+    def _on_export_clicked(self) -> None:
+        path, chosen = QFileDialog.getSaveFileName(
+            self, "Export chat", "chat.md", "Markdown (*.md);;JSON, to import again (*.json)")
+        if path:
+            if not path.lower().endswith((".md", ".json")):
+                path += ".json" if "json" in chosen.lower() else ".md"
+            self.export_requested.emit(path)
+
+    @Slot()
+    def _on_import_clicked(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Import chat", "",
+                                              "Strata chat (*.json);;All files (*)")
+        if path:
+            self.import_requested.emit(path)
+
+    @Slot(int)
+    def _on_preset_activated(self, row: int) -> None:
+        name = self.preset_picker.itemData(row)
+        if name:
+            self.preset_chosen.emit(str(name))
+
+    @Slot()
+    def _on_preset_save_clicked(self) -> None:
+        current = str(self.preset_picker.currentData() or "")
+        name, ok = QInputDialog.getText(self, "Save preset",
+                                        "Name for this system prompt and sampling:",
+                                        text=current)
+        if ok and name.strip():
+            self.preset_saved.emit(name.strip())
+
+    @Slot()
+    def _on_preset_delete_clicked(self) -> None:
+        name = str(self.preset_picker.currentData() or "")
+        if name:
+            self.preset_deleted.emit(name)
