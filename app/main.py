@@ -56,6 +56,7 @@ import app.compat  # noqa: F401  (PySide6 work-around, see there)
 from app.bench.view import BenchmarkView
 from app.chat.controller import ChatController
 from app.chat.store import ChatStore, Sampling
+from app.discover.controller import DiscoverController
 from app.library.controller import LibraryController
 from app.memory.view import MemoryPanel
 from app.server import DEFAULT_PORT, LocalServer
@@ -65,7 +66,7 @@ from engine.errors import StrataError
 from engine.platform import MemorySnapshot, default_home
 
 DEFAULT_SIZE = (1100, 720)
-VIEWS = ("chat", "library", "memory", "benchmark")
+VIEWS = ("chat", "library", "memory", "benchmark", "discover")
 DEMO_PROMPTS = (
     "What is the capital of France?",
     "Write a Python function that returns the sum of a list of numbers.",
@@ -113,6 +114,7 @@ class MainWindow(QMainWindow):
         self.memory = MemoryPanel()
         self.bench = BenchmarkView(self.home)
         self.server = LocalServer(self.engine, self)
+        self.discover = DiscoverController(self.engine, self.home, self)
 
         self.tabs = QTabWidget()
         self.tabs.setAccessibleName("Views")
@@ -121,6 +123,7 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.library.view, "Library")
         self.tabs.addTab(self.memory, "Memory")
         self.tabs.addTab(self.bench, "Benchmark")
+        self.tabs.addTab(self.discover.view, "Discover")
         self.setCentralWidget(self.tabs)
 
         saved = self.store.setting("window_geometry") or ""
@@ -202,7 +205,7 @@ class MainWindow(QMainWindow):
         quit_action.triggered.connect(self.close)
         file_menu.addAction(quit_action)
         view_menu = self.menuBar().addMenu("&View")
-        for i, name in enumerate(("Chat", "Library", "Memory", "Benchmark")):
+        for i, name in enumerate(("Chat", "Library", "Memory", "Benchmark", "Discover")):
             action = QAction(name, self)
             action.setShortcut(QKeySequence(f"Ctrl+{i + 1}"))
             action.triggered.connect(lambda _=False, i=i: self.tabs.setCurrentIndex(i))
@@ -381,6 +384,7 @@ class MainWindow(QMainWindow):
         self.server.stop()
         self.chat.shutdown()
         self.bench.shutdown()
+        self.discover.shutdown()
         self.engine.shutdown()
         self.store.close()
 
@@ -437,6 +441,13 @@ class ScreenshotDirector(QObject):
 
     @Slot()
     def _on_ready(self) -> None:
+        if self.view == "discover":  # a search on the Hub (HF_ENDPOINT) and its first variants
+            discover = self.window.discover
+            discover.variants_shown.connect(lambda _repo: QTimer.singleShot(300, self._capture))
+            discover.results_shown.connect(
+                lambda n: None if n else QTimer.singleShot(300, self._capture))
+            discover.search(os.environ.get("STRATA_DISCOVER_QUERY", ""))
+            return
         if self._prompts and self.window.chat.models:
             chat = self.window.chat.new_chat()
             self.window.store.update_chat(chat.id, title="Demo",

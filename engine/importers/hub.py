@@ -713,8 +713,15 @@ def pending_downloads(home: Path) -> list[tuple[Path, Variant, int]]:
     return out
 
 
+def _files_root(folder: Path, variant: Variant) -> Path:
+    """Where a download's files go: the folder (a GGUF), or a subfolder named as the model
+    (an MLX folder, so that its import takes the repository's name)."""
+    return folder / variant.name if variant.kind == MLX else folder
+
+
 def downloaded_bytes(folder: Path, variant: Variant) -> int:
     done = 0
+    folder = _files_root(folder, variant)
     for f in variant.files:
         final, part = folder / f.path, folder / (f.path + PART)
         if final.is_file():
@@ -823,21 +830,23 @@ def _fetch_file(repo_id: str, commit: str, f: RemoteFile, folder: Path, before: 
 def download(folder: Path, progress: Progress | None = None,
              cancel: CancelFlag | None = None) -> Path:
     """Fetch (or go on fetching) the download in `folder` (start_download made it); return
-    the .gguf (first part) or the MLX folder once every file is whole and matches the Hub's
-    checksum. Cancelled leaves the parts for a later call (pause); a dropped connection is
-    retried from where it stopped (HTTP Range); a checksum mismatch removes that file and
-    raises FetchFailed. `progress(done, total)` counts bytes, parts already here included."""
+    the .gguf (first part) or the MLX folder (folder/<model name>) once every file is whole
+    and matches the Hub's checksum. Cancelled leaves the parts for a later call (pause); a
+    dropped connection is retried from where it stopped (HTTP Range); a checksum mismatch
+    removes that file and raises FetchFailed. `progress(done, total)` counts bytes, the
+    parts already here included."""
     variant = Variant.from_json(json.loads((folder / STATE_FILE).read_text()))
     cancel = cancel or (lambda: False)
     total = variant.bytes
+    root = _files_root(folder, variant)
     done = 0
     for f in variant.files:
         if Path(f.path).is_absolute() or ".." in Path(f.path).parts:
             raise FetchFailed(f"refusing file name {f.path!r} from {variant.repo_id}")
-        if not (folder / f.path).is_file():
-            _fetch_file(variant.repo_id, variant.commit, f, folder, done, total, progress,
+        if not (root / f.path).is_file():
+            _fetch_file(variant.repo_id, variant.commit, f, root, done, total, progress,
                         cancel)
         done += f.size
         if progress is not None:
             progress(done, total)
-    return folder / variant.files[0].path if variant.kind == GGUF else folder
+    return root / variant.files[0].path if variant.kind == GGUF else root
