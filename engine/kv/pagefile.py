@@ -92,7 +92,9 @@ class RecordFile:
     """
 
     def __init__(self, path: Path, layer: int, kv_heads: int, head_dim: int, page_tokens: int,
-                 dtype: np.dtype, bits: int = 16, group: int = 64) -> None:
+                 dtype: np.dtype, bits: int = 16, group: int = 64, create: bool = True
+                 ) -> None:
+        """create=False opens nothing: the layout alone, to `parse` or `read_at` records."""
         self.path, self.layer = path, layer
         self.kv_heads, self.head_dim, self.page_tokens, self.dtype = (
             kv_heads, head_dim, page_tokens, np.dtype(dtype))
@@ -102,6 +104,9 @@ class RecordFile:
         self.version = QUANT_FORMAT_VERSION if self.codec.quantized else FORMAT_VERSION
         self.half = kv_heads * page_tokens * self.codec.vector_bytes(head_dim)
         self.size = codec_record_size(self.codec, kv_heads, head_dim, page_tokens)
+        self.fd = -1
+        if not create:
+            return
         try:
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
@@ -148,7 +153,20 @@ class RecordFile:
         """Read and verify page `index`; raises PageCorrupt if anything does not check out:
         length, magic, format, checksum, and every header field against this file's."""
         data = os.pread(self.fd, self.size, index * self.size)
-        where = f"{self.path.name} page {index}"
+        return self.parse(data, index, f"{self.path.name} page {index}")
+
+    def read_at(self, fd: int, offset: int, index: int, where: str
+                ) -> tuple[PageHeader, Parts, Parts]:
+        """Read and verify a record of this layer's layout that lives elsewhere (a stored
+        prefix run the store maps instead of copying): the same checks as `read_parts`."""
+        try:
+            data = os.pread(fd, self.size, offset)
+        except OSError as exc:
+            raise PageCorrupt(f"KV page {where}: cannot be read ({exc.strerror})") from exc
+        return self.parse(data, index, where)
+
+    def parse(self, data: bytes, index: int, where: str) -> tuple[PageHeader, Parts, Parts]:
+        """Verify one record's bytes as page `index` of this layer; PageCorrupt otherwise."""
         # Magic and format first, to name a foreign record; nothing is used before the CRC.
         if len(data) >= 10 and data[:8] == MAGIC:
             version = struct.unpack_from("<H", data, 8)[0]

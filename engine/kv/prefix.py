@@ -96,13 +96,15 @@ from engine.platform import default_home, pid_alive
 
 PREFIX_MAGIC = b"STRATAPX"
 RUN_MAGIC = b"STRATARN"
-PREFIX_VERSION = 3
+PREFIX_VERSION = 4
 # Page header: magic, version, page tokens, depth (page index), layers, parent hash, own
-# hash, xxh3-64 of the layer records that follow; then the token ids and a CRC-32.
-_PX = struct.Struct("<8sHIII32s32sQ")
+# hash, xxh3-64 of the layer records, xxh3-64 of the key summaries; then the token ids and a
+# CRC-32. The summaries follow the header (so a mapped restore reads header and summaries
+# in one read and nothing else), then the layer records.
+_PX = struct.Struct("<8sHIII32s32sQQ")
 # Run header: magic, version, page tokens, layers, depth of the first page, pages, bytes per
-# page record, parent hash of the first page; then the pages' hashes and a CRC-32.
-_RUN = struct.Struct("<8sHIIIIQ32s")
+# page record, parent hash of the first page, model key; then the pages' hashes and a CRC-32.
+_RUN = struct.Struct("<8sHIIIIQ32s32s")
 # Window file header: magic, version, page tokens, depth (pages), sliding layers, own hash
 # (the chain hash of the depth's last page), xxh3-64 of the arrays; then each layer's token
 # count (u32) and a CRC-32 of all that. The arrays follow: per layer keys, then values.
@@ -243,7 +245,7 @@ class _Job:
     window: Window | None = None  # the sliding layers' window at the prompt's depth
     hash: bytes | None = None  # the chain hash of that depth's last page
     # From the paged store instead of k/v: per page, per layer (k parts, v parts, key min,
-    # key max), numpy arrays as the store encodes them (summaries only when quantized).
+    # key max), numpy arrays as the store encodes them (summaries as float32).
     paged: list[list[tuple[Parts, Parts, Any, Any]]] | None = None
 
 
@@ -303,9 +305,11 @@ class PrefixCache:
         self.payload = 2 * kv_heads * self.P * self.codec.vector_bytes(head_dim)
         self.layer_bytes = (_HEADER_Q.size if self.codec.quantized else _HEADER.size
                             ) + self.payload + _CRC.size
-        self.summary_bytes = (n_layers * 2 * kv_heads * head_dim * self.np_dtype.itemsize
-                              if self.codec.quantized else 0)
-        self.page_bytes = self.page_head + n_layers * self.layer_bytes + self.summary_bytes
+        # Every page carries each layer's key summaries (min and max of the keys as computed,
+        # float32: exact for every compute dtype), so a restore can map the page records
+        # without reading them and sparse mode still selects as the prefilling store did.
+        self.summary_bytes = n_layers * 2 * kv_heads * head_dim * 4
+        self.page_bytes = self.page_head + self.summary_bytes + n_layers * self.layer_bytes
         self.folder = self.settings.root()
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -370,9 +374,10 @@ class PrefixCache:
             head = os.pread(fd, 4096, 0)
             if len(head) < _RUN.size:
                 return None
-            magic, version, ptok, layers, first, n, pbytes, parent = _RUN.unpack_from(head)
-            if (magic, version, ptok, layers, pbytes) != (RUN_MAGIC, PREFIX_VERSION, self.P,
-                                                         self.n_layers, self.page_bytes):
+            (magic, version, ptok, layers, first, n, pbytes, parent,
+             key) = _RUN.unpack_from(head)
+            if (magic, version, ptok, layers, pbytes, key) != (
+                    RUN_MAGIC, PREFIX_VERSION, self.P, self.n_layers, self.page_bytes, self.key):
                 return None
             size = self.run_head_bytes(n)
             if n < 1 or size > st.st_size:
@@ -506,12 +511,13 @@ class PrefixCache:
 
     def _restore_paged(self, caches: list[Any], prompt: Sequence[int], plan: Plan,
                        cached: int) -> int:
-        """The paged KV cache's restore: each stored page is read, verified and committed to
-        the caches' store in page order (a RAM slot, evicting and written through to its SSD
-        tier as any committed page), so RAM holds no more than the store's budget allows; a
-        sliding layer's window cache is set to the stored window. Pages after one that fails
-        are not used. A model with sliding layers restores into an empty cache only (the
-        window is all or nothing: a failure leaves the cache empty)."""
+        """The paged KV cache's restore: stored pages are mapped, not copied. Each page's
+        header and key summaries are read and verified (one small read per page); its layer
+        records stay where they are and join the store's table as cold pages (`map_pages`),
+        read in place and checked (header, CRC-32) when attention first needs them. The run
+        files stay open in the store, so eviction meanwhile cannot take them away. Pages
+        after one that fails are not used. A sliding layer's window cache is set to the
+        stored window; such a model restores into an empty cache only."""
         P = self.P
         full = [caches[i] for i in self.full]
         store = full[0].store
@@ -527,52 +533,63 @@ class PrefixCache:
                 return cached
         first = cached // P
         want = plan.hit_pages
-        opened = self._open(plan, first)
+        opened = self._open(plan, first, advise=False)  # only headers are read now
         if plan.hit_pages <= first or (window is not None and plan.hit_pages != want):
-            for _, fd, advice in opened:
-                advice.result()
+            for _, fd, _ in opened:
                 os.close(fd)
             return cached
+        head = self.page_head + self.summary_bytes
+        good = 0
+        records: list[list[tuple[int, int]]] = [[] for _ in range(self.n_layers)]
+        lows: list[Any] = []
+        highs: list[Any] = []
+        fds = {run.path: fd for run, fd, _ in opened}
+        buf = bytearray(head)
+        for d in range(first, plan.hit_pages):
+            run, i = plan.where(d)
+            off = run.offset(i, self.page_bytes)
+            try:
+                n = os.preadv(fds[run.path], [buf], off)
+                size = os.fstat(fds[run.path]).st_size
+            except OSError:
+                n, size = 0, 0
+            if n != head or size < off + self.page_bytes:
+                break  # truncated since lookup: this page and those after it are unused
+            digests = self._header_digest(bytes(buf[:self.page_head]), plan.hashes[d], d,
+                                          prompt)
+            sums = None if digests is None else self._summaries(
+                memoryview(buf)[self.page_head:], digests[1])
+            if sums is None:
+                self.stats.corrupt_pages += 1
+                self._cut(run, i)
+                plan.stored_pages = d
+                break
+            lows.append(sums[0])
+            highs.append(sums[1])
+            fd = fds[run.path]
+            for layer in range(self.n_layers):
+                records[layer].append((fd, off + head + layer * self.layer_bytes))
+            good += 1
+        used = {fd for recs in records[:1] for fd, _ in recs}
+        for _, fd, _ in opened:
+            if fd in used:
+                store.hold(fd)
+            else:
+                os.close(fd)
+        plan.hit_pages = first + good
+        if good == 0 or (window is not None and plan.hit_pages != want):
+            return cached  # nothing mapped: the caches are as they were
         if cached > first * P:
             for c in full:  # the partial page held in memory: the stored one replaces it
                 c.trim(cached - first * P)
-        good = 0
-        buf = bytearray(self.page_bytes)
-        try:
-            fds = {run.path: fd for run, fd, _ in opened}
-            for d in range(first, plan.hit_pages):
-                run, i = plan.where(d)
-                try:
-                    n = os.preadv(fds[run.path], [buf], run.offset(i, self.page_bytes))
-                except OSError:
-                    n = 0
-                if n != self.page_bytes:
-                    break  # truncated since lookup: this page and those after it are unused
-                layers = self._parse_record(buf, plan.hashes[d], d, prompt)
-                if layers is None:
-                    self.stats.corrupt_pages += 1
-                    self._cut(run, i)
-                    plan.stored_pages = d
-                    break
-                for layer, (kp, vp, kmin, kmax) in enumerate(layers):
-                    store.commit_parts(layer, kp, vp, kmin, kmax)
-                mx.eval([p for c in full for p in c.state])  # the page owns its slot now
-                good += 1
-        finally:
-            for _, fd, advice in opened:
-                advice.result()
-                os.close(fd)
-        plan.hit_pages = first + good
-        if window is not None and plan.hit_pages != want:
-            for c in full:  # no window for this depth: back to the empty cache
-                c.trim(c.offset)
-            return 0
+        lo, hi = mx.stack(lows, axis=1), mx.stack(highs, axis=1)  # (layers, n, heads, dim)
+        name = plan.runs[0].path.name
+        for layer in range(self.n_layers):
+            store.map_pages(layer, records[layer], lo[layer], hi[layer], name)
         end = (first + good) * P
         for c in full:
             c.offset = end
             c.tail_k = c.tail_v = None
-        if good == 0:
-            return first * P
         if window is not None:
             for (i, _w), (k, v) in zip(self.sliding, window, strict=True):
                 _set_window(caches[i], k, v, end)
@@ -582,9 +599,23 @@ class PrefixCache:
                 os.utime(self.window_path(plan.hashes[plan.hit_pages - 1]))
         self.stats.hits += 1
         self.stats.restored_tokens += end - first * P
-        self.stats.bytes_read += good * self.page_bytes
+        self.stats.bytes_read += good * head
         self.stats.restore_s += time.perf_counter() - t0
         return end
+
+    def damaged(self, plan: Plan, page: int) -> None:
+        """A mapped page of `plan` failed its check when read (engine.kv.store's
+        MappedPageCorrupt): its run is cut before it, so it and the pages after it are
+        stored again by the next `store`."""
+        if page >= len(plan.hashes):
+            return
+        with contextlib.suppress(IndexError):
+            run, i = plan.where(page)
+            self._cut(run, i)
+        self.stats.corrupt_pages += 1
+        plan.hit_pages = min(plan.hit_pages, page)
+        plan.stored_pages = min(plan.stored_pages if plan.stored_pages is not None
+                                else page, page)
 
     def _fits(self, store: Any) -> bool:
         """Whether a paged store's pages are this cache's records: page size, shape, dtype,
@@ -601,17 +632,19 @@ class PrefixCache:
         every byte after the header, each layer record's header): per layer the encoded k
         and v parts and the key summaries, MLX arrays; None if anything does not check."""
         P, heads, hd = self.P, self.kv_heads, self.head_dim
-        digest = self._header_digest(bytes(buf[:self.page_head]), h, depth, prompt)
-        if digest is None:
+        digests = self._header_digest(bytes(buf[:self.page_head]), h, depth, prompt)
+        if digests is None:
             return None
-        rest = memoryview(buf)[self.page_head:]
-        if xxhash.xxh3_64_intdigest(rest) != digest:
+        sums = self._summaries(memoryview(buf)[self.page_head:self.page_head +
+                                               self.summary_bytes], digests[1])
+        rest = memoryview(buf)[self.page_head + self.summary_bytes:]
+        if sums is None or xxhash.xxh3_64_intdigest(rest) != digests[0]:
             return None
         q = self.codec.quantized
         hs = _HEADER_Q if q else _HEADER
         dims = self.codec.part_dims(hd)
         out: list[tuple[Parts, Parts, Any, Any]] = []
-        off = self.page_head
+        off = self.page_head + self.summary_bytes
         for layer in range(self.n_layers):
             expect = (MAGIC, QUANT_FORMAT_VERSION if q else FORMAT_VERSION, layer, depth,
                       depth * P, P, self.dtype_code, self.codec.bits, heads, hd, P,
@@ -629,19 +662,18 @@ class PrefixCache:
                 kv.append(tuple(parts))
             out.append((kv[0], kv[1], None, None))
             off += self.layer_bytes
-        mins: list[Any] = []
-        for layer in range(self.n_layers):
-            if not q:
-                k = out[layer][0][0]  # as computed: the summaries are the keys' own
-                mins.append((k.min(axis=1), k.max(axis=1)))
-                continue
-            arrs = []
-            for _ in range(2):
-                a = np.frombuffer(buf, self.np_dtype, count=heads * hd, offset=off)
-                arrs.append(mx.array(a.reshape(heads, hd)))
-                off += a.nbytes
-            mins.append((arrs[0], arrs[1]))
-        return [(kp, vp, lo, hi) for (kp, vp, _, _), (lo, hi) in zip(out, mins, strict=True)]
+        lo, hi = sums
+        return [(kp, vp, lo[i], hi[i]) for i, (kp, vp, _, _) in enumerate(out)]
+
+    def _summaries(self, seg: Any, digest: int) -> tuple[Any, Any] | None:
+        """A page's summary block, verified: (n_layers, kv_heads, head_dim) key min and max
+        as MLX arrays in the compute dtype; None if it does not match its digest."""
+        if xxhash.xxh3_64_intdigest(seg) != digest:
+            return None
+        a = np.frombuffer(seg, np.float32).reshape(self.n_layers, 2, self.kv_heads,
+                                                    self.head_dim)
+        dt = getattr(mx, self.dtype_name)
+        return mx.array(a[:, 0]).astype(dt), mx.array(a[:, 1]).astype(dt)
 
     def read_pages(self, plan: Plan, prompt: Sequence[int], ks: list[np.ndarray],
                    vs: list[np.ndarray], first: int = 0) -> int:
@@ -650,9 +682,11 @@ class PrefixCache:
         without MLX, for tests and tools)."""
         return self._read(self._open(plan, first), plan, first, prompt, ks, vs)
 
-    def _open(self, plan: Plan, first: int) -> list[tuple[_Run, int, Future[None]]]:
-        """Open the runs holding pages first..hit_pages and ask the OS to read those ranges
-        ahead. A run replaced since `lookup` (another process) ends the match before it."""
+    def _open(self, plan: Plan, first: int, advise: bool = True
+              ) -> list[tuple[_Run, int, Future[None]]]:
+        """Open the runs holding pages first..hit_pages and (advise) ask the OS to read those
+        ranges ahead. A run replaced since `lookup` (another process) ends the match before
+        it."""
         out: list[tuple[_Run, int, Future[None]]] = []
         for k, run in enumerate(plan.runs):
             end = plan.runs[k + 1].first if k + 1 < len(plan.runs) else plan.hit_pages
@@ -668,6 +702,11 @@ class PrefixCache:
                 plan.hit_pages = max(first, run.first)
                 break
             a = max(first, run.first) - run.first
+            if not advise:
+                done: Future[None] = Future()
+                done.set_result(None)
+                out.append((run, fd, done))
+                continue
             out.append((run, fd, self._pool.submit(_will_need, fd, run.offset(a, self.page_bytes),
                                                    (end - run.first - a) * self.page_bytes)))
         return out
@@ -731,7 +770,7 @@ class PrefixCache:
         """Read one page record at `off` straight into the layers' arrays at `pos`; returns
         the buffers it filled (page header first), or None if the file ends before it."""
         P = self.P
-        bufs: list[Any] = [bytearray(self.page_head)]
+        bufs: list[Any] = [bytearray(self.page_head), bytearray(self.summary_bytes)]
         for layer in range(self.n_layers):
             bufs.append(bytearray(_HEADER.size))
             for arr in (ks[layer], vs[layer]):
@@ -750,40 +789,41 @@ class PrefixCache:
         return bufs
 
     def _header_digest(self, head: bytes, h: bytes, depth: int, prompt: Sequence[int]
-                       ) -> int | None:
-        """The digest a page header promises for the bytes after it, if the header checks
-        (CRC, magic, layout, its hash, depth, tokens); None otherwise."""
+                       ) -> tuple[int, int] | None:
+        """The digests a page header promises (layer records, summaries), if the header
+        checks (CRC, magic, layout, its hash, depth, tokens); None otherwise."""
         P = self.P
         body = head[:-_CRC.size]
         if zlib.crc32(body) != _CRC.unpack(head[-_CRC.size:])[0]:
             return None
-        magic, version, ptok, d, layers, _parent, own, digest = _PX.unpack(body[:_PX.size])
+        (magic, version, ptok, d, layers, _parent, own, digest,
+         sum_digest) = _PX.unpack(body[:_PX.size])
         if (magic, version, ptok, d, layers, own) != (PREFIX_MAGIC, PREFIX_VERSION, P, depth,
                                                       self.n_layers, h):
             return None
         toks = np.frombuffer(body, "<u4", count=P, offset=_PX.size)
         if not np.array_equal(toks, np.asarray(prompt[depth * P:(depth + 1) * P], "<u4")):
             return None  # a hash collision would land here, never in the cache
-        return int(digest)
+        return int(digest), int(sum_digest)
 
     def _check_page(self, bufs: list[Any], h: bytes, depth: int, prompt: Sequence[int]
                     ) -> bool:
         """Verify a page `_fill_page` read: False if any byte, the hash, the depth or the
         tokens are not as expected."""
         P = self.P
-        digest = self._header_digest(bytes(bufs[0]), h, depth, prompt)
-        if digest is None:
+        digests = self._header_digest(bytes(bufs[0]), h, depth, prompt)
+        if digests is None:
             return False
         # Every byte of the layer records (headers, keys, values, their CRCs) against the digest.
         x = xxhash.xxh3_64()
-        for b in bufs[1:]:
+        for b in bufs[2:]:
             x.update(b)
-        if x.intdigest() != digest:
+        if x.intdigest() != digests[0]:
             return False
         # One SSD-tier record per layer: header, keys, values, CRC-32.
         per = 1 + 2 * self.kv_heads + 1
         for layer in range(self.n_layers):
-            f = _HEADER.unpack(bytes(bufs[1 + layer * per]))
+            f = _HEADER.unpack(bytes(bufs[2 + layer * per]))
             expect = (MAGIC, FORMAT_VERSION, layer, depth, depth * P, P, self.dtype_code, 16,
                       self.kv_heads, self.head_dim, P, 2 * self.half)
             if f != expect:
@@ -928,11 +968,9 @@ class PrefixCache:
                             or [tuple(a.shape) for a in vp] != want
                             or [a.dtype for a in kp] != [dt for _, dt in dims]):
                         return None
-                    lo = hi = None
-                    if self.codec.quantized:
-                        kmin, kmax = store.summary(layer, d)
-                        lo, hi = np.array(kmin, copy=True), np.array(kmax, copy=True)
-                    row.append((kp, vp, lo, hi))
+                    kmin, kmax = store.summary(layer, d)
+                    row.append((kp, vp, np.array(kmin.astype(mx.float32)),
+                                np.array(kmax.astype(mx.float32))))
                 out.append(row)
         except StrataError:
             return None  # a page of the SSD tier that does not verify: never stored
@@ -983,10 +1021,12 @@ class PrefixCache:
                      ) -> list[Any]:
         """One page's record as buffers: page header, then one SSD-tier record per layer."""
         P = self.P
-        bufs: list[Any] = [b""]  # the page header, once the digest of the records is known
+        # The page header, once the digests are known; then the summaries.
+        bufs: list[Any] = [b"", b""]
         x = xxhash.xxh3_64()
         pos = (depth - job.first) * P
         q = self.codec.quantized
+        sums = np.empty((self.n_layers, 2, self.kv_heads, self.head_dim), np.float32)
         for layer in range(self.n_layers):
             head = PageHeader(layer, depth, depth * P, P, self.dtype_code, self.codec.bits,
                               self.kv_heads, self.head_dim, P, self.payload,
@@ -994,10 +1034,13 @@ class PrefixCache:
             segs: list[Any] = [head]
             if job.paged is not None:
                 # Part by part, each (kv_heads, P, n): the SSD tier's record layout.
-                kp, vp, _, _ = job.paged[depth - job.first][layer]
+                kp, vp, lo, hi = job.paged[depth - job.first][layer]
+                sums[layer, 0], sums[layer, 1] = lo, hi
                 for parts in (kp, vp):
                     segs.extend(np.ascontiguousarray(a).data.cast("B") for a in parts)
             else:
+                keys = _as_float32(job.k[layer][:, pos:pos + P])
+                sums[layer, 0], sums[layer, 1] = keys.min(axis=1), keys.max(axis=1)
                 for arr in (job.k[layer], job.v[layer]):
                     segs.extend(np.ascontiguousarray(arr[hh, pos:pos + P]).data.cast("B")
                                 for hh in range(self.kv_heads))
@@ -1008,14 +1051,9 @@ class PrefixCache:
             for s in segs:
                 x.update(s)
             bufs.extend(segs)
-        if q and job.paged is not None:
-            for _, _, lo, hi in job.paged[depth - job.first]:
-                for a in (lo, hi):
-                    seg = np.ascontiguousarray(a, dtype=self.np_dtype).data.cast("B")
-                    x.update(seg)
-                    bufs.append(seg)
+        bufs[1] = sums.data.cast("B")
         body = _PX.pack(PREFIX_MAGIC, PREFIX_VERSION, P, depth, self.n_layers, parent, h,
-                        x.intdigest()) + toks.tobytes()
+                        x.intdigest(), xxhash.xxh3_64_intdigest(bufs[1])) + toks.tobytes()
         bufs[0] = body + _CRC.pack(zlib.crc32(body))
         return bufs
 
@@ -1023,7 +1061,7 @@ class PrefixCache:
         """Write the job's pages as one run file: temp file, then rename into place."""
         first, parent, h0, _ = job.pages[0]
         body = _RUN.pack(RUN_MAGIC, PREFIX_VERSION, self.P, self.n_layers, first,
-                         len(job.pages), self.page_bytes, parent)
+                         len(job.pages), self.page_bytes, parent, self.key)
         body += b"".join(h for _, _, h, _ in job.pages)
         final = self.path(h0)
         tmp = self.folder / f".tmp-{os.getpid()}-{h0.hex()[:16]}"
@@ -1324,6 +1362,14 @@ def _unfilled(count: int, shape: tuple[int, ...], dtype: Any, np_dtype: np.dtype
     except (ValueError, RuntimeError, TypeError, KeyError):
         pass
     return [mx.zeros(shape, dtype=dtype) for _ in range(count)]
+
+
+def _as_float32(a: np.ndarray) -> np.ndarray:
+    """Keys as float32 (exact): bfloat16 travels as raw 16-bit words, the top half of a
+    float32."""
+    if a.dtype == np.uint16:
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32)
 
 
 def _stem_hash(path: Path) -> bytes | None:

@@ -10,6 +10,10 @@ With KV bits 8 or 4 (`settings.bits`) pages are quantized as they are committed,
 tiers alike (engine.kv.codec), and decoded when attention reads them; the key summaries are
 taken from the keys before quantization. Byte counts (`page_bytes`, `stats()`) are the
 encoded sizes.
+Pages of a stored prefix are mapped, not copied (`map_pages`): the table lists them as cold
+pages whose records live in the prefix cache's run files (engine.kv.prefix), read in place
+and verified as this tier's own when attention needs them; a cold page read while the RAM
+tier has a free slot stays in RAM (nothing is evicted for it).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np
 from engine.kv.codec import Parts, codec_for
 from engine.kv.pagefile import (
     KVStoreError,
+    PageCorrupt,
     PageWriter,
     Prefetcher,
     RecordFile,
@@ -45,6 +50,15 @@ _SESSION_RE = re.compile(r"^(\d+)-[0-9a-f]{8}$")  # the default session folder n
 
 class KVRamFull(KVStoreError):
     """The RAM tier is full and no page can move to the SSD tier."""
+
+
+class MappedPageCorrupt(PageCorrupt):
+    """A mapped page (a stored prefix's record) failed its check when first read: it and
+    the pages after it must be computed again (the caller truncates and recomputes)."""
+
+    def __init__(self, message: str, layer: int, page: int, name: str) -> None:
+        super().__init__(message)
+        self.layer, self.page, self.name = layer, page, name
 
 
 class KVStore:
@@ -75,8 +89,12 @@ class KVStore:
                              pages_written=0)
         self.folder: Path | None = None
         self.writer: PageWriter | None = None
-        self.prefetcher: Prefetcher | None = None
         self._files: dict[int, RecordFile] = {}
+        # Mapped pages (a restored prefix): per layer, page -> (fd, record offset, file name).
+        self._mapped: list[dict[int, tuple[int, int, str]]] = [{} for _ in range(n_layers)]
+        self._held_fds: list[int] = []
+        self._layouts: dict[int, RecordFile] = {}
+        self.prefetcher: Prefetcher | None = Prefetcher(self._read_np, settings.prefetch_depth)
         if settings.ssd:
             root = settings.folder()
             check_writable(root)
@@ -85,7 +103,6 @@ class KVStore:
             check_writable(self.folder)
             self.writer = PageWriter(self._file, settings.ssd_mb << 20, settings.writer_queue,
                                      on_written=self._on_written)
-            self.prefetcher = Prefetcher(self._read_np, settings.prefetch_depth)
 
     # -- SSD tier -------------------------------------------------------------------------
     def _file(self, layer: int) -> RecordFile:
@@ -104,7 +121,28 @@ class KVStore:
             self.tables[layer].on_disk[index] = True
             self.counters["pages_written"] += 1
 
+    def _layout(self, layer: int) -> RecordFile:
+        f = self._layouts.get(layer)
+        if f is None:
+            f = RecordFile(Path("mapped"), layer, self.kv_heads, self.head_dim, self.P,
+                           self.np_dtype, self.codec.bits, self.codec.group, create=False)
+            self._layouts[layer] = f
+        return f
+
     def _read_np(self, layer: int, index: int) -> tuple[Parts, Parts]:
+        mapped = self._mapped[layer].get(index)
+        if mapped is not None:
+            fd, off, name = mapped
+            t = time.perf_counter()
+            f = self._layout(layer)
+            try:
+                _, k, v = f.read_at(fd, off, index, f"{name} layer {layer} page {index}")
+            except PageCorrupt as exc:
+                raise MappedPageCorrupt(str(exc), layer, index, name) from exc
+            self.counters["read_s"] += time.perf_counter() - t
+            self.counters["ssd_reads"] += 1
+            self.counters["bytes_read"] += f.size
+            return k, v
         if self.writer is not None:
             hit = self.writer.pending_page(layer, index)
             if hit is not None:
@@ -169,6 +207,36 @@ class KVStore:
     def tokens_in(self, layer: int) -> int:
         return self.tables[layer].n_pages * self.P
 
+    def map_pages(self, layer: int, records: list[tuple[int, int]], kmin: Any, kmax: Any,
+                  name: str) -> None:
+        """Append cold pages whose records (this tier's format, index = page number) live in
+        another file: (fd, offset) per page, key summaries (n, kv_heads, head_dim). They are
+        read in place when needed and never written to this store's files; the fds must
+        stay open while the store lives (`hold` them)."""
+        table = self.tables[layer]
+        start, n = table.n_pages, len(records)
+        if not n:
+            return
+        table._grow(start + n)
+        table.slot_of[start:start + n] = -1
+        table.on_disk[start:start + n] = True
+        table.n_pages = start + n
+        table.identity = False
+        table.add_summary(kmin, kmax)
+        m = self._mapped[layer]
+        for i, (fd, off) in enumerate(records):
+            m[start + i] = (fd, off, name)
+
+    def hold(self, fd: int) -> None:
+        """Keep `fd` (a mapped run file) open until the store closes: a file removed from
+        its folder meanwhile (eviction, another process) stays readable through it."""
+        self._held_fds.append(fd)
+
+    @property
+    def mapped_pages(self) -> int:
+        """Pages (all layers) whose records are a stored prefix's, shared with the SSD."""
+        return sum(len(m) for m in self._mapped)
+
     def commit(self, layer: int, k: Any, v: Any) -> int:
         """Store a full page (k, v: (kv_heads, P, head_dim) MLX arrays); returns its index."""
         # Summaries from the keys as computed: quantization error stays out of the bounds.
@@ -208,6 +276,9 @@ class KVStore:
         ser = self._serials[layer]
         for p in [p for p in ser if p >= n_pages]:
             del ser[p]
+        m = self._mapped[layer]
+        for p in [p for p in m if p >= n_pages]:
+            del m[p]
 
     def page_np(self, layer: int, page: int) -> tuple[Any, Any]:
         """One page's (k, v) as MLX arrays (kv_heads, P, head_dim), from either tier."""
@@ -285,9 +356,16 @@ class KVStore:
                 assert self.prefetcher is not None
                 rk: list[Parts] = []
                 rv: list[Parts] = []
-                for _, k, v in self.prefetcher.read_many(layer, [int(c) for c in cold]):
+                spare = len(self._free[layer]) + self.max_slots - len(table.page_of_slot)
+                for page, k, v in self.prefetcher.read_many(layer, [int(c) for c in cold]):
                     rk.append(k)
                     rv.append(v)
+                    if spare > 0:  # a free slot: keep the page (nothing is evicted for it)
+                        spare -= 1
+                        slot = self._slot(layer)
+                        self._put(layer, slot, tuple(mx.array(a) for a in k),
+                                  tuple(mx.array(a) for a in v))
+                        table.place(page, slot)
                 ks.append(dec(tuple(mx.array(np.stack(p)) for p in zip(*rk, strict=True))))
                 vs.append(dec(tuple(mx.array(np.stack(p)) for p in zip(*rv, strict=True))))
             yield (ks[0], vs[0]) if len(ks) == 1 else (mx.concatenate(ks), mx.concatenate(vs))
@@ -316,10 +394,9 @@ class KVStore:
         or held by an unpinned page outside `keep` (on disk, or on its way there)."""
         table = self.tables[layer]
         spare = len(self._free[layer]) + self.max_slots - len(table.page_of_slot)
-        if self.writer is None:
-            return spare
         keep_set = set(int(p) for p in keep)
-        writing = self.writer.full_reason is None  # else pages not on disk never will be
+        # Pages not on disk can leave RAM only while the writer takes them.
+        writing = self.writer is not None and self.writer.full_reason is None
         return spare + sum(1 for p in table.lru
                            if p not in keep_set and (writing or table.on_disk[p]))
 
@@ -338,6 +415,11 @@ class KVStore:
         for f in self._files.values():
             f.close()
         self._files.clear()
+        for m in self._mapped:
+            m.clear()
+        for fd in self._held_fds:
+            os.close(fd)
+        self._held_fds.clear()
         if self.folder is not None and not self.settings.keep_files:
             shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -381,6 +463,7 @@ class KVStore:
                 "bytes_ssd": ssd_pages * self.record_bytes,
                 "ram_budget_bytes": self.max_slots * self.n_layers * self.page_bytes,
                 "kv_bits": self.codec.bits, "ssd_full": self.ssd_full_reason,
+                "pages_mapped": self.mapped_pages,
                 **self.counters}
 
 

@@ -42,6 +42,7 @@ from engine.kv import (
 from engine.kv.codec import codec_for
 from engine.kv.prefix import PrefixCache, PrefixSettings, Window, model_key
 from engine.kv.prefix import settings_from_env as prefix_settings_from_env
+from engine.kv.store import MappedPageCorrupt
 from engine.library import Library, Manifest
 from engine.platform import (
     ComputeProfile,
@@ -256,6 +257,37 @@ def _make_cache(lm: LoadedModel) -> list[LayerCache]:
     return list(cache_module().make_prompt_cache(lm.model))
 
 
+def _forward(lm: LoadedModel, x: Any, cache: list[LayerCache], pc: PromptCache,
+             repair: Callable[[int], None] | None) -> Any:
+    """model(x) over the cache; a mapped prefix page that fails its check when first read
+    (MappedPageCorrupt) is dropped with every position after it, those positions computed
+    again from `pc.tokens`, and the step retried: a damaged stored page costs a recompute,
+    never a wrong answer or a failed reply. `repair(page)` tells the prefix cache."""
+    while True:
+        try:
+            return lm.model(x, cache=cache)
+        except MappedPageCorrupt as exc:
+            if repair is None:
+                raise
+            log.warning("%s: recomputing from token %d", exc, exc.page * cache_page(cache))
+            start = exc.page * cache_page(cache)
+            repair(exc.page)
+            for c in cache:
+                c.trim(c.offset - start)
+            redo = pc.tokens[start:]
+            del pc.tokens[start:]
+            for i in range(0, len(redo), PREFILL_STEP):
+                chunk = redo[i:i + PREFILL_STEP]
+                _forward(lm, mx.array(chunk)[None], cache, pc, repair)
+                mx.eval([c.state for c in cache])
+                pc.tokens.extend(chunk)
+
+
+def cache_page(cache: Sequence[Any]) -> int:
+    """The page size of a paged cache list (the first paged layer's store)."""
+    return next(c.store.P for c in cache if hasattr(c, "store"))
+
+
 def _stop_split(text: str, stops: Sequence[str]) -> tuple[str, str, bool]:
     """(emit now, hold back, stopped): cut at a stop string or hold a possible prefix of one."""
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
@@ -328,7 +360,7 @@ def _generate(
     cancel = cancel or (lambda: False)
     timeline = timeline or Timeline()
     pc = prompt_cache or lm.new_cache()
-    model, cache = lm.model, None
+    cache = None
     sampler = Sampler(params, logits_processors)
     # The next step is queued before this token is known: only when sampling needs no history.
     pipelined = params.repetition_penalty == 1.0 and not logits_processors
@@ -353,6 +385,12 @@ def _generate(
     history = list(prompt)
     detok = StreamingDetokenizer(lm.tokenizer)
     stats = dict(prompt_tokens=len(prompt), cached_tokens=cached)
+    repair = None
+    if prefix is not None and plan is not None and paged and not prefix.has_windows:
+        def repair(page: int) -> None:
+            assert prefix is not None and plan is not None
+            prefix.damaged(plan, page)
+            stats["cached_tokens"] = min(stats["cached_tokens"], page * prefix.P)
 
     def event(text: str, token: int | None, n: int, t_first: float, prefill_s: float,
               reason: str | None = None) -> GenerationEvent:
@@ -382,7 +420,7 @@ def _generate(
         done = len(pc.tokens)
         if snap_at is not None and done < snap_at < done + n:
             n = snap_at - done
-        model(mx.array(todo[:n])[None], cache=cache)
+        _forward(lm, mx.array(todo[:n])[None], cache, pc, repair)
         mx.eval([c.state for c in cache])
         pc.tokens.extend(todo[:n])
         todo = todo[n:]
@@ -391,7 +429,7 @@ def _generate(
             timeline.add("prefill", t_prefill)
             yield event("", None, 0, time.perf_counter(), 0.0, "cancelled")
             return
-    logits = model(mx.array(todo)[None], cache=cache)[:, -1, :]
+    logits = _forward(lm, mx.array(todo)[None], cache, pc, repair)[:, -1, :]
     pc.tokens.extend(todo)
     y = sampler(logits, history)
     mx.eval(y)
@@ -408,18 +446,19 @@ def _generate(
             prefix.store(pc.cache, prompt, plan, window[0])
 
     try:
-        yield from _decode(lm, model, cache, pc, sampler, y, history, detok, stop, cancel,
+        yield from _decode(lm, cache, pc, sampler, y, history, detok, stop, cancel,
                            max_tokens, pipelined, event, timeline, t_first_decode, prefill_s,
-                           save_prefix)
+                           save_prefix, repair)
     finally:
         save_prefix()
 
 
-def _decode(lm: LoadedModel, model: Any, cache: list[LayerCache], pc: PromptCache, sampler: Sampler,
+def _decode(lm: LoadedModel, cache: list[LayerCache], pc: PromptCache, sampler: Sampler,
             y: Any, history: list[int], detok: StreamingDetokenizer, stop: Sequence[str],
             cancel: Callable[[], bool], max_tokens: int, pipelined: bool,
             event: Callable[..., GenerationEvent], timeline: Timeline, t_first_decode: float,
-            prefill_s: float, after_first: Callable[[], None]) -> Iterator[GenerationEvent]:
+            prefill_s: float, after_first: Callable[[], None],
+            repair: Callable[[int], None] | None = None) -> Iterator[GenerationEvent]:
     """The decode loop: one event per token; `after_first` runs once the first is out."""
     pending = ""
     n = 0
@@ -431,7 +470,7 @@ def _decode(lm: LoadedModel, model: Any, cache: list[LayerCache], pc: PromptCach
             break
         fed = False
         if pipelined and n + 1 < max_tokens:
-            next_y = sampler(model(y[None], cache=cache)[:, -1, :], history)
+            next_y = sampler(_forward(lm, y[None], cache, pc, repair)[:, -1, :], history)
             mx.async_eval(next_y)
             fed = True
         tok = int(y.item())
@@ -457,7 +496,8 @@ def _decode(lm: LoadedModel, model: Any, cache: list[LayerCache], pc: PromptCach
         if n == 1:
             after_first()
         if not fed:
-            next_y = sampler(model(mx.array([[tok]]), cache=cache)[:, -1, :], history)
+            next_y = sampler(_forward(lm, mx.array([[tok]]), cache, pc, repair)[:, -1, :],
+                             history)
             pc.tokens.append(tok)
             mx.async_eval(next_y)
         y = next_y

@@ -132,6 +132,38 @@ def stored(request: pytest.FixtureRequest, starter_lm: LoadedModel,
     yield Stored(bits, system, folder, ids, pages, (tok_s, text_s), (tok_e, text_e))
 
 
+def test_a_restore_maps_the_stored_pages_and_copies_nothing(
+        stored: Stored, starter_lm: LoadedModel, tmp_path: Path) -> None:
+    """A paged restore reads page headers and summaries only; the records stay in the run
+    file, are never written to the session's SSD tier, and stay readable through the held
+    descriptor after eviction removes the file (another process, or this one's budget)."""
+    if stored.bits == 8:
+        pytest.skip("one quantized width is enough for the mapping itself")
+    folder = tmp_path / "px"
+    shutil.copytree(stored.folder, folder)
+    with _paged(starter_lm, _kv("exact", stored.bits, tmp_path), folder) as pc:
+        cache = starter_lm.new_cache()
+        plan = pc.lookup(stored.ids)
+        got = pc.restore(cache.cache, stored.ids, plan, 0)
+        store = cache.cache[0].store  # type: ignore[attr-defined]
+        assert got == stored.pages * PAGE
+        assert store.stats()["pages_mapped"] == stored.pages * store.n_layers
+        assert store.stats()["pages_ram"] == 0 and store.counters["ssd_reads"] == 0
+        assert pc.stats.bytes_read == stored.pages * (pc.page_head + pc.summary_bytes)
+        for run in plan.runs:
+            run.path.unlink()  # evicted meanwhile: the open descriptor still reads it
+        cache.tokens[:] = stored.ids[:got]
+        tokens, text, ev = _reply(starter_lm, stored.ids, cache)
+        assert ev.cached_tokens == got and (tokens, text) == stored.exact
+        stats = store.stats()
+        assert stats["ssd_reads"] >= stored.pages * store.n_layers
+        # Read once, kept in free RAM slots; written to the session's files: none of them.
+        assert stats["pages_ram"] >= stored.pages * store.n_layers
+        store.flush()
+        assert store.counters["pages_written"] <= store.n_layers  # the reply's own page
+        cache.close()
+
+
 def test_a_restore_holds_the_prefilled_pages_and_answers_alike(stored: Stored) -> None:
     """(The fixture compared every page and summary of the two stores.) Both replies are
     whole; sparse mode's may differ from exact mode's (it reads 6 of its 12 pages)."""
