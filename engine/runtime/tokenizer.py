@@ -328,11 +328,18 @@ class Tokenizer:
             except Exception:
                 raise exc from None
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
-                    ) -> list[int]:
+    @property
+    def template_knows_tools(self) -> bool:
+        """Whether the chat template reads the `tools` variable (renders a tool list)."""
+        return bool(self.template_source) and "tools" in str(self.template_source)
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+        """Messages (and OpenAI-shaped `tools`, given to the template as its `tools`) to ids."""
+        extra = {"tools": list(tools)} if tools else {}
         # Templates write BOS themselves when the model wants it, as Hugging Face assumes.
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_bos=False,
-                           add_eos=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, **extra),
+                           add_bos=False, add_eos=False)
 
 
 def _system_into_first_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:

@@ -1,19 +1,21 @@
-"""The server's HTTP side: OpenAI's chat and text completion API over a `Host`.
+"""The server's HTTP side: OpenAI's API over a `Host`, with Anthropic's beside it.
 
 Contract: `create_app(host, api_key)` is a Starlette app with GET /v1/models, POST
-/v1/chat/completions, POST /v1/completions (JSON, or server-sent events with `stream`) and
-GET /v1/strata/status (queue depth, caches). Every error has OpenAI's shape
-{"error": {"message", "type", "param", "code"}} and status. With an API key set, each request
-needs `Authorization: Bearer KEY` (compared in constant time). A request whose client goes
-away is cancelled: dropped from the queue, or stopped between tokens. `serve(...)` binds,
-loads the model on the engine thread, announces the address and runs uvicorn until stopped.
-This module imports Starlette and uvicorn: import it only to serve.
+/v1/chat/completions, POST /v1/completions (JSON, or server-sent events with `stream`), GET
+/v1/strata/status (queue depth, caches), /v1/responses and /v1/embeddings
+(engine.server.responses) and Anthropic's /v1/messages (engine.server.anthropic_api). Chat takes
+`tools`/`tool_choice` (engine.server.tools: calls parsed from the model's own syntax; required
+or named choices forced by a grammar), `response_format` json_object/json_schema (constrained
+decoding, engine.runtime.grammar) and `logprobs`; both endpoints refuse unknown fields. Every
+OpenAI error has OpenAI's shape {"error": {"message", "type", "param", "code"}} and status.
+With an API key set, each request needs `Authorization: Bearer KEY` (or `x-api-key`). A request
+whose client goes away is cancelled: dropped from the queue, or stopped between tokens.
+`serve(...)` binds, loads the model on the engine thread, announces the address and runs
+uvicorn until stopped. This module imports Starlette and uvicorn: import it only to serve.
 """
 
 from __future__ import annotations
 
-import asyncio
-import hmac
 import ipaddress
 import json
 import signal
@@ -21,7 +23,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,25 +35,47 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.errors import StrataError
-from engine.runtime.sampling import SamplingParams
 from engine.runtime.tokenizer import Tokenizer
-from engine.server.host import EngineHost, GenerationJob, Host, JobEvent, RequestError, Started
+from engine.server.anthropic_api import routes as anthropic_routes
+from engine.server.exchange import (
+    Collected,
+    Exchange,
+    error_response,
+    guard,
+    read_json,
+    start_generation,
+)
+from engine.server.host import EngineHost, Host, RequestError, TokenLogprob
+from engine.server.params import (
+    chat_messages,
+    chat_prompt,
+    max_tokens,
+    model_of,
+    response_grammar,
+    sampling,
+    stop_strings,
+    text_size,
+    top_logprobs,
+)
+from engine.server.responses import routes as openai_extra_routes
+from engine.server.tools import ToolCall, ToolUse, parse_tool_choice, parse_tools
 from engine.telemetry import GenerationEvent
 
 DEFAULT_PORT = 8765
-MAX_BODY = 64 << 20  # a million-token prompt is a few MB of text; refuse anything far past it
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 QUEUE_HEADER = "X-Strata-Queue-Depth"
-_GONE = None  # put on a request's event queue when its client disconnects
-
-Endpoint = Callable[[Request], Awaitable[Response]]
 
 
-# -- errors and auth -----------------------------------------------------------------------
-def error_response(exc: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": str(exc), "type": exc.kind, "param": exc.param,
-                      "code": exc.code}}
-    return JSONResponse(body, status_code=exc.status, headers=headers)
+# -- the OpenAI request ------------------------------------------------------------------------
+_COMMON = {"model", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens",
+           "stop", "stream", "stream_options", "seed", "n", "logprobs", "user", "metadata",
+           "frequency_penalty", "presence_penalty", "logit_bias", "response_format", "store",
+           "service_tier", "prompt_cache_key", "safety_identifier"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                         "tool_choice", "parallel_tool_calls", "reasoning_effort", "modalities",
+                         "verbosity", "functions", "function_call", "prediction", "audio",
+                         "web_search_options"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 
 
 def is_loopback(host: str) -> bool:
@@ -63,149 +87,42 @@ def is_loopback(host: str) -> bool:
         return False  # a host name or "" (all interfaces): treat as exposed
 
 
-def _authorized(request: Request, key: str) -> bool:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer":
-        token = ""
-    return hmac.compare_digest(token.strip().encode(), key.encode())
-
-
-# -- request parsing -----------------------------------------------------------------------
-async def _json_body(request: Request) -> dict[str, Any]:
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY:
-            raise RequestError(f"request body is over {MAX_BODY >> 20} MB", status=413)
-        chunks.append(chunk)
-    try:
-        body = json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(f"the request body is not valid JSON ({exc})") from exc
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    return body
-
-
-def _number(body: dict[str, Any], key: str, default: float, integer: bool = False) -> Any:
-    value = body.get(key)
-    if value is None:
-        return default
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise RequestError(f"'{key}' must be {'an integer' if integer else 'a number'}",
-                           param=key)
-    return value
-
-
-def _sampling(body: dict[str, Any]) -> SamplingParams:
-    for key in ("frequency_penalty", "presence_penalty"):
-        if _number(body, key, 0.0) != 0:
-            raise RequestError(f"'{key}' is not supported; use 'repetition_penalty'", param=key)
-    seed = body.get("seed")
-    if seed is not None:
-        seed = _number(body, "seed", 0, integer=True)
-    params = SamplingParams(
-        temperature=float(_number(body, "temperature", 1.0)),
-        top_p=float(_number(body, "top_p", 1.0)),
-        top_k=int(_number(body, "top_k", 0, integer=True)),
-        min_p=float(_number(body, "min_p", 0.0)),
-        repetition_penalty=float(_number(body, "repetition_penalty", 1.0)),
-        seed=seed,
-    )
-    try:
-        return params.validate()
-    except StrataError as exc:
-        raise RequestError(str(exc)) from exc
-
-
-def _max_tokens(body: dict[str, Any], default: int | None) -> int | None:
-    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
-        else "max_tokens"
-    value = _number(body, key, 0, integer=True) if body.get(key) is not None else default
-    if value is not None and value < 1:
-        raise RequestError(f"'{key}' must be at least 1", param=key)
-    return value
-
-
-def _stop(body: dict[str, Any]) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 16:
-        raise RequestError("'stop' must be a string or a list of at most 16 strings",
-                           param="stop")
-    return tuple(s for s in stop if s)
-
-
 def _refuse_unsupported(body: dict[str, Any]) -> None:
     if body.get("n") not in (None, 1):
-        raise RequestError("only 'n': 1 is supported", param="n")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise RequestError("'logprobs' is not supported", param="logprobs")
-    if body.get("tools") or body.get("functions"):
-        raise RequestError("tool calls are not supported yet", param="tools")
-    fmt = body.get("response_format")
-    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-        raise RequestError("only the 'text' response format is supported",
-                           param="response_format")
+        raise RequestError("only 'n': 1 is supported (send n requests instead)", param="n")
+    if body.get("best_of") not in (None, 1):
+        raise RequestError("only 'best_of': 1 is supported", param="best_of")
+    if body.get("logit_bias"):
+        raise RequestError("'logit_bias' is not supported", param="logit_bias")
+    if body.get("functions") or body.get("function_call"):
+        raise RequestError("'functions' is the deprecated form: send 'tools'", param="functions")
+    if body.get("modalities") not in (None, ["text"]) or body.get("audio"):
+        raise RequestError("only text output is supported", param="modalities")
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    """OpenAI messages to the plain role/content dicts that chat templates expect."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("'messages' must be a non-empty list", param="messages")
-    out = []
-    for i, m in enumerate(messages):
-        param = f"messages[{i}]"
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise RequestError(f"{param} must be an object with a 'role'", param=param)
-        role = "system" if m["role"] == "developer" else m["role"]
-        if role not in ("system", "user", "assistant", "tool"):
-            raise RequestError(f"{param} has an unknown role {m['role']!r}", param=param)
-        content = m.get("content")
-        if content is None:
-            text = ""  # an assistant turn that only called tools
-        elif isinstance(content, str):
-            text = content
-        elif isinstance(content, list):
-            parts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" \
-                        or not isinstance(part.get("text"), str):
-                    raise RequestError(f"{param}: only text content parts are supported",
-                                       param=param)
-                parts.append(part["text"])
-            text = "".join(parts)
-        else:
-            raise RequestError(f"{param}.content must be a string or a list of parts",
-                               param=param)
-        out.append({"role": role, "content": text})
-    return out
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
+        raise RequestError("'logprobs' must be true or false", param="logprobs")
+    top = body.get("top_logprobs")
+    if top is not None and not body.get("logprobs"):
+        raise RequestError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    if not body.get("logprobs"):
+        return None
+    return top_logprobs(top or 0, "top_logprobs")
 
 
-def chat_prompt(messages: list[dict[str, str]]) -> Callable[[Tokenizer], list[int]]:
-    def build(tok: Tokenizer) -> list[int]:
-        from jinja2.exceptions import TemplateError
-
-        try:
-            return tok.encode_chat(messages)
-        except TemplateError as exc:  # e.g. a template that insists roles alternate
-            raise RequestError(f"the model's chat template refused the messages: {exc}",
-                               param="messages") from exc
-
-    return build
+def _completion_logprobs(body: dict[str, Any]) -> int | None:
+    value = body.get("logprobs")
+    return None if value is None else top_logprobs(value, "logprobs")
 
 
-def text_prompt(prompt: Any) -> Callable[[Tokenizer], list[int]]:
+def text_prompt(prompt: Any) -> tuple[Callable[[Tokenizer], list[int]], int]:
+    """A completion prompt's builder, and its characters."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         text = prompt
-        return lambda tok: tok.encode(text)
+        return (lambda tok: tok.encode(text)), len(text)
     if isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = list(prompt)
@@ -216,55 +133,87 @@ def text_prompt(prompt: Any) -> Callable[[Tokenizer], list[int]]:
                                    param="prompt")
             return ids
 
-        return build
+        return build, 0
     raise RequestError("'prompt' must be a string or a list of token ids (one prompt a request)",
                        param="prompt")
 
 
 # -- response shapes -------------------------------------------------------------------------
-def _usage(ev: GenerationEvent) -> dict[str, Any]:
+def usage(ev: GenerationEvent) -> dict[str, Any]:
     return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.generated_tokens,
             "total_tokens": ev.prompt_tokens + ev.generated_tokens,
             "prompt_tokens_details": {"cached_tokens": ev.cached_tokens}}
 
 
-def _finish(ev: GenerationEvent) -> str:
+def finish(ev: GenerationEvent) -> str:
     return "length" if ev.finish_reason == "length" else "stop"
+
+
+def _chat_logprob(lp: TokenLogprob) -> dict[str, Any]:
+    return {"token": lp.token, "logprob": lp.logprob, "bytes": lp.bytes,
+            "top_logprobs": [{"token": t, "logprob": v, "bytes": b} for t, v, b in lp.top]}
 
 
 class _Shape:
     """The JSON of one request's responses, chat or text completion."""
 
-    def __init__(self, chat: bool, model: str) -> None:
-        self.chat, self.model = chat, model
+    def __init__(self, chat: bool, model: str, logprobs: bool = False) -> None:
+        self.chat, self.model, self.logprobs = chat, model, logprobs
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.offset = 0  # text offset, for completions' logprobs
 
     def _base(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": None, "choices": choices}
 
-    def whole(self, text: str, last: GenerationEvent) -> dict[str, Any]:
+    def scores(self, lps: list[TokenLogprob]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": _finish(last)}
+            return {"content": [_chat_logprob(lp) for lp in lps], "refusal": None}
+        offsets = []
+        for lp in lps:
+            offsets.append(self.offset)
+            self.offset += len(lp.token)
+        return {"tokens": [lp.token for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{t: v for t, v, _ in lp.top} for lp in lps],
+                "text_offset": offsets}
+
+    def whole(self, got: Collected, content: str | None = None,
+              calls: list[ToolCall] | None = None) -> dict[str, Any]:
+        last = got.last
+        reason = "tool_calls" if calls else finish(last)
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant",
+                                       "content": got.text if content is None else content}
+            if calls:
+                message["content"] = message["content"] or None
+                message["tool_calls"] = [c.openai() for c in calls]
+            choice = {"index": 0, "message": message, "logprobs": self.scores(got.logprobs),
+                      "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None,
-                      "finish_reason": _finish(last)}
+            choice = {"index": 0, "text": got.text, "logprobs": self.scores(got.logprobs),
+                      "finish_reason": reason}
         obj = self._base("chat.completion" if self.chat else "text_completion", [choice])
-        obj["usage"] = _usage(last)
+        obj["usage"] = usage(last)
         return obj
 
     def chunk(self, text: str | None, finish: str | None = None, role: bool = False,
-              usage: dict[str, Any] | None = None, with_usage: bool = False) -> str:
+              usage: dict[str, Any] | None = None, with_usage: bool = False,
+              lps: list[TokenLogprob] | None = None,
+              calls: list[ToolCall] | None = None) -> str:
         if usage is not None:
             choices: list[dict[str, Any]] = []
         elif self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else (
                 {"content": text} if text else {})
-            choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+            if calls:
+                delta["tool_calls"] = [{"index": i, **c.openai()} for i, c in enumerate(calls)]
+            choices = [{"index": 0, "delta": delta, "logprobs": self.scores(lps or []),
+                        "finish_reason": finish}]
         else:
-            choices = [{"index": 0, "text": text or "", "logprobs": None,
+            choices = [{"index": 0, "text": text or "", "logprobs": self.scores(lps or []),
                         "finish_reason": finish}]
         obj = self._base("chat.completion.chunk" if self.chat else "text_completion", choices)
         if with_usage:
@@ -272,21 +221,14 @@ class _Shape:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def sse_error(exc: RequestError) -> str:
+    err = {"message": str(exc), "type": exc.kind, "param": exc.param, "code": exc.code}
+    return f"data: {json.dumps({'error': err})}\n\n"
+
+
 # -- the app -------------------------------------------------------------------------------
 def create_app(host: Host, api_key: str | None = None) -> Starlette:
-    def guarded(fn: Endpoint) -> Endpoint:
-        async def endpoint(request: Request) -> Response:
-            if api_key and not _authorized(request, api_key):
-                return error_response(
-                    RequestError("missing or wrong API key: send 'Authorization: Bearer KEY'",
-                                 status=401, code="invalid_api_key"),
-                    headers={"WWW-Authenticate": "Bearer"})
-            try:
-                return await fn(request)
-            except RequestError as exc:
-                return error_response(exc)
-
-        return endpoint
+    guarded = guard(api_key)
 
     def model_card(m: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -305,122 +247,101 @@ def create_app(host: Host, api_key: str | None = None) -> Starlette:
     async def status(request: Request) -> Response:
         return JSONResponse({"default_model": host.default_model, **host.status()})
 
-    def model_of(body: dict[str, Any]) -> str:
-        name = body.get("model")
-        if name is not None and not isinstance(name, str):
-            raise RequestError("'model' must be a string", param="model")
-        return str(host.resolve(name or None)["name"])
-
     async def chat_completions(request: Request) -> Response:
-        body = await _json_body(request)
-        model = model_of(body)
+        body = await read_json(request, CHAT_FIELDS)
+        model = model_of(host, body)
         _refuse_unsupported(body)
-        prompt = chat_prompt(chat_messages(body))
-        return await complete(request, body, model, prompt, chat=True)
+        messages = chat_messages(body.get("messages"))
+        tools = parse_tools(body.get("tools"))
+        use = ToolUse(tools, parse_tool_choice(body.get("tool_choice"), tools))
+        fmt = response_grammar(body.get("response_format"))
+        return await complete(request, body, model, chat_prompt(messages, tools, use.seen),
+                              text_size(messages, tools), chat=True, use=use,
+                              grammar=lambda tok: use.grammar(tok) or fmt,
+                              logprobs=_chat_logprobs(body))
 
     async def completions(request: Request) -> Response:
-        body = await _json_body(request)
-        model = model_of(body)
+        body = await read_json(request, COMPLETION_FIELDS)
+        model = model_of(host, body)
         _refuse_unsupported(body)
         if body.get("echo") or body.get("suffix"):
             raise RequestError("'echo' and 'suffix' are not supported", param="echo")
         if "prompt" not in body:
             raise RequestError("'prompt' is required", param="prompt")
-        return await complete(request, body, model, text_prompt(body["prompt"]), chat=False)
+        prompt, chars = text_prompt(body["prompt"])
+        return await complete(request, body, model, prompt, chars, chat=False, use=None,
+                              grammar=response_grammar(body.get("response_format")),
+                              logprobs=_completion_logprobs(body))
 
     async def complete(request: Request, body: dict[str, Any], model: str,
-                       prompt: Callable[[Tokenizer], list[int]], chat: bool) -> Response:
-        params = _sampling(body)
-        max_tokens = _max_tokens(body, None if chat else COMPLETIONS_MAX_TOKENS)
-        stop = _stop(body)
+                       prompt: Callable[[Tokenizer], list[int]], chars: int, chat: bool,
+                       use: ToolUse | None, grammar: Any, logprobs: int | None) -> Response:
+        params = sampling(body)
+        limit = max_tokens(body, None if chat else COMPLETIONS_MAX_TOKENS)
+        stop = stop_strings(body)
         stream = bool(body.get("stream"))
         opts = body.get("stream_options")
         include_usage = stream and isinstance(opts, dict) and bool(opts.get("include_usage"))
-
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[JobEvent | None] = asyncio.Queue()
-
-        def emit(ev: JobEvent) -> None:  # called on the engine thread
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, ev)
-            except RuntimeError:  # the event loop is gone: the server is stopping
-                job.cancel()
-
-        job = GenerationJob(model=model, prompt=prompt, emit=emit, params=params,
-                            max_tokens=max_tokens, stop=stop,
-                            prompt_param="messages" if chat else "prompt")
-        headers = {QUEUE_HEADER: str(host.submit(job))}
-
-        async def cancel_on_disconnect() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            host.cancel(job)
-            events.put_nowait(_GONE)
-
-        watcher = asyncio.create_task(cancel_on_disconnect())
-        settled = False  # True once the job ended or something else will cancel it
+        started = await start_generation(
+            request, host, model=model, prompt=prompt, params=params, max_tokens=limit,
+            stop=stop, prompt_param="messages" if chat else "prompt", grammar=grammar,
+            logprobs=logprobs, chars=chars)
+        if started is None:
+            return Response(status_code=499)
+        ex, first = started
+        headers = {QUEUE_HEADER: str(ex.depth)}
+        shape = _Shape(chat, first.model, logprobs is not None)
+        if stream:
+            ex.streaming()
+            return StreamingResponse(sse(shape, ex, use, include_usage), headers=headers,
+                                     media_type="text/event-stream")
         try:
-            first = await events.get()
-            if first is _GONE or isinstance(first, RequestError):
-                settled = True
-                return Response(status_code=499) if first is _GONE else \
-                    error_response(first, headers)
-            assert isinstance(first, Started)
-            shape = _Shape(chat, first.model)
-            if stream:
-                watcher.cancel()  # the streaming response listens for disconnects itself
-                settled = True
-                return StreamingResponse(
-                    sse(shape, events, job, include_usage), headers=headers,
-                    media_type="text/event-stream")
-            parts = []
-            while True:
-                ev = await events.get()
-                if ev is _GONE or isinstance(ev, RequestError):
-                    settled = True
-                    return Response(status_code=499) if ev is _GONE else \
-                        error_response(ev, headers)
-                assert isinstance(ev, GenerationEvent)
-                parts.append(ev.text)
-                if ev.finish_reason is not None:
-                    settled = True
-                    return JSONResponse(shape.whole("".join(parts), ev), headers=headers)
+            got = await ex.collect()
+        except RequestError as exc:
+            return error_response(exc, headers)
         finally:
-            watcher.cancel()
-            if not settled:  # cancelled by the server (shutdown) or an unexpected error
-                host.cancel(job)
+            ex.close()
+        if got is None:
+            return Response(status_code=499)
+        if use is not None and use.active:
+            content, calls = use.parse(got.text)
+            return JSONResponse(shape.whole(got, content, calls), headers=headers)
+        return JSONResponse(shape.whole(got), headers=headers)
 
-    async def sse(shape: _Shape, events: asyncio.Queue[JobEvent | None], job: GenerationJob,
+    async def sse(shape: _Shape, ex: Exchange, use: ToolUse | None,
                   include_usage: bool) -> AsyncIterator[str]:
-        done = False
+        calls = use.stream() if use is not None and use.active else None
+        lps: list[TokenLogprob] = []
         try:
             if shape.chat:
                 yield shape.chunk(None, role=True, with_usage=include_usage)
-            while not done:
-                ev = await events.get()
-                if ev is _GONE:
-                    return
-                if isinstance(ev, RequestError):
-                    done = True
-                    err = {"message": str(ev), "type": ev.kind, "param": ev.param,
-                           "code": ev.code}
-                    yield f"data: {json.dumps({'error': err})}\n\n"
-                    break
-                assert isinstance(ev, GenerationEvent)
-                if ev.finish_reason is None:
-                    if ev.text:
-                        yield shape.chunk(ev.text, with_usage=include_usage)
+            async for ev in ex.events():
+                if isinstance(ev, TokenLogprob):
+                    lps.append(ev)
                     continue
-                done = True
-                if ev.text:
-                    yield shape.chunk(ev.text, with_usage=include_usage)
-                yield shape.chunk(None, finish=_finish(ev), with_usage=include_usage)
+                text = calls.feed(ev.text) if calls is not None else ev.text
+                if text or (lps and calls is None):
+                    yield shape.chunk(text, with_usage=include_usage, lps=lps)
+                    lps = []
+                if ev.finish_reason is None:
+                    continue
+                found = None
+                if calls is not None:
+                    rest, found = calls.finish()
+                    if rest:
+                        yield shape.chunk(rest, with_usage=include_usage, lps=lps)
+                        lps = []
+                if found:
+                    yield shape.chunk(None, with_usage=include_usage, calls=found, lps=lps)
+                yield shape.chunk(None, finish="tool_calls" if found else finish(ev),
+                                  with_usage=include_usage)
                 if include_usage:
-                    yield shape.chunk(None, usage=_usage(ev), with_usage=True)
+                    yield shape.chunk(None, usage=usage(ev), with_usage=True)
             yield "data: [DONE]\n\n"
+        except RequestError as exc:
+            yield sse_error(exc)
         finally:
-            if not done:  # the client went away (or the server is stopping): free the slot
-                host.cancel(job)
+            ex.close()  # a client that went away (or a server stopping) frees the slot
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500
@@ -436,6 +357,8 @@ def create_app(host: Host, api_key: str | None = None) -> Starlette:
         Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
         Route("/v1/completions", guarded(completions), methods=["POST"]),
         Route("/v1/strata/status", guarded(status), methods=["GET"]),
+        *openai_extra_routes(host, guarded),
+        *anthropic_routes(host, api_key),
     ]
     # Exception: a bug still answers in OpenAI's shape (Starlette logs the traceback).
     return Starlette(routes=routes,

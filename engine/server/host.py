@@ -5,7 +5,12 @@ state belongs to the thread that made it): it loads `model`, then runs queued jo
 `stop()`. `submit(job)` queues a job from any thread (FIFO, one runs at a time); its
 `run(models)` executes on the engine thread and reports through the job's own `emit`
 callback. `cancel(job)` drops a queued job or sets a running job's flag, which generation
-checks between prefill chunks and between decode steps. The engine thread's
+checks between prefill chunks and between decode steps. A generation may carry a grammar
+(engine.runtime.grammar: its mask constrains every token) and ask for logprobs (a
+`TokenLogprob` event before each token's `GenerationEvent`); a prompt whose text is far past
+the context (over MAX_CHARS_PER_TOKEN characters a token) is refused before tokenizing.
+`CallJob` runs any other engine-thread work on a loaded model (embeddings, token counts) and
+emits its value as one `Result`. The engine thread's
 engine.runtime.pool.ModelPool is the jobs' `Models`: the loaded model and a few prompt caches
 for it, so requests that share a prefix (a long system prompt) prefill only what is new. No
 HTTP here: another owner of an engine thread (the window's worker) serves the same API by
@@ -24,12 +29,17 @@ from typing import Any, Protocol
 from engine.errors import StrataError
 from engine.library import Library
 from engine.runtime.generate import LoadedModel, PromptCache, generate
+from engine.runtime.grammar import GrammarError, GrammarProcessor
 from engine.runtime.pool import ModelPool
 from engine.runtime.sampling import SamplingParams
 from engine.runtime.tokenizer import Tokenizer
 from engine.telemetry import GenerationEvent
 
 log = logging.getLogger(__name__)
+# No vocabulary averages anywhere near this many characters a token over a whole prompt: a
+# text past context x this is refused at once instead of tokenized for seconds.
+MAX_CHARS_PER_TOKEN = 64
+MAX_TOP_LOGPROBS = 20
 
 
 class RequestError(StrataError):
@@ -92,7 +102,58 @@ class Started:
     max_tokens: int
 
 
-JobEvent = Started | GenerationEvent | RequestError
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The next token's log-probability (after any grammar mask) and the `top` most likely."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top: list[tuple[str, float, list[int]]]
+
+
+@dataclass(frozen=True)
+class Result:
+    """A `CallJob`'s value."""
+
+    value: Any
+
+
+JobEvent = Started | GenerationEvent | RequestError | TokenLogprob | Result
+
+
+class _Logprobs:
+    """A logits processor that keeps each step's log-softmax (lazily) for the token sampled."""
+
+    def __init__(self, top: int) -> None:
+        self.top = top
+        self.steps: deque[tuple[Any, Any]] = deque()
+
+    def __call__(self, history: list[int], logits: Any) -> Any:
+        import mlx.core as mx
+
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        idx = mx.argpartition(-lp, kth=self.top - 1, axis=-1)[:, : self.top] if self.top else None
+        self.steps.append((lp, idx))
+        return logits
+
+    def take(self, token: int, tok: Tokenizer) -> TokenLogprob:
+        lp, idx = self.steps.popleft()
+
+        def piece(i: int) -> tuple[str, list[int]]:
+            text = tok.decode([i])
+            return text, list(text.encode("utf-8", errors="replace"))
+
+        top = []
+        if idx is not None:
+            ids = [int(i) for i in idx[0].tolist()]
+            vals = lp[0, idx[0]].tolist()
+            # OpenAI's floor for impossible tokens (JSON has no -inf): what a grammar masked.
+            top = sorted(((*piece(i), max(float(v), -9999.0))
+                          for i, v in zip(ids, vals, strict=True)), key=lambda t: -t[2])
+        text, raw = piece(token)
+        return TokenLogprob(text, max(float(lp[0, token].item()), -9999.0), raw,
+                            [(t, v, b) for t, b, v in top])
 
 
 @dataclass(eq=False)
@@ -108,6 +169,10 @@ class GenerationJob:
     max_tokens: int | None = None  # None: whatever room the context leaves
     stop: tuple[str, ...] = ()
     prompt_param: str = "messages"
+    # engine.runtime.grammar's compiled form, or a function of the tokenizer giving it
+    grammar: str | Callable[[Tokenizer], str | None] | None = None
+    logprobs: int | None = None  # None: none; else how many alternatives per token
+    chars: int = 0  # characters of prompt text, for the refusal before tokenizing
     _flag: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -126,10 +191,15 @@ class GenerationJob:
         pc = None
         try:
             lm = models.get(self.model)
+            limit = lm.context_length
+            if self.chars > limit * MAX_CHARS_PER_TOKEN:
+                raise RequestError(
+                    f"this model's maximum context length is {limit} tokens, and the request "
+                    f"has {self.chars:,} characters of text: far more than fit",
+                    code="context_length_exceeded", param=self.prompt_param)
             ids = self.prompt(lm.tokenizer)
             if not ids:
                 raise RequestError("the prompt is empty", param=self.prompt_param)
-            limit = lm.context_length
             max_tokens = self.max_tokens if self.max_tokens is not None else limit - len(ids)
             if max_tokens < 1 or len(ids) + max_tokens > limit:
                 raise RequestError(
@@ -137,13 +207,25 @@ class GenerationJob:
                     f"needs {len(ids) + max(max_tokens, 1)} ({len(ids)} in the prompt, "
                     f"{max(max_tokens, 1)} for the completion)",
                     code="context_length_exceeded", param=self.prompt_param)
+            procs: list[Any] = []
+            grammar = self.grammar(lm.tokenizer) if callable(self.grammar) else self.grammar
+            if grammar is not None:
+                procs.append(GrammarProcessor(lm.tokenizer, grammar))
+            scores = _Logprobs(self.logprobs) if self.logprobs is not None else None
+            if scores is not None:
+                procs.append(scores)  # after the grammar: what was sampled from
             pc = models.cache_for(lm, ids)
             self.emit(Started(lm.manifest["name"], len(ids), max_tokens))
             for ev in generate(lm, ids, self.params, max_tokens, self.stop,
-                               cancel=self._flag.is_set, prompt_cache=pc):
+                               cancel=self._flag.is_set, prompt_cache=pc,
+                               logits_processors=procs):
+                if scores is not None and ev.token is not None:
+                    self.emit(scores.take(ev.token, lm.tokenizer))
                 self.emit(ev)
         except RequestError as exc:
             self.emit(exc)
+        except GrammarError as exc:  # the grammar refused before the first token
+            self.emit(RequestError(str(exc), param="response_format"))
         except StrataError as exc:  # the model failed to load, or generation refused
             self.emit(RequestError(str(exc), status=500, kind="server_error"))
         except Exception as exc:  # a bug: report it, and keep the engine thread alive
@@ -151,6 +233,57 @@ class GenerationJob:
             if pc is not None:
                 models.discard(pc)  # its KV may no longer match its tokens
             self.emit(RequestError(f"internal error: {exc}", status=500, kind="server_error"))
+
+
+@dataclass(eq=False)
+class CallJob:
+    """Other work on a loaded model: `call(lm)` on the engine thread, its value emitted as a
+    `Result` (or a `RequestError`)."""
+
+    model: str
+    call: Callable[[LoadedModel], Any]
+    emit: Callable[[JobEvent], None]
+    _flag: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self._flag.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._flag.is_set()
+
+    def fail(self, error: RequestError) -> None:
+        self.emit(error)
+
+    def run(self, models: Models) -> None:
+        if self.cancelled:
+            return
+        try:
+            self.emit(Result(self.call(models.get(self.model))))
+        except RequestError as exc:
+            self.emit(exc)
+        except StrataError as exc:
+            self.emit(RequestError(str(exc), status=500, kind="server_error"))
+        except Exception as exc:  # a bug: report it, and keep the engine thread alive
+            log.exception("engine call failed")
+            self.emit(RequestError(f"internal error: {exc}", status=500, kind="server_error"))
+
+
+def embed(lm: LoadedModel, ids: list[int]) -> list[float]:
+    """The mean of the last layer's (normed) hidden states over `ids`, scaled to length 1."""
+    import mlx.core as mx
+
+    inner = getattr(lm.model, "model", None)
+    if inner is None or not callable(inner):
+        raise RequestError(f"{lm.manifest['name']} has no hidden-state output for embeddings",
+                           param="model")
+    if len(ids) > lm.context_length:
+        raise RequestError(f"an input has {len(ids)} tokens; this model's context is "
+                           f"{lm.context_length}", code="context_length_exceeded",
+                           param="input")
+    h = inner(mx.array([ids]))[0].astype(mx.float32).mean(axis=0)
+    h = h / mx.maximum(mx.linalg.norm(h), 1e-12)
+    return [float(x) for x in h.tolist()]
 
 
 # -- the host: a FIFO queue and the engine thread -----------------------------------------
