@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.runtime.grammar import GrammarError, json_grammar, lark_json
+from engine.runtime.grammar import GrammarError, json_grammar, lark_grammar, lark_json
 from engine.runtime.tokenizer import Tokenizer
 from engine.server.host import RequestError
 
@@ -421,7 +421,7 @@ class ToolUse:
 
     def grammar(self, tok: Tokenizer) -> str | None:
         """The grammar that forces one call (tool_choice required or named), else None."""
-        from engine.runtime.grammar import lark_grammar
+
 
         if not self.forced:
             return None
