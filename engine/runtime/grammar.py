@@ -164,6 +164,10 @@ class GrammarProcessor:
         self._bits = np.full(((self.vocab.vocab_size + 31) // 32,), -1, dtype=np.int32)
         self._seen: int | None = None  # history length already fed to the matcher
 
+    def _error(self) -> str:
+        lines = self.matcher.get_error().strip().splitlines()
+        return (lines[0] if lines else "parser error")[:200]
+
     @property
     def accepting(self) -> bool:
         return bool(self.matcher.is_accepting())
@@ -177,8 +181,10 @@ class GrammarProcessor:
         new = history[self._seen :]
         self._seen = len(history)
         if new and not self.matcher.consume_tokens(new):
-            raise GrammarError(f"grammar out of step: {self.matcher.get_error()[:300]}")
+            raise GrammarError(f"the grammar cannot continue: {self._error()}")
         self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        if self.matcher.is_error():  # e.g. a schema with no finite instance
+            raise GrammarError(f"the grammar cannot continue: {self._error()}")
         allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")
         width = logits.shape[-1]
         if allowed.shape[0] < width:

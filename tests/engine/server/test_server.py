@@ -1,66 +1,24 @@
 """The OpenAI-compatible server, driven by the official `openai` client against a real
-`strata serve` subprocess on loopback (with an API key) serving the starter model."""
+`strata serve` subprocess on loopback (with an API key) serving the starter model (the
+`server` and `client` fixtures: conftest.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import re
 import secrets
-import selectors
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from tests.helpers import REPO, run_strata
+from tests.engine.server.conftest import KEY
+from tests.helpers import run_strata
 
-KEY = "sk-test-" + secrets.token_hex(8)
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def server(starter: Any, strata_home: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[str]:
-    """The base URL (…/v1) of a server started as users start it; stopped after the module."""
-    log = tmp_path_factory.mktemp("serve") / "stderr.log"
-    env = dict(os.environ, STRATA_HOME=str(strata_home))
-    with open(log, "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "app", "serve", "--port", "0", "--api-key", KEY],
-            stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=REPO)
-    assert proc.stdout is not None
-    try:
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        line = proc.stdout.readline() if sel.select(timeout=180) else ""
-        match = re.search(r"http://\S+/v1", line)
-        assert match, f"no address announced ({line!r}); stderr: {log.read_text()[-2000:]}"
-        yield match.group(0)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-    # SIGTERM stops it as Ctrl-C does: cleanly, with the CLI's exit status for an interrupt.
-    assert proc.returncode == 130, log.read_text()[-2000:]
-    assert "Traceback" not in log.read_text() and "terminate called" not in log.read_text()
-
-
-@pytest.fixture(scope="module")
-def client(server: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=server, api_key=KEY, max_retries=0, timeout=120) as c:
-        yield c
 
 
 def _http(url: str, body: bytes | None = None, key: str | None = KEY
