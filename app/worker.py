@@ -231,7 +231,7 @@ class EngineWorker(QObject):
 
     @Slot(int, str, str)
     def _on_document_requested(self, job: int, path: str, model: str) -> None:
-        self._run(job, "document", self._document_steps(path, model))
+        self._run(job, "document", self._document_steps(job, path, model))
 
     @Slot(int)
     def _on_prefix_clear_requested(self, job: int) -> None:
@@ -367,7 +367,7 @@ class EngineWorker(QObject):
             session.messages.append({"role": "assistant",
                                      "content": req.assistant_prefix + "".join(reply)})
 
-    def _document_steps(self, path: str, model: str) -> Iterator[Step]:
+    def _document_steps(self, job: int, path: str, model: str) -> Iterator[Step]:
         from engine.importers.documents import read_document  # start-up: when one is attached
 
         doc = read_document(path)
@@ -375,7 +375,7 @@ class EngineWorker(QObject):
         if lm is None:
             raise StrataError(f"{doc.name}: no model to count its tokens with")
         tokens = len(lm.tokenizer.encode(doc.text, add_bos=False, add_eos=False))
-        yield self.document_read, ({
+        yield self.document_read, (job, {
             "path": doc.path, "name": doc.name, "kind": doc.kind, "pages": doc.pages,
             "bytes": doc.bytes, "text": doc.text, "tokens": tokens, "model": lm.manifest["name"],
             **self.kv_cost(tokens)},)

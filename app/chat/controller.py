@@ -139,6 +139,7 @@ class ChatController(QObject):
         self.pending: dict[int, list[dict[str, Any]]] = {}  # chat id (0: none yet) -> docs
         self._doc_jobs: dict[int, int] = {}  # document job -> chat id it was attached to
         self._search = ""
+        self._notice = ""  # a line the next reply keeps in the status (the switch to paged KV)
         self.view.set_presets([p.name for p in store.presets()])
 
         self.engine_settings = EngineSettings.load(store)
@@ -337,7 +338,7 @@ class ChatController(QObject):
         context = int(figures.get("context_length") or 0)
         if (ram and kv > ram) or (context and tokens > 4 * context):
             self.set_engine_settings(replace(self.engine_settings, kv_mode="exact"))
-            self.view.set_status(
+            self._notice = (
                 f"This chat's context (about {tokens:,} tokens, {_mb(kv)} of KV cache) is past "
                 f"the KV RAM budget ({_mb(ram)}): the KV cache is now paged (exact), its "
                 "pages spilling to the SSD.")
@@ -489,8 +490,7 @@ class ChatController(QObject):
                                     last_db_write=time.monotonic())
         self.view.input.clear()
         self.view.set_busy(True)
-        if not self.view.status_label.text().startswith("This chat's context"):
-            self.view.set_status("")
+        self.view.set_status(self._notice)
         self.chats.refresh()
         self.view.select_chat(chat.id)
         self.current = self.store.chat(chat.id)
@@ -722,7 +722,8 @@ class ChatController(QObject):
         cancelled = stats.get("finish_reason") == "cancelled"
         message_id = s.message_id
         self._end_stream("interrupted" if cancelled else "complete", stats)
-        self.view.set_status("Stopped." if cancelled else "")
+        self.view.set_status("Stopped." if cancelled else self._notice)
+        self._notice = ""
         self.reply_recorded.emit(message_id, stats)
 
     @Slot(int, str, str)
