@@ -282,7 +282,7 @@ class DiscoverController(QObject):
         return [self.fit(v) for v in variants]
 
     # -- slots: view -----------------------------------------------------------------------
-    @Slot(str, str, str, int, int)
+    @Slot(str, str, str, object, object)
     def _on_search_requested(self, query: str, fmt: str, architecture: str, lo: int,
                              hi: int) -> None:
         self.search(query, fmt, architecture, lo, hi)

@@ -148,7 +148,8 @@ class DownloadRow(QWidget):
 
 
 class DiscoverView(QWidget):
-    search_requested = Signal(str, str, str, int, int)  # query, format, architecture, min, max
+    # query, format, architecture, min and max parameters (object: past 2**31)
+    search_requested = Signal(str, str, str, object, object)
     repo_selected = Signal(str)
     download_requested = Signal(int)  # row of the variants table
 

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -57,7 +58,8 @@ class FakeHub:
         self.requests: list[tuple[str, str]] = []
         self.ranges: list[tuple[str, str]] = []  # (file name, Range header) of ranged answers
         self.drops: dict[str, int] = {}  # file name: close the connection after N bytes, once
-        self.corrupt: set[str] = set()  # file names served with one byte flipped
+        self.corrupt: set[str] = set()  # file names served with their last byte flipped
+        self.pace = 0.0  # seconds per MiB sent (a slower network), 0: as fast as it goes
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -244,8 +246,8 @@ class FakeHub:
                    extra: dict[str, str] | None = None, name: str = "") -> None:
         """The file, or the part a `Range: bytes=A-B` asks for (206); a name in `drops` has
         its connection closed after that many bytes once, one in `corrupt` a byte flipped."""
-        if name in self.corrupt:
-            data = bytes([data[0] ^ 0xFF]) + data[1:]
+        if name in self.corrupt:  # the last byte: a header read still works
+            data = data[:-1] + bytes([data[-1] ^ 0xFF])
         start, end = 0, len(data) - 1
         ranged = str(req.headers.get("Range") or "")
         if ranged:
@@ -274,7 +276,11 @@ class FakeHub:
             req.connection.shutdown(socket.SHUT_RDWR)
             return
         try:
-            req.wfile.write(data[start:end + 1])
+            if not self.pace:
+                req.wfile.write(data[start:end + 1])
+            for at in range(start, end + 1, 1 << 20) if self.pace else ():
+                req.wfile.write(data[at:min(at + (1 << 20), end + 1)])
+                time.sleep(self.pace)  # the network's pace, not a test waiting
         except (ConnectionResetError, BrokenPipeError):
             pass  # the client stopped reading (a pause, a cancel)
 
