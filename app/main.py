@@ -72,6 +72,9 @@ DEMO_PROMPTS = (
     "Write a Python function that returns the sum of a list of numbers.",
 )
 DEMO_MAX_TOKENS = 120
+# With --demo and STRATA_DEMO_DOCUMENT=FILE the demo attaches FILE and asks this (or
+# STRATA_DEMO_QUESTION) instead: the screenshot of a chat with a document.
+DEMO_DOCUMENT_QUESTION = "What is the name of the lighthouse keeper's cat?"
 
 
 class StrataApplication(QApplication):
@@ -434,6 +437,9 @@ class ScreenshotDirector(QObject):
         super().__init__(window)
         self.window, self.path, self.view, self.demo = window, path, view, demo
         self._prompts = list(DEMO_PROMPTS) if demo else []
+        self._document = os.environ.get("STRATA_DEMO_DOCUMENT", "") if demo else ""
+        if self._document:
+            self._prompts = [os.environ.get("STRATA_DEMO_QUESTION", DEMO_DOCUMENT_QUESTION)]
         self.error = ""
         window.ready.connect(self._on_ready)
         window.chat.streaming_changed.connect(self._on_streaming_changed)
@@ -455,6 +461,13 @@ class ScreenshotDirector(QObject):
                                                             max_tokens=DEMO_MAX_TOKENS))
             self.window.chat.chats.refresh()
             self.window.chat.select(chat.id)
+            if self._document:  # sent once the document is read and measured
+                self.window.store.update_chat(chat.id, title=Path(self._document).name)
+                self.window.chat.chats.refresh()
+                self.window.engine.document_read.connect(
+                    lambda *_: QTimer.singleShot(0, self._send_next))
+                self.window.chat.attach([self._document])
+                return
             self._send_next()
         else:
             QTimer.singleShot(1200, self._capture)  # a memory reading arrives meanwhile
