@@ -26,6 +26,11 @@ def source_label(manifest: dict[str, Any]) -> str:
     fmt = str(manifest.get("source_format") or "").lower()
     kind = {"gguf": "GGUF file", "mlx": "MLX folder", "hf": "Hugging Face folder"}.get(fmt, fmt)
     source = str(manifest.get("source") or "")
+    found_in = manifest.get("found_in")
+    if found_in:  # added from another app's folder: say how it sits on disk
+        how = {"clone": "clone", "hardlink": "hard link", "reference": "reference",
+               "converted": "converted"}.get(str(manifest.get("placement")), "")
+        return f"{kind} ({found_in}{', ' + how if how else ''})"
     if source.startswith("pypi:"):
         return f"{kind} (starter, from PyPI)"
     if source.startswith("hf:") or source.startswith("hub:"):

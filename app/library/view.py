@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from PySide6.QtCore import QItemSelection, Qt, Signal, Slot
+from PySide6.QtGui import QKeySequence
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QComboBox,
@@ -35,7 +36,9 @@ from PySide6.QtWidgets import (
 )
 
 from app.format import human_bytes, quantization_details, quantization_summary
+from app.library.found import FoundModel
 from app.library.model import LibraryModel, NameRole
+from engine.library.found import placement_text
 from engine.runtime.fit import Fit
 
 KIND_LABELS = {"gguf": "GGUF file", "mlx": "MLX folder", "hf": "Hugging Face folder"}
@@ -47,10 +50,14 @@ class LibraryView(QWidget):
     import_requested = Signal()
     delete_requested = Signal(str)
     default_requested = Signal(str)
+    add_found_requested = Signal(int)  # a row of the Found on this Mac table
+    rescan_requested = Signal()
 
-    def __init__(self, model: LibraryModel, parent: QWidget | None = None) -> None:
+    def __init__(self, model: LibraryModel, found: FoundModel | None = None,
+                 parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.model = model
+        self.found_model = found or FoundModel(self)
         self.table = QTableView()
         self.table.setAccessibleName("Model library")
         self.table.setModel(model)
@@ -85,6 +92,44 @@ class LibraryView(QWidget):
         hint.setWordWrap(True)
         hint.setEnabled(False)  # drawn in the palette's disabled (muted) colour
 
+        # Found on this Mac: what LM Studio, Ollama and the Hugging Face cache already hold.
+        self.found_label = QLabel("<b>Found on this Mac</b>")
+        self.found_label.setAccessibleName("Found on this Mac heading")
+        self.found_table = QTableView()
+        self.found_table.setAccessibleName("Found on this Mac")
+        self.found_table.setModel(self.found_model)
+        self.found_table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.found_table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+        self.found_table.setAlternatingRowColors(True)
+        self.found_table.verticalHeader().setVisible(False)
+        self.found_table.setWordWrap(False)
+        fh = self.found_table.horizontalHeader()
+        fh.setSectionResizeMode(QHeaderView.ResizeMode.ResizeToContents)
+        fh.setStretchLastSection(True)
+        self.add_found_button = QPushButton("&Add to library")
+        self.add_found_button.setAccessibleName("Add found model to library")
+        self.add_found_button.setToolTip("Add the selected model to the library (Ctrl+Shift+A)")
+        self.add_found_button.setShortcut(QKeySequence("Ctrl+Shift+A"))
+        self.rescan_button = QPushButton("&Rescan")
+        self.rescan_button.setAccessibleName("Rescan for models on this Mac")
+        self.rescan_button.setToolTip("Look again in LM Studio's, Ollama's and the Hugging "
+                                      "Face cache's folders (F5)")
+        self.rescan_button.setShortcut(QKeySequence(QKeySequence.StandardKey.Refresh))
+        self.found_status = QLabel("")
+        self.found_status.setAccessibleName("Found on this Mac status")
+        self.found_status.setWordWrap(True)
+        self.found_status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        found_head = QHBoxLayout()
+        found_head.addWidget(self.found_label, 1)
+        found_head.addWidget(self.add_found_button)
+        found_head.addWidget(self.rescan_button)
+        self.found_box = QWidget()
+        found_layout = QVBoxLayout(self.found_box)
+        found_layout.setContentsMargins(0, 0, 0, 0)
+        found_layout.addLayout(found_head)
+        found_layout.addWidget(self.found_table, 1)
+        found_layout.addWidget(self.found_status)
+
         buttons = QHBoxLayout()
         buttons.addWidget(self.import_button)
         buttons.addStretch(1)
@@ -93,8 +138,9 @@ class LibraryView(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(12, 12, 12, 12)
         layout.addLayout(buttons)
-        layout.addWidget(self.stack, 1)
+        layout.addWidget(self.stack, 3)
         layout.addWidget(self.details)
+        layout.addWidget(self.found_box, 2)
         layout.addWidget(hint)
 
         self.import_button.clicked.connect(self.import_requested)
@@ -103,7 +149,13 @@ class LibraryView(QWidget):
         self.table.selectionModel().selectionChanged.connect(self._on_selection_changed)
         model.modelReset.connect(self._on_model_reset)
         model.dataChanged.connect(self._on_data_changed)
+        self.add_found_button.clicked.connect(self._on_add_found_clicked)
+        self.rescan_button.clicked.connect(self.rescan_requested)
+        self.found_table.doubleClicked.connect(self._on_add_found_clicked)
+        self.found_table.selectionModel().selectionChanged.connect(self._on_found_selected)
+        self.found_model.modelReset.connect(self._on_found_reset)
         self._on_model_reset()
+        self._on_found_reset()
 
     def selected_name(self) -> str | None:
         rows = self.table.selectionModel().selectedRows()
@@ -113,6 +165,38 @@ class LibraryView(QWidget):
         for row, n in enumerate(self.model.names()):
             if n == name:
                 self.table.selectRow(row)
+
+    def selected_found(self) -> int:
+        rows = self.found_table.selectionModel().selectedRows()
+        return rows[0].row() if rows else -1
+
+    def select_found(self, label: str) -> None:
+        for row, text in enumerate(self.found_model.labels()):
+            if text == label:
+                self.found_table.selectRow(row)
+
+    @Slot()
+    def _on_found_reset(self) -> None:
+        count = self.found_model.rowCount()
+        self.found_table.setVisible(count > 0)
+        if not count:
+            self.found_status.setText("Nothing found in LM Studio's or Ollama's models or the "
+                                      "Hugging Face cache.")
+        elif not self.found_status.text() or self.found_status.text().startswith("Nothing"):
+            self.found_status.setText(f"{count} models other apps keep on this Mac: add one "
+                                      "without downloading it again.")
+        self._on_found_selected()
+
+    @Slot()
+    def _on_found_selected(self, *_: Any) -> None:
+        row = self.selected_found()
+        self.add_found_button.setEnabled(row >= 0 and not self.found_model.added_as(row))
+
+    @Slot()
+    def _on_add_found_clicked(self, *_: Any) -> None:
+        row = self.selected_found()
+        if row >= 0 and not self.found_model.added_as(row):
+            self.add_found_requested.emit(row)
 
     @Slot()
     def _on_model_reset(self) -> None:
@@ -146,6 +230,9 @@ class LibraryView(QWidget):
             f"source: {m.get('source', '')}",
             f"folder: {m.get('path', '')}",
         ]
+        placed = placement_text(m)
+        if placed:
+            lines.insert(4, f"on disk: {_escape(placed)}")
         fit = self.model.fit(str(m["name"]))
         if fit is not None:
             lines.insert(3, "memory: " + fit_html(fit))
