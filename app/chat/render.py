@@ -106,11 +106,11 @@ def split_fences(text: str) -> list[Segment]:
             code.append(lines[i])
             i += 1
         if prose and "".join(prose).strip():
-            out.append(Segment("\n".join(prose)))
+            out.append(Segment("\n".join(prose).strip("\n")))
         prose = []
         out.append(Segment("\n".join(code), language, closed))
     if "".join(prose).strip():
-        out.append(Segment("\n".join(prose)))
+        out.append(Segment("\n".join(prose).strip("\n")))
     return out
 
 
@@ -193,10 +193,18 @@ class RichWriter:
         index = len(self.codes)
         self.codes.append(seg.text)
         _ensure_block(cursor)
+        # A frame goes after the cursor's block, which stays empty: make it a hairline.
+        spacer = QTextBlockFormat()
+        spacer.setLineHeight(1, QTextBlockFormat.LineHeightTypes.FixedHeight.value)
+        cursor.setBlockFormat(spacer)
+        small = QTextCharFormat()
+        small.setFontPointSize(1)
+        cursor.setBlockCharFormat(small)
         frame_fmt = QTextFrameFormat()
         frame_fmt.setBackground(QBrush(QColor(self.style.background_color)))
         frame_fmt.setPadding(8)
-        frame_fmt.setMargin(4)
+        frame_fmt.setTopMargin(2)
+        frame_fmt.setBottomMargin(6)
         frame_fmt.setBorder(0)
         frame_fmt.setWidth(QTextLength(QTextLength.Type.PercentageLength, 100))
         frame = cursor.insertFrame(frame_fmt)

@@ -190,8 +190,10 @@ class MessageView(QTextBrowser):
     def _insert_body(self, cursor: QTextCursor, message: Message) -> None:
         self._new_block(cursor, top=4.0)
         for att in self._attachments.get(message.id, []):
-            cursor.insertText(f"Attached: {att.name} · {att.pages} page"
-                              f"{'s' * (att.pages != 1)} · {att.tokens:,} tokens",
+            pages = (f"{att.pages} page{'s' * (att.pages != 1)} · " if att.kind == "pdf"
+                     else "")
+            kv = f" · {att.kv_bytes / 1e6:,.1f} MB of KV cache" if att.kv_bytes else ""
+            cursor.insertText(f"Attached: {att.name} · {pages}{att.tokens:,} tokens{kv}",
                               self.writer.muted())
             cursor.insertBlock(QTextBlockFormat(), QTextCharFormat())
         if message.role == "assistant":

@@ -66,7 +66,7 @@ def _click(window: MainWindow, href: str) -> None:
 def test_a_markdown_reply_renders_a_table_and_highlighted_code(loaded_window: MainWindow,
                                                                qtbot: Any) -> None:
     window = loaded_window
-    _fresh_chat(window, max_tokens=48)
+    _fresh_chat(window, max_tokens=36)
     _reply(window, qtbot, window.chat.send,
            "Make a Markdown table of three fruits and their colours.")
     doc = window.chat.view.messages.document()
@@ -239,7 +239,7 @@ def test_a_pdf_attached_and_asked_about_is_quoted(loaded_window: MainWindow, qtb
         assert "Marmalade" in reply.content, reply.content
         assert not chat.view.attachments_row.isVisibleTo(chat.view)
         shown = chat.view.messages.toPlainText()
-        assert "Attached: harbour.pdf · 4 pages" in shown
+        assert "Attached: harbour.pdf · 4 pages · " in shown and "MB of KV cache" in shown
         atts = window.store.attachments(chat.current.id)  # type: ignore[union-attr]
         assert [a.name for v in atts.values() for a in v] == ["harbour.pdf"]
     finally:
