@@ -311,6 +311,8 @@ class DiscoverController(QObject):
             self.results_shown.emit(len(result))
         elif what == "variants" and job == self._variants_job:
             self.view.variants.set_variants(result, self._fits(result))
+            if result:
+                self.view.select_variant(0)
             count = len(result)
             self.view.variants_label.setText(
                 f"Variants of <b>{self._variants_repo}</b>: {count} to choose from"

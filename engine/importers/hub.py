@@ -593,7 +593,8 @@ def _gguf_source(repo_id: str, commit: str, parts: list[RemoteFile], tmp: Path,
 
 
 def _gguf_groups(files: list[RemoteFile]) -> list[list[RemoteFile]]:
-    """The model GGUFs of a listing, split parts together; vision projectors left out."""
+    """The model GGUFs of a listing, split parts together, smallest first; vision projectors
+    left out."""
     groups: dict[str, list[RemoteFile]] = {}
     for f in files:
         base = Path(f.path).name.lower()
@@ -601,7 +602,8 @@ def _gguf_groups(files: list[RemoteFile]) -> list[list[RemoteFile]]:
             continue
         key = _SPLIT.sub("", f.path)
         groups.setdefault(key, []).append(f)
-    return [sorted(g, key=lambda f: f.path) for _, g in sorted(groups.items())]
+    parts = [sorted(g, key=lambda f: f.path) for g in groups.values()]
+    return sorted(parts, key=lambda g: (sum(f.size for f in g), g[0].path))  # smallest first
 
 
 def _mlx_variant(repo_id: str, commit: str, files: list[RemoteFile]) -> Variant | None:
