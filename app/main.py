@@ -150,6 +150,7 @@ class MainWindow(QMainWindow):
 
         w = self.engine
         self.library.models_changed.connect(self._on_models_changed)
+        self.discover.library_changed.connect(self.library.refresh)
         w.starter_progressed.connect(self._on_starter_progressed)
         w.starter_ready.connect(self._on_starter_ready)
         w.model_loading.connect(self._on_model_loading)

@@ -14,6 +14,7 @@ are listed paused at start (`pending_downloads`); Resume goes on from their part
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -37,6 +38,7 @@ from engine.importers.hub import (
     search_models,
     start_download,
 )
+from engine.library import Library
 from engine.runtime.fit import Fit
 
 log = logging.getLogger(__name__)
@@ -138,6 +140,7 @@ class DiscoverController(QObject):
     variants_shown = Signal(str)
     download_paused = Signal(str)
     download_done = Signal(str, bool, str)  # folder, imported, model name or reason
+    library_changed = Signal()  # a manifest was updated (its source: the Hub, not a path)
 
     def __init__(self, engine: Engine, home: Path | None = None,
                  parent: QObject | None = None) -> None:
@@ -375,8 +378,13 @@ class DiscoverController(QObject):
         if state is None:
             return
         state.import_job = 0
+        v = state.variant
+        with contextlib.suppress(StrataError, OSError):  # the model is in; this is a label
+            Library(self.home).update(str(manifest["name"]),
+                                      source=f"hub:{v.repo_id}@{v.commit}/{v.label}")
         discard_download(state.folder)  # the library holds its own copy now
         state.row.show_imported(str(manifest["name"]))
+        self.library_changed.emit()
         self.download_done.emit(str(state.folder), True, str(manifest["name"]))
 
     @Slot(int, str, str)

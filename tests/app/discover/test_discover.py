@@ -129,6 +129,8 @@ def test_search_download_drop_pause_restart_resume_import(
     assert "Imported into the library" in row.status.text()
     m = again.library.model.manifest(0)
     assert m is not None and m["source_format"] == "gguf"
+    assert m["source"].startswith(f"hub:{REPO_ID}@") and m["source"].endswith(Q4)
+    assert again.library.model.index(0, 6).data() == "GGUF file (Hugging Face Hub)"
     from engine.importers.starter import SHA256
 
     assert hashlib.sha256(hub.repos[REPO_ID][Q4]).hexdigest() == SHA256
