@@ -92,6 +92,8 @@ from engine.kv.pagefile import (
     PageHeader,
 )
 from engine.kv.settings import KVGeometry
+from engine.kv.tail import SUFFIX as TAIL_SUFFIX
+from engine.kv.tail import Tail, TailLayout, common_prefix, read_tail, tail_name, write_tail
 from engine.platform import default_home, pid_alive
 
 PREFIX_MAGIC = b"STRATAPX"
@@ -132,6 +134,7 @@ class PrefixSettings:
     budget_mb: float = 4096
     page_tokens: int = PAGE_TOKENS
     flush_s: float = 30.0  # longest wait at exit for queued pages; the rest are abandoned
+    tails: bool = True  # the partial last page and its logits too (engine.kv.tail)
 
     def root(self) -> Path:
         if self.folder is not None:
@@ -140,7 +143,8 @@ class PrefixSettings:
 
 
 def settings_from_env(**overrides: Any) -> PrefixSettings:
-    """PrefixSettings from STRATA_PREFIX_DIR / STRATA_PREFIX_MB / STRATA_PREFIX_PAGE."""
+    """PrefixSettings from STRATA_PREFIX_DIR / STRATA_PREFIX_MB / STRATA_PREFIX_PAGE /
+    STRATA_PREFIX_TAILS."""
     env: dict[str, Any] = {}
     try:
         if os.environ.get("STRATA_PREFIX_DIR"):
@@ -149,6 +153,8 @@ def settings_from_env(**overrides: Any) -> PrefixSettings:
             env["budget_mb"] = float(os.environ["STRATA_PREFIX_MB"])
         if os.environ.get("STRATA_PREFIX_PAGE"):
             env["page_tokens"] = int(os.environ["STRATA_PREFIX_PAGE"])
+        if os.environ.get("STRATA_PREFIX_TAILS"):  # 0: full pages only (to measure them)
+            env["tails"] = os.environ["STRATA_PREFIX_TAILS"] not in ("0", "no", "false")
     except ValueError as exc:
         raise PrefixCacheError(f"prefix cache setting is not a whole number ({exc})") from exc
     env.update({k: v for k, v in overrides.items() if v is not None})
@@ -212,6 +218,9 @@ class Plan:
     runs: list[_Run] = field(default_factory=list)
     # Pages stored in a row (>= hit_pages: a sliding model's hit ends at its deepest window).
     stored_pages: int | None = None
+    tail_tokens: int = 0  # tokens a restore took from the stored tail (engine.kv.tail)
+    # The next-token logits (MLX, (1, vocab)) when the whole prompt came from the store.
+    logits: Any = None
 
     @property
     def hit_tokens(self) -> int:
@@ -247,6 +256,19 @@ class _Job:
     # From the paged store instead of k/v: per page, per layer (k parts, v parts, key min,
     # key max), numpy arrays as the store encodes them (summaries as float32).
     paged: list[list[tuple[Parts, Parts, Any, Any]]] | None = None
+    tail: tuple[str, Tail, bytes] | None = None  # file name, record, parent hash
+
+
+@dataclass
+class TailSnapshot:
+    """What `tail_snapshot` took at the end of a prefill: the positions after the last full
+    page, (paged caches) their tail arrays as they stood then, and the next-token logits."""
+
+    start: int
+    tokens: np.ndarray
+    k: list[Any] | None
+    v: list[Any] | None
+    logits: Any
 
 
 @dataclass
@@ -317,6 +339,11 @@ class PrefixCache:
             raise PrefixCacheError(f"prefix cache folder {self.folder} cannot be created "
                                    f"({exc.strerror or exc})") from exc
         self.stats = PrefixStats()
+        # The prompt's partial last page (engine.kv.tail); a sliding model's window would
+        # have to be stored at that depth too, so such models keep full pages only.
+        self.tails = not self.sliding and self.settings.tails
+        self.tail_layout = TailLayout(self.P, n_layers, kv_heads, head_dim, self.dtype_code,
+                                      self.np_dtype)
         self._sweep_temp()
         self._q: queue.Queue[_Job | None] = queue.Queue()
         self._pool = ThreadPoolExecutor(_CHECKERS, thread_name_prefix="strata-prefix-check")
@@ -430,10 +457,103 @@ class PrefixCache:
 
     def restore(self, caches: list[Any], prompt: Sequence[int], plan: Plan, cached: int
                 ) -> int:
-        """Fill `caches` (which hold `cached` tokens) with stored pages up to plan.hit_pages;
-        returns the tokens the caches hold now. Only pages that verify are used. `caches`
-        are mlx-lm's (pages go into their arrays) or the paged KV cache's (pages go into its
-        store as committed pages; `_restore_paged`)."""
+        """Fill `caches` (which hold `cached` tokens) with stored pages up to plan.hit_pages,
+        then, when every full page is there, the stored tail's tokens that the prompt shares
+        (engine.kv.tail; with the logits, `plan.logits`, when it is the whole prompt);
+        returns the tokens the caches hold now. Only what verifies is used. `caches` are
+        mlx-lm's (pages go into their arrays) or the paged KV cache's (pages are mapped into
+        its store; `_restore_paged`)."""
+        got = self._restore_pages(caches, prompt, plan, cached)
+        n = len(plan.hashes)
+        if not self.tails or got != n * self.P or len(prompt) <= got:
+            return got
+        return self._restore_tail(caches, prompt, plan, got)
+
+    def _tail_path(self, plan: Plan) -> tuple[Path, bytes]:
+        parent = plan.hashes[-1] if plan.hashes else bytes(32)
+        return self.folder / tail_name(self.key, parent), parent
+
+    def _restore_tail(self, caches: list[Any], prompt: Sequence[int], plan: Plan, got: int
+                      ) -> int:
+        """The stored tail after the prompt's last full page, as far as the prompt shares
+        it, into the caches (which hold exactly the full pages)."""
+        t0 = time.perf_counter()
+        path, parent = self._tail_path(plan)
+        tail = read_tail(path, parent, len(plan.hashes), self.tail_layout)
+        if tail is None:
+            return got
+        want = np.asarray(prompt[got:], "<u4")
+        m = common_prefix(tail.tokens, want)
+        whole = m == len(want) == len(tail.tokens) and tail.logits is not None
+        if not whole:
+            m = min(m, len(want) - 1)  # a token must be left to compute the logits from
+        full = [caches[i] for i in self.full]
+        paged = _paged(caches, self.full)
+        if m <= 0 or (paged and any(c.offset != got or c.tail_k is not None for c in full)):
+            return got
+        for layer, c in enumerate(full):
+            k = mx.array(tail.k[layer][None, :, :m])
+            v = mx.array(tail.v[layer][None, :, :m])
+            if self.dtype_name == "bfloat16":
+                k, v = k.view(mx.bfloat16), v.view(mx.bfloat16)
+            if paged:
+                c.tail_k, c.tail_v, c.offset = k, v, got + m
+            else:
+                c.update_and_fetch(k, v)
+        mx.eval([c.state for c in full])
+        plan.tail_tokens = m
+        if whole:
+            assert tail.logits is not None
+            plan.logits = mx.array(tail.logits)[None]
+        self.stats.restored_tokens += m
+        self.stats.restore_s += time.perf_counter() - t0
+        return got + m
+
+    def tail_snapshot(self, caches: list[Any], prompt: Sequence[int], plan: Plan,
+                      logits: Any) -> TailSnapshot | None:
+        """Take the prompt's tail at the end of its prefill (the caches hold exactly the
+        prompt; `logits`, (1, vocab), the next token's): references only, `store` copies.
+        None if there is nothing new to keep (the whole prompt came from the store)."""
+        if not self.tails or plan.logits is not None or self._closed:
+            return None
+        a, b = len(plan.hashes) * self.P, len(prompt)
+        full = [caches[i] for i in self.full]
+        ks = vs = None
+        if _paged(caches, self.full):
+            if any(c.offset != b or c.tail_k is None or c.tail_k.shape[2] != b - a
+                   for c in full):
+                return None  # the tail filled a page (committed, maybe quantized): skip
+            ks, vs = [c.tail_k for c in full], [c.tail_v for c in full]
+        elif not all(_is_kvcache(c) and c.keys is not None and c.offset == b for c in full):
+            return None
+        return TailSnapshot(a, np.asarray(prompt[a:b], "<u4"), ks, vs, logits)
+
+    def _tail_job(self, caches: list[Any], plan: Plan, snap: TailSnapshot
+                  ) -> tuple[str, Tail, bytes] | None:
+        """The snapshot as numpy (mlx-lm's caches: sliced now; their first positions past
+        the prompt may be written since, never these)."""
+        a, b = snap.start, snap.start + len(snap.tokens)
+        full = [caches[i] for i in self.full]
+        if snap.k is not None and snap.v is not None:
+            ks, vs = snap.k, snap.v
+        else:
+            if not all(_is_kvcache(c) and c.keys is not None and c.offset >= b for c in full):
+                return None
+            ks = [c.keys[..., a:b, :] for c in full]
+            vs = [c.values[..., a:b, :] for c in full]
+        if self.dtype_name == "bfloat16":
+            ks, vs = [k.view(mx.uint16) for k in ks], [v.view(mx.uint16) for v in vs]
+        kn = [np.array(k[0], copy=True) for k in ks]
+        vn = [np.array(v[0], copy=True) for v in vs]
+        if any(k.dtype != self.np_dtype or k.shape != (self.kv_heads, b - a, self.head_dim)
+               for k in kn):
+            return None
+        logits = np.array(snap.logits.astype(mx.float32)).reshape(-1)
+        path, parent = self._tail_path(plan)
+        return path.name, Tail(len(plan.hashes), snap.tokens, kn, vn, logits), parent
+
+    def _restore_pages(self, caches: list[Any], prompt: Sequence[int], plan: Plan,
+                       cached: int) -> int:
         first = cached // self.P
         if plan.hit_pages <= first:
             return cached
@@ -884,11 +1004,15 @@ class PrefixCache:
         return Window(tokens, ks, vs)
 
     def store(self, caches: list[Any], prompt: Sequence[int], plan: Plan,
-              window: Window | None = None) -> int:
+              window: Window | None = None, tail: TailSnapshot | None = None) -> int:
         """Queue the prompt's full pages that are not on disk, as one run (and, for a model
         with sliding layers, `window`: their `snapshot` at the last full page, if it is
-        that depth); returns pages queued. Runs on the generating thread (MLX arrays belong
-        to it): copies them out."""
+        that depth; else `tail`, the prompt's `tail_snapshot`); returns pages queued. Runs
+        on the generating thread (MLX arrays belong to it): copies them out."""
+        if tail is not None and not self._closed:
+            job = self._tail_job(caches, plan, tail)
+            if job is not None:
+                self._q.put(_Job([], [], [], 0, tail=job))
         full = [caches[i] for i in self.full]
         paged = _paged(caches, self.full)
         if paged:
@@ -1007,6 +1131,13 @@ class PrefixCache:
                         # A full disk or a read-only folder: the cache is optional, go on.
                         self.stats.write_errors.append(f"{self.path(job.pages[0][2]).name}: "
                                                        f"{exc.strerror or exc}")
+                if job.tail is not None:
+                    name, rec, parent = job.tail
+                    try:
+                        self.stats.bytes_written += write_tail(self.folder, name, rec, parent,
+                                                               self.tail_layout)
+                    except OSError as exc:
+                        self.stats.write_errors.append(f"{name}: {exc.strerror or exc}")
                 if job.window is not None and job.hash is not None:
                     try:
                         self._write_window(job.hash, job.window, job.mtime_ns)
@@ -1226,7 +1357,7 @@ class PrefixCache:
                 self.stats.evicted_pages += run.present
 
         def usable(path: Path) -> bool:
-            return info[path] is not None or path.suffix == ".kvw"
+            return info[path] is not None or path.suffix in (".kvw", TAIL_SUFFIX)
 
         order = sorted(entries, key=lambda e: (usable(e[2]), e[0]))
         for _mtime, _size, path in order:
@@ -1267,7 +1398,7 @@ def _scan(folder: Path) -> list[tuple[int, int, Path]]:
     out = []
     with contextlib.suppress(OSError):
         for e in os.scandir(folder):
-            if e.name.endswith((".kvp", ".kvw")):
+            if e.name.endswith((".kvp", ".kvw", TAIL_SUFFIX)):
                 with contextlib.suppress(OSError):
                     st = e.stat(follow_symlinks=False)
                     out.append((st.st_mtime_ns, st.st_size, Path(e.path)))

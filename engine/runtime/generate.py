@@ -374,7 +374,10 @@ def _generate(
         cached = pc.reuse(prompt)
         if prefix is not None:
             plan = prefix.lookup(prompt)
-    if prefix is not None and plan is not None and plan.hit_tokens > cached:
+    # Pages to restore, or every full page held already and the stored tail to try.
+    if prefix is not None and plan is not None and (
+            plan.hit_tokens > cached or (prefix.tails and cached == plan.hit_tokens
+                                         == len(plan.hashes) * plan.page_tokens)):
         with timeline.phase("cache restore"):
             restored = prefix.restore(pc.cache, prompt, plan, cached)
         if restored != cached:
@@ -429,8 +432,15 @@ def _generate(
             timeline.add("prefill", t_prefill)
             yield event("", None, 0, time.perf_counter(), 0.0, "cancelled")
             return
-    logits = _forward(lm, mx.array(todo)[None], cache, pc, repair)[:, -1, :]
-    pc.tokens.extend(todo)
+    if todo:
+        logits = _forward(lm, mx.array(todo)[None], cache, pc, repair)[:, -1, :]
+        pc.tokens.extend(todo)
+    else:
+        assert plan is not None and plan.logits is not None  # the whole prompt was stored
+        logits = plan.logits
+    tail = None
+    if prefix is not None and plan is not None:
+        tail = prefix.tail_snapshot(cache, prompt, plan, logits)
     y = sampler(logits, history)
     mx.eval(y)
     timeline.add("prefill", t_prefill)
@@ -443,7 +453,7 @@ def _generate(
         # After the first token is out: copying new pages for the SSD never delays it.
         if not saved[0] and prefix is not None and plan is not None:
             saved[0] = True
-            prefix.store(pc.cache, prompt, plan, window[0])
+            prefix.store(pc.cache, prompt, plan, window[0], tail)
 
     try:
         yield from _decode(lm, cache, pc, sampler, y, history, detok, stop, cancel,

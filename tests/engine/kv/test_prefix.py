@@ -1,5 +1,7 @@
 """The SSD prefix cache on the real starter model: restart reuse, keys, corruption, divergence,
-eviction. In-process tests use 32-token pages so short prompts span several pages."""
+eviction. In-process tests use 32-token pages so short prompts span several pages. Full
+pages only (tails off, in this process and the ones it starts): test_tail.py covers the
+partial last page."""
 
 from __future__ import annotations
 
@@ -25,6 +27,11 @@ REPO = Path(__file__).resolve().parents[3]
 GREEDY = SamplingParams(temperature=0)
 SYSTEM = ("You are the archivist of a small maritime museum. " + "The archive keeps letters, "
           "maps, tide tables and ledgers from the old harbour office, sorted by year. " * 40)
+
+
+@pytest.fixture(autouse=True)
+def _full_pages_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STRATA_PREFIX_TAILS", "0")
 
 
 def _run(lm: Any, ids: list[int], **kw: Any) -> tuple[list[int], Any]:
@@ -264,11 +271,11 @@ def test_a_second_prompt_reuses_the_shared_pages_without_copying_them(
 # -- eviction ------------------------------------------------------------------------------
 def test_eviction_under_a_tiny_budget_keeps_the_most_recent(starter_lm: Any,
                                                             tmp_path: Path) -> None:
-    probe = starter_lm.new_prefix_cache(PrefixSettings(folder=tmp_path / "e",
+    probe = starter_lm.new_prefix_cache(PrefixSettings(folder=tmp_path / "e", tails=False,
                                                              page_tokens=32))
     budget = (2.5 * probe.page_bytes + 2 * probe.run_head_bytes(2)) / (1 << 20)  # one run
     probe.close()
-    pc = starter_lm.new_prefix_cache(PrefixSettings(folder=tmp_path / "e",
+    pc = starter_lm.new_prefix_cache(PrefixSettings(folder=tmp_path / "e", tails=False,
                                                           page_tokens=32, budget_mb=budget))
     starter_lm.prefix_cache = pc
     try:

@@ -58,7 +58,7 @@ def _paged(lm: LoadedModel, settings: KVSettings, folder: Path) -> Iterator[Pref
     """The shared model in a paged mode with a prefix cache on `folder`, undone after."""
     old = lm.kv_settings
     lm.kv_settings = settings
-    pc = lm.enable_prefix_cache(PrefixSettings(folder=folder))
+    pc = lm.enable_prefix_cache(PrefixSettings(folder=folder, tails=False))
     try:
         yield pc
     finally:
@@ -183,7 +183,8 @@ def test_a_restarted_process_reuses_the_pages_in_either_mode(stored: Stored, mod
     if mode == "sparse":
         args += ["--kv-budget", str(BUDGET)]
     r = run_strata(*args, home=strata_home, timeout=300,
-                   env={"STRATA_PREFIX_DIR": str(stored.folder)})
+                   env={"STRATA_PREFIX_DIR": str(stored.folder),
+                        "STRATA_PREFIX_TAILS": "0"})
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["prompt_tokens"] == len(stored.ids)
@@ -252,7 +253,7 @@ def test_a_sliding_window_model_restores_its_windows_in_paged_mode(tmp_path: Pat
     plain = _reply(lm, prompt, prefix_cache=False)[0]
     for bits in (16, 8):
         lm.kv_settings = settings(tmp_path / "kv", bits=bits)
-        lm.enable_prefix_cache(PrefixSettings(folder=tmp_path / f"px{bits}"))
+        lm.enable_prefix_cache(PrefixSettings(folder=tmp_path / f"px{bits}", tails=False))
         assert lm.prefix_cache is not None and lm.prefix_cache.P == LPAGE
         first, _, ev1 = _reply(lm, prompt)
         lm.prefix_cache.flush()
@@ -293,7 +294,7 @@ def test_the_key_separates_encodings_not_modes(stored: Stored, starter_lm: Loade
     assert len(keys) == (1 if stored.bits == 16 else 3)
     folder = tmp_path / "px"
     shutil.copytree(stored.folder, folder)
-    pc = starter_lm.enable_prefix_cache(PrefixSettings(folder=folder))
+    pc = starter_lm.enable_prefix_cache(PrefixSettings(folder=folder, tails=False))
     try:
         if stored.bits != 16:
             assert pc.lookup(stored.ids).hit_pages == 0

@@ -47,7 +47,7 @@ from engine.kv.prefix import PrefixCache, PrefixSettings
 from engine.runtime.generate import LoadedModel
 mode, path, folder = sys.argv[1:4]
 lm = LoadedModel.load(path)
-pc = lm.new_prefix_cache(PrefixSettings(folder=Path(folder)))
+pc = lm.new_prefix_cache(PrefixSettings(folder=Path(folder), tails=False))
 ids = [(7 * i) % 1000 + 10 for i in range(2049)]
 plan = pc.lookup(ids)
 out = {"hit": plan.hit_tokens}
