@@ -32,6 +32,7 @@ from typing import Any
 from PySide6.QtCore import QObject, QTimer, Signal, Slot
 from PySide6.QtGui import QTextCursor
 
+from app.chat.messages import cut_short
 from app.chat.model import ChatListModel
 from app.chat.store import (
     DEFAULT_TITLE,
@@ -44,7 +45,7 @@ from app.chat.store import (
     Preset,
     Sampling,
 )
-from app.chat.view import ChatView, cut_short
+from app.chat.view import ChatView
 from app.worker import Engine, ReplyRequest
 
 REPAINT_MS = 50
@@ -52,7 +53,10 @@ DB_INTERVAL_MS = 250
 EMPTY_NO_CHAT = ("No chat yet.\n\nPress New chat (Ctrl+N), type a message below and press "
                  "Ctrl+Enter.\nDrop a .gguf file or a model folder on the window to add a model.")
 EMPTY_CHAT = ("Type a message below and press Ctrl+Enter to send.\n\n"
-              "The model, system prompt and sampling settings on the right apply to this chat.")
+              "The model, system prompt and sampling settings on the right apply to this chat."
+              "\n\nDrop a text, Markdown, source or PDF file here (or Attach, Ctrl+Shift+A) to "
+              "put it in the context. Ctrl+R regenerates the last reply, Ctrl+Shift+E edits "
+              "your last message, Alt+Left and Alt+Right switch between versions.")
 EMPTY_NO_MODEL = ("No model in the library yet.\n\nThe starter model is being fetched; "
                   "you can also drop a .gguf file or a model folder on the window.")
 
