@@ -364,11 +364,17 @@ def _api() -> Any:
 
 
 def _hub_call(what: str, call: Callable[[], Any]) -> Any:
+    from huggingface_hub.errors import OfflineModeIsEnabled  # heavy: with the Hub client
+
     try:
         return call()
     except StrataError:
         raise
-    except Exception as exc:  # huggingface_hub's and its HTTP client's errors
+    except OfflineModeIsEnabled as exc:
+        raise FetchFailed(f"{what}: HF_HUB_OFFLINE is set, so the Hub is not asked") from exc
+    except _transport_errors() as exc:
+        raise FetchFailed(f"{what}: cannot reach {_endpoint()} ({_one_line(exc)})") from exc
+    except Exception as exc:  # huggingface_hub's own errors
         raise FetchFailed(f"{what}: {_reason(exc)}") from exc
 
 

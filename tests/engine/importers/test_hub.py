@@ -764,3 +764,19 @@ def test_checksum_mismatch_is_refused_and_removed(discover_hub: FakeHub,
     assert "\n" not in message and "checksum mismatch" in message and Q4 in message
     assert "sha256" in message
     assert sorted(p.name for p in folder.iterdir()) == ["download.json"]
+
+
+def test_an_unreachable_hub_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.errors import FetchFailed
+    from engine.importers.hub import list_variants
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    # (search_models says the same, after huggingface_hub's list_models has retried for
+    # about 23 s with back-off: too slow for this suite.)
+    with pytest.raises(FetchFailed) as info:
+        list_variants("a/b")
+    message = str(info.value)
+    assert "\n" not in message and f"a/b: cannot reach http://127.0.0.1:{port}" in message
