@@ -105,6 +105,29 @@ def test_reasoning_is_folded_until_opened(loaded_window: MainWindow) -> None:
     assert "the sky scatters blue light" in window.chat.view.messages.toPlainText()
 
 
+def test_markdown_renders_while_it_streams(loaded_window: MainWindow) -> None:
+    """An open fence is code as it streams; an open think block says it is thinking."""
+    window = loaded_window
+    chat_id = _fresh_chat(window, max_tokens=8)
+    store = window.store
+    store.add_message(chat_id, "user", "Code?")
+    reply = store.add_message(chat_id, "assistant", "", status="streaming")
+    view = window.chat.view.messages
+    view.set_messages(store.messages(chat_id), streaming_id=reply.id)
+    view.update_stream("<think>first I plan")
+    assert "Thinking… (3 words)" in view.toPlainText()
+    view.update_stream("<think>planned</think>Here:\n\n```python\ndef f(x):\n    return")
+    frames = [f for f in view.document().rootFrame().childFrames() if type(f) is QTextFrame]
+    assert len(frames) == 1 and "python  (streaming…)" in view.toPlainText()
+    colours = _colours(frames[0])
+    assert colours["def"] != colours["f"]  # keyword and function name
+    view.update_stream("<think>planned</think>Here:\n\n```python\ndef f(x):\n    return x\n```"
+                       "\n\n| a | b |\n|---|---|\n| 1 | 2 |")
+    assert view.code_blocks() == ["def f(x):\n    return x"]
+    assert [type(f).__name__ for f in view.document().rootFrame().childFrames()] == [
+        "QTextFrame", "QTextTable"]
+
+
 def test_regenerate_and_edit_keep_both_branches_across_a_restart(
         loaded_window: MainWindow, make_window: WindowFactory, qtbot: Any) -> None:
     window = loaded_window
