@@ -1,9 +1,14 @@
 """Build an mlx-lm model from an MLX-format folder without importing transformers.
 
-Contract: `load_weights_into_model(folder, profile)` returns (model, config). Architectures
-come from mlx-lm's own model files (never written here). Importing `mlx_lm` as a package pulls
-in transformers (about 0.65 s); we register a bare package module instead so that only
-`mlx_lm.models.*` load. If the real `mlx_lm` is already imported, it is used as is.
+Contract: `load_weights_into_model(folder, profile, context=None)` returns (model, config).
+Architectures come from mlx-lm's own model files (never written here). With `context` past
+the model's trained length (max_position_embeddings) and no RoPE scaling of its own, the
+model is built with YaRN scaling by their ratio (`extend_rope`) and the returned config says
+so (so stored KV keyed by the config separates); inside the trained length, or for a config
+that scales already (Llama 3's llama3, YaRN, longrope, linear), the config is used as is.
+Importing `mlx_lm` as a package pulls in transformers (about 0.65 s); we register a bare
+package module instead so that only `mlx_lm.models.*` load. If the real `mlx_lm` is
+already imported, it is used as is.
 """
 
 from __future__ import annotations
@@ -170,9 +175,40 @@ def build_model(config: dict[str, Any], weights: dict[str, Any] | None = None) -
 _QUANT_KEYS = ("group_size", "bits", "mode")
 
 
-def load_weights_into_model(folder: Path, profile: ComputeProfile) -> tuple[Any, dict[str, Any]]:
-    """Load weights (memory-mapped by mx.load) and apply the compute profile."""
-    config = read_config(folder)
+# Architectures whose mlx-lm module passes `rope_scaling` to rope_utils.initialize_rope over
+# the whole head dim, so that a YaRN config added here is what their attention rotates by.
+YARN_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# YaRN's ramp (NTK-by-parts, Peng et al. 2023): dimensions turning more than BETA_FAST times
+# over the trained window keep their frequency, fewer than BETA_SLOW times are interpolated.
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
+
+
+def extend_rope(config: Mapping[str, Any], context: int | None) -> dict[str, Any]:
+    """`config` for a model run at `context` tokens: past its trained length, with no RoPE
+    scaling of its own, YaRN scaling by context / trained length (static: one set of
+    frequencies for every position, so the keys cached at any point stay valid; the
+    attention temperature 0.1 ln(s) + 1 applied to queries and keys); otherwise unchanged
+    (a copy). The trained length stays in `max_position_embeddings`."""
+    out = dict(config)
+    trained = int(config.get("max_position_embeddings") or 0)
+    if not context or not trained or context <= trained:
+        return out
+    if config.get("model_type") not in YARN_MODEL_TYPES:
+        return out
+    own = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if (own.get("type") or own.get("rope_type") or "default") != "default":
+        return out  # the model's own scaling (llama3, yarn, longrope, linear, ...) stays
+    out["rope_scaling"] = {"rope_type": "yarn", "factor": round(context / trained, 4),
+                           "original_max_position_embeddings": trained,
+                           "beta_fast": YARN_BETA_FAST, "beta_slow": YARN_BETA_SLOW}
+    return out
+
+
+def load_weights_into_model(folder: Path, profile: ComputeProfile, context: int | None = None
+                            ) -> tuple[Any, dict[str, Any]]:
+    """Load weights (memory-mapped by mx.load) and apply the compute profile; past the trained
+    length, `context` extends RoPE (`extend_rope`)."""
+    config = extend_rope(read_config(folder), context)
     files = weight_files(folder)
     if not files:
         raise LoadFailed(f"{folder}: no model*.safetensors weights")
