@@ -7,7 +7,8 @@ KVCache) with fill.py (synthetic KV fill), passkey.py (pass-key retrieval) and l
 (one long context on the SSD tier); kvbits.py (KV pages at 8 and 4 bits: KL and bytes);
 prefix.py (the SSD prefix cache and multi-turn reuse, each figure from a prefix_worker.py
 process); importing.py (import time and peak memory per file, llama.cpp's load as the
-peer); smoke.py (the engine's half of `strata --smoke`); and what they share: stats.py
+peer); needle.py (a fact hidden in natural text, exact and sparse, RoPE past the trained
+length); smoke.py (the engine's half of `strata --smoke`); and what they share: stats.py
 (statistics, ratios, the result schema), system.py (RSS, I/O counters, dropping files from
 the page cache), common.py (prompt ids, machine facts). Modules here may import every floor
 below (the leaves, kv, library, runtime, importers, quant, server), never the window or the
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 
-SUITES = ("quick", "full", "kv", "prefix", "kvbits", "import")
+SUITES = ("quick", "full", "kv", "prefix", "kvbits", "import", "stored")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("suite", nargs="?", default="quick", choices=SUITES,
                    help="quick (about 2 minutes), full (depth sweep, KV modes), kv (paged KV "
                         "decode), prefix (the SSD prefix cache), kvbits (KV precision) or "
-                        "import (import time and peak memory of --files)")
+                        "import (import time and peak memory of --files), needle (a fact in "
+                        "natural text, exact and sparse)")
     p.add_argument("--model", default="starter",
                    help="library name or alias; comma-separated for several (e.g. recipes)")
     p.add_argument("--depths", help="context depths, comma-separated (quick: 0,512)")
@@ -55,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_kv(p)
     _add_prefix(p)
     _add_kvbits(p)
+    _add_needle(p)
 
 
 def _add_kv(p: argparse.ArgumentParser) -> None:
@@ -126,6 +129,22 @@ def _add_kvbits(p: argparse.ArgumentParser) -> None:
                                   "test set)")
 
 
+def _add_needle(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("needle suite")
+    g.add_argument("--needle-lengths", default="4096,8192",
+                   help="needle: prompt lengths in tokens, comma-separated")
+    g.add_argument("--needle-depths", default="10,20,30,40,50,60,70,80,90",
+                   help="needle: fact depths in percent of the prose")
+    g.add_argument("--needle-budgets", default="768",
+                   help="needle: sparse budgets in tokens (sinks and window included)")
+    g.add_argument("--needle-modes", default="exact,sparse", help="needle: exact, sparse")
+    g.add_argument("--needle-kinds", default="number",
+                   help="needle: facts hidden, comma-separated: number, name, quote")
+    g.add_argument("--needle-rope", choices=("none", "yarn", "both"), default="both",
+                   help="needle: past the trained length, run the model as trained (none), "
+                        "with YaRN RoPE scaling (yarn) or both")
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """Run `args.suite` (parsed by a parser `add_arguments` set up); its exit code."""
     # Each import below is the chosen suite's alone (see the module docstring).
@@ -145,6 +164,14 @@ def run_cli(args: argparse.Namespace) -> int:
         from engine.bench import kvbits  # the suite's modules load when it runs
 
         return kvbits.run(args)
+    if args.suite == "stored":
+        from engine.bench import stored  # the suite's modules load when it runs
+
+        return stored.run(args)
+    if args.suite == "needle":
+        from engine.bench import needle  # the suite's modules load when it runs
+
+        return needle.run(args)
     from engine.bench import quick  # quick and full: the suite's modules load when it runs
 
     return quick.run(args)

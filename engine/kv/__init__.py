@@ -25,7 +25,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.kv.attention import install_hook
+from engine.kv.attention import SPARSE_MAX_L, install_hook
 from engine.kv.cache import (
     LayerCache,
     PagedLayerCache,
@@ -46,7 +46,8 @@ from engine.kv.settings import (
 )
 from engine.kv.store import KVStore
 
-__all__ = ["BITS", "DEFAULT_GROUP", "GROUP_SIZES", "MODES", "KVGeometry", "KVSettings",
+__all__ = ["BITS", "SPARSE_MAX_L", "DEFAULT_GROUP", "GROUP_SIZES", "MODES", "KVGeometry",
+           "KVSettings",
            "KVStore", "KVUnpageable", "LayerCache", "PagedLayerCache", "WindowLayerCache",
            "close_caches", "geometry_of", "make_paged_cache", "settings_from_env",
            "ssd_bytes", "trimmable"]

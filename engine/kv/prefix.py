@@ -1075,6 +1075,23 @@ class PrefixCache:
                          hash=plan.hashes[n - 1]))
         return len(pages)
 
+    def store_pages(self, prompt: Sequence[int], plan: Plan, start: int, ks: list[np.ndarray],
+                    vs: list[np.ndarray]) -> int:
+        """Queue pages start.. of `prompt` given as numpy keys and values per full layer
+        ((kv_heads, n*P, head_dim), compute dtype), as one run continuing the stored chain
+        before `start`: a stored context made without a forward pass (the benchmarks'
+        synthetic fill). Returns pages queued."""
+        n = ks[0].shape[1] // self.P if ks else 0
+        if n == 0 or start + n > len(plan.hashes) or self._closed:
+            return 0
+        pages = []
+        for d in range(start, start + n):
+            parent = plan.hashes[d - 1] if d else bytes(32)
+            pages.append((d, parent, plan.hashes[d],
+                          np.asarray(prompt[d * self.P:(d + 1) * self.P], "<u4")))
+        self._q.put(_Job(pages, ks, vs, start, hash=plan.hashes[start + n - 1]))
+        return n
+
     def _copy_paged(self, store: Any, start: int, stop: int
                     ) -> list[list[tuple[Parts, Parts, Any, Any]]] | None:
         """Pages start..stop of every layer of a paged store, copied out as the store

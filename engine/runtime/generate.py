@@ -31,6 +31,7 @@ import mlx.core as mx
 
 from engine.errors import StrataError
 from engine.kv import (
+    SPARSE_MAX_L,
     KVGeometry,
     KVSettings,
     LayerCache,
@@ -64,6 +65,9 @@ from engine.runtime.tokenizer import StreamingDetokenizer, Tokenizer
 from engine.telemetry import GenerationEvent, Timeline
 
 PREFILL_STEP = 512
+# Sparse mode over a long restored context: the new tokens are prefilled a few at a time, so
+# each step selects its pages as decoding does instead of reading every page once per chunk.
+SPARSE_PREFILL_PAST = 16384
 
 log = logging.getLogger(__name__)
 
@@ -419,7 +423,10 @@ def _generate(
     t_prefill = time.perf_counter()
     snapshot()
     while len(todo) > 1:
-        n = min(PREFILL_STEP, len(todo) - 1)
+        step = PREFILL_STEP
+        if paged and lm.kv_settings.mode == "sparse" and len(pc.tokens) > SPARSE_PREFILL_PAST:
+            step = SPARSE_MAX_L
+        n = min(step, len(todo) - 1)
         done = len(pc.tokens)
         if snap_at is not None and done < snap_at < done + n:
             n = snap_at - done
@@ -479,7 +486,9 @@ def _decode(lm: LoadedModel, cache: list[LayerCache], pc: PromptCache, sampler: 
             reason = "cancelled"
             break
         fed = False
-        if pipelined and n + 1 < max_tokens:
+        # The first token goes out before the next step is queued: building that step reads
+        # pages (a restored context's, cold), which must not delay it.
+        if pipelined and 0 < n and n + 1 < max_tokens:
             next_y = sampler(_forward(lm, y[None], cache, pc, repair)[:, -1, :], history)
             mx.async_eval(next_y)
             fed = True
