@@ -392,7 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run language models locally. With no command, opens the window.")
     parser.add_argument("--screenshot", metavar="FILE",
                         help="render the window offscreen to a PNG after start-up, then exit")
-    parser.add_argument("--view", choices=("chat", "library", "memory", "benchmark"),
+    parser.add_argument("--view",
+                        choices=("chat", "library", "memory", "benchmark", "discover"),
                         default="chat",
                         help="the view to show (default: chat)")
     parser.add_argument("--demo", action="store_true",
