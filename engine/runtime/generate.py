@@ -424,7 +424,8 @@ def _generate(
     snapshot()
     while len(todo) > 1:
         step = PREFILL_STEP
-        if paged and lm.kv_settings.mode == "sparse" and len(pc.tokens) > SPARSE_PREFILL_PAST:
+        sparse = lm.kv_settings is not None and lm.kv_settings.mode == "sparse"
+        if paged and sparse and len(pc.tokens) > SPARSE_PREFILL_PAST:
             step = SPARSE_MAX_L
         n = min(step, len(todo) - 1)
         done = len(pc.tokens)
