@@ -171,7 +171,7 @@ def test_strict_json_schema_output_validates(client: openai.OpenAI) -> None:
     assert all(v <= 0 for v in lp.token_logprobs)
 
 
-def test_chat_logprobs_are_the_greedy_choice(client: openai.OpenAI) -> None:
+def test_chat_logprobs_and_seed(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model="starter", messages=ASK, max_tokens=5, logprobs=True,
                                        top_logprobs=3, **GREEDY)
     content = r.choices[0].logprobs.content  # type: ignore[union-attr]
@@ -179,6 +179,12 @@ def test_chat_logprobs_are_the_greedy_choice(client: openai.OpenAI) -> None:
     for t in content:
         assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token
         assert t.logprob == pytest.approx(t.top_logprobs[0].logprob)
+
+    # A seed makes sampling at temperature 1 repeat itself.
+    sampled = [client.chat.completions.create(model="starter", messages=ASK, max_tokens=6,
+                                              temperature=1.0, seed=seed).choices[0]
+               .message.content for seed in (7, 7, 8)]
+    assert sampled[0] == sampled[1]
 
 
 # -- Responses and embeddings ----------------------------------------------------------------
