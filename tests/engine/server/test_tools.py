@@ -11,7 +11,14 @@ import pytest
 from engine.runtime.grammar import GrammarError, GrammarProcessor, json_grammar, lark_grammar
 from engine.runtime.tokenizer import Tokenizer
 from engine.server.host import RequestError
-from engine.server.tools import FAMILIES, CallStream, parse_tool_choice, parse_tools
+from engine.server.tools import (
+    FAMILIES,
+    CallStream,
+    family_for,
+    parse_tool_choice,
+    parse_tools,
+    prompt_ids,
+)
 
 WEATHER = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
@@ -105,3 +112,41 @@ def test_schema_limits_are_one_line(tok: Tokenizer) -> None:
         json_grammar(deep)
     with pytest.raises(GrammarError, match="Unimplemented keys"):
         json_grammar({"type": "object", "not": {}})
+
+
+QWEN_LIKE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>\n{%- for t in tools %}\n{{ t | tojson }}"
+    "{%- endfor %}\n</tools>\nCall them in <tool_call></tool_call> tags.<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ m.content }}\n</tool_response><|im_end|>\n{%- elif m.tool_calls %}<|im_start|>assistant"
+    "{%- for c in m.tool_calls %}\n<tool_call>\n{{ {'name': c.function.name, 'arguments': "
+    "c.function.arguments} | tojson }}\n</tool_call>{%- endfor %}<|im_end|>\n{%- else %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+def test_a_template_with_tools_gets_them_itself(tok: Tokenizer, tmp_path: Path,
+                                                tools: Any) -> None:
+    import json
+    import shutil
+
+    shutil.copy(tok.folder / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": QWEN_LIKE, "eos_token": "<|im_end|>"}))
+    qwen = Tokenizer.load(tmp_path)
+    assert qwen.template_knows_tools and not tok.template_knows_tools
+    assert family_for(qwen).name == "hermes"
+    history = [{"role": "user", "content": "Weather in Oslo?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c1", "name": "get_weather", "arguments": {"city": "Oslo"}}]},
+               {"role": "tool", "content": "Rain", "tool_call_id": "c1", "name": "get_weather"}]
+    text = qwen.decode(prompt_ids(qwen, history, tools))
+    assert '"name": "get_weather", "description": "Weather for a city"' in text  # its listing
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}' in text
+    assert "<tool_response>\nRain\n</tool_response>" in text
+    assert "You may call one or more functions" not in text  # not Strata's fallback text
+
+    # The starter's template knows no tools: the Hermes convention is written in.
+    fallback = tok.decode(prompt_ids(tok, history, tools))
+    assert "You may call one or more functions" in fallback and "<tools>" in fallback
+    assert "<tool_response>\nRain\n</tool_response>" in fallback
