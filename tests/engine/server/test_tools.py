@@ -136,7 +136,7 @@ def test_a_template_with_tools_gets_them_itself(tok: Tokenizer, tmp_path: Path,
     qwen = Tokenizer.load(tmp_path)
     assert qwen.template_knows_tools and not tok.template_knows_tools
     assert family_for(qwen).name == "hermes"
-    history = [{"role": "user", "content": "Weather in Oslo?"},
+    history: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Oslo?"},
                {"role": "assistant", "content": "", "tool_calls": [
                    {"id": "c1", "name": "get_weather", "arguments": {"city": "Oslo"}}]},
                {"role": "tool", "content": "Rain", "tool_call_id": "c1", "name": "get_weather"}]
