@@ -23,6 +23,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+import numpy as np
+
+from engine.bench.fill import doc_kv
+from engine.kv import KVSettings
+from engine.kv.prefix import PrefixSettings
+from engine.runtime.generate import LoadedModel, generate
+from engine.runtime.sampling import SamplingParams
+from engine.telemetry import Timeline
+
 QUESTION = "What is this text about? Answer in one sentence."
 
 
@@ -35,17 +45,6 @@ def _ids(lm: Any, doc_ids: list[int], context: int) -> tuple[list[int], list[int
 
 
 def _child(mode: str, job: dict[str, Any]) -> dict[str, Any]:
-    # Local imports: the child's clock and RSS are what the figure is about.
-    import mlx.core as mx
-    import numpy as np
-
-    from engine.bench.fill import doc_kv
-    from engine.kv import KVSettings
-    from engine.kv.prefix import PrefixSettings
-    from engine.runtime.generate import LoadedModel, generate
-    from engine.runtime.sampling import SamplingParams
-    from engine.telemetry import Timeline
-
     kv = KVSettings(mode=job["kv_mode"] if mode == "ask" else "exact",
                     budget_tokens=job["budget"], ssd_dir=Path(job["tmp"]) / "kv")
     lm = LoadedModel.load(job["model"])
