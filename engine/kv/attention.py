@@ -36,6 +36,9 @@ STREAM_PAGES = 256
 # Quantized pages are decoded at most this many key (or value) floats at a time, so that a
 # long context never holds a full-precision copy of a whole layer.
 DECODE_ELEMENTS = 1 << 22
+# Sparse mode: the sinks and the recent window take at most this share of the budget, the
+# chosen blocks the rest (at 768 tokens the defaults, 128 + 512, left one page to choose).
+FIXED_SHARE = 0.5
 
 _Partial = tuple[Any, Any, Any]  # running max (H, R), sum (H, R), output (H, R, D)
 
@@ -103,6 +106,8 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
     if b != 1:
         raise NotImplementedError("paged KV cache: batch size 1 only")
     h = store.kv_heads
+    rk = keys[0] if tail_k is None else mx.concatenate([tail_k[0], keys[0]], axis=1)
+    note_blocks(store, layer, n_pages, rk)
     if L > SPARSE_MAX_L and n_pages * store.P <= FUSED_PAST_MAX:
         view = store.resident_view(layer, n_pages) if n_pages else (None, None)
         if view is not None:
@@ -110,13 +115,13 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
     r = (hq // h) * L
     dv = values.shape[-1]
     qg = (queries * scale).reshape(h, r, d)
-    rk = keys[0] if tail_k is None else mx.concatenate([tail_k[0], keys[0]], axis=1)
     rv = values[0] if tail_v is None else mx.concatenate([tail_v[0], values[0]], axis=1)
-    acc: _Partial | None = _partial_recent(qg, rk, rv, L)
+    recent = _partial_recent(qg, rk, rv, L)
+    acc: _Partial | None = recent
     if n_pages:
         settings = store.settings
         if settings.mode == "sparse" and L <= SPARSE_MAX_L:
-            acc = _sparse(store, layer, qg, n_pages, acc)
+            acc = _sparse(store, layer, qg, n_pages, recent)
         else:
             acc = _exact(store, layer, qg, n_pages, acc)
     assert acc is not None
@@ -171,44 +176,107 @@ def _exact(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial | None) 
     return acc  # type: ignore[return-value]
 
 
-def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial | None) -> _Partial:
-    """Quest: per KV head, the pages whose upper bound on q.k is highest, within the budget."""
+def note_blocks(store: Any, layer: int, n_pages: int, rk: Any) -> None:
+    """Block summaries of the pages a chunk completed: rk (H, T, D) is the tail the cache
+    held plus the chunk, whose first T // P pages were just committed as pages n_pages...
+    Skipped when the table lags (pages that came another way): `_catch_up` reads those."""
     table = store.tables[layer]
-    sink, win = min(table.sink_pages, n_pages), table.window_pages
-    k_sel = store.settings.budget_tokens // store.P - table.sink_pages - win
-    cand = n_pages - sink - win
-    if cand <= k_sel or k_sel <= 0:
+    full = rk.shape[1] // store.P
+    if full and table.block_pages == n_pages:
+        h, _, d = rk.shape
+        table.add_blocks(*_blocks_of(rk[:, :full * store.P].reshape(h, full, store.P, d)
+                                     .transpose(1, 0, 2, 3), table.block_tokens))
+
+
+def _blocks_of(k: Any, b: int) -> tuple[Any, Any]:
+    """Pages k (n, H, P, D) -> per block of b tokens, key min and max (n, H, P // b, D)."""
+    n, h, p, d = k.shape
+    kb = k.reshape(n, h, p // b, b, d)
+    return kb.min(axis=3), kb.max(axis=3)
+
+
+def _catch_up(store: Any, layer: int, n_pages: int) -> None:
+    """Block summaries for pages that reached the store without passing `attend` (restored
+    from the prefix cache, filled by a benchmark, adopted after a restart): read once."""
+    table = store.tables[layer]
+    if table.block_pages >= n_pages:
+        return
+    pages = np.arange(table.block_pages, n_pages)
+    res = table.resident(pages)
+    for i, (k, _) in enumerate(store.stream(layer, pages, STREAM_PAGES)):
+        r = res[i * STREAM_PAGES:(i + 1) * STREAM_PAGES]
+        # `stream` gives a group's resident pages first: back to page order.
+        order = np.argsort(np.concatenate([np.flatnonzero(r), np.flatnonzero(~r)]))
+        bmin, bmax = _blocks_of(k[mx.array(order)], table.block_tokens)
+        mx.eval(bmin, bmax)
+        table.add_blocks(bmin, bmax)
+
+
+def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial) -> _Partial:
+    """Quest over blocks of BLOCK_TOKENS: per KV head, the blocks most likely to matter to any
+    of its query heads, within the budget; the sinks and the window are read whole.
+
+    A block's bound on q.k (sum over dims of max(q kmin, q kmax), two matmuls) is turned into
+    an upper bound on the attention weight each query head could give it, relative to that
+    head's strongest recent key (acc's running max), and those are summed over the group:
+    one head that needs a block keeps it, where a sum of raw bounds let the other heads'
+    indifference drown it. The sinks and the window take at most FIXED_SHARE of the budget;
+    the window's older pages then compete as candidates."""
+    table = store.tables[layer]
+    P = store.P
+    budget = store.settings.budget_tokens
+    sink = min(table.sink_pages, n_pages)
+    win = max(1, min(table.window_pages, int(budget * FIXED_SHARE) // P - sink))
+    win = min(win, n_pages - sink)
+    b = table.block_tokens
+    nb = P // b
+    k_sel = (budget - (sink + win) * P) // b
+    lo, hi = sink, n_pages - win
+    if (hi - lo) * nb <= k_sel or k_sel <= 0:
         return _exact(store, layer, qg, n_pages, acc)
-    h = qg.shape[0]
-    kmin = table.kmin[sink:n_pages - win][:, :, None, :]   # (c, H, 1, D)
-    kmax = table.kmax[sink:n_pages - win][:, :, None, :]
-    bound = mx.maximum(qg[None] * kmin, qg[None] * kmax).sum(axis=-1).sum(axis=-1)  # (c, H)
-    top = mx.argpartition(-bound, kth=k_sel - 1, axis=0)[:k_sel] + sink              # (k, H)
-    fixed = mx.concatenate([mx.arange(sink), mx.arange(n_pages - win, n_pages)])
-    ids = mx.concatenate([mx.broadcast_to(fixed[:, None], (fixed.shape[0], h)),
-                          top.astype(fixed.dtype)])
-    heads = mx.arange(h)[None, :]
+    _catch_up(store, layer, n_pages)
+    h, r, d = qg.shape
+    bmin, bmax = table.block_summaries
+    qt = qg.swapaxes(-1, -2)                                        # (H, D, R)
+    bound = (bmax[lo:hi] @ mx.maximum(qt, 0) +
+             bmin[lo:hi] @ mx.minimum(qt, 0))                       # (c, H, nb, R)
+    bound = bound.transpose(1, 0, 2, 3).reshape(h, -1, r)           # (H, c*nb, R)
+    score = mx.logsumexp(bound - acc[0][:, None, :], axis=-1)       # (H, c*nb)
+    top = mx.argpartition(-score, kth=k_sel - 1, axis=-1)[:, :k_sel] + lo * nb
+    fixed = mx.concatenate([mx.arange(sink * nb), mx.arange(hi * nb, n_pages * nb)])
+    blocks = mx.concatenate([mx.broadcast_to(fixed[None], (h, fixed.shape[0])),
+                             top.astype(fixed.dtype)], axis=1)       # (H, n_blocks)
+    page, blk = blocks // nb, blocks % nb
+    heads = mx.arange(h)[:, None]
     if table.all_resident(n_pages):
         # Everything hot: stay lazy (no sync), map pages to slots inside the graph.
-        slots = ids if table.identity else mx.array(table.slot_of[:n_pages])[ids]
+        slots = page if table.identity else mx.array(table.slot_of[:n_pages])[page]
+        pools = store.pool_k[layer], store.pool_v[layer]
     else:
-        ids_np = np.array(ids)
-        uniq = np.unique(ids_np)
-        if store.ensure_resident(layer, uniq) is None:
+        page_np = np.array(page)
+        uniq = np.unique(page_np)
+        got = store.ensure_resident(layer, uniq)
+        if got is not None:
+            slots = mx.array(table.slot_of[page_np])
+            pools = store.pool_k[layer], store.pool_v[layer]
+        else:
             # More pages than RAM holds at once: read them for this step only. `stream`
             # returns a group's resident pages first, then the cold ones.
             res = table.resident(uniq)
             at = np.empty(len(uniq), np.int64)
             at[np.concatenate([np.flatnonzero(res), np.flatnonzero(~res)])] = np.arange(len(uniq))
             ku, vu = next(iter(store.stream(layer, uniq, len(uniq))))
-            pos = mx.array(at[np.searchsorted(uniq, ids_np)])
-            return _merge(acc, _partial_gathered(qg, ku[pos, heads], vu[pos, heads]))
-        slots = mx.array(table.slot_of[ids_np])
-    # Gathered head-major, (H, n_sel, P, D), so flattening to (H, n_sel*P, D) is free: the
-    # page-major order needed a transposed copy first (1.8x slower per layer, measured).
-    k, v = store.gather(layer, slots.T, heads.T)
-    d = qg.shape[-1]
-    return _merge(acc, _partial_flat(qg, k.reshape(h, -1, d), v.reshape(h, -1, d)))
+            pos = mx.array(at[np.searchsorted(uniq, page_np)])
+            k = ku.reshape(*ku.shape[:2], nb, b, d)[pos, heads, blk]
+            v = vu.reshape(*vu.shape[:2], nb, b, vu.shape[-1])[pos, heads, blk]
+            return _merge(acc, _partial_flat(qg, k.reshape(h, -1, d),
+                                             v.reshape(h, -1, v.shape[-1])))
+    # Gathered head-major, (H, n_blocks, b, n): flattening to (H, n_blocks*b, n) is free.
+    k = store.codec.decode(tuple(a.reshape(*a.shape[:2], nb, b, a.shape[-1])[slots, heads, blk]
+                                 for a in pools[0]))
+    v = store.codec.decode(tuple(a.reshape(*a.shape[:2], nb, b, a.shape[-1])[slots, heads, blk]
+                                 for a in pools[1]))
+    return _merge(acc, _partial_flat(qg, k.reshape(h, -1, d), v.reshape(h, -1, v.shape[-1])))
 
 
 # -- the hook -----------------------------------------------------------------------------

@@ -13,6 +13,11 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+# Sparse selection's unit (engine.kv.attention): the key summaries are also kept per run of
+# this many tokens of a page. A 128-token page's min/max bound hardly tells pages apart on
+# natural text; 16 tokens (Quest's page) does (docs/benchmarks.md, needles in natural text).
+BLOCK_TOKENS = 16
+
 
 class LayerTable:
     """Where each page of one layer lives, and which resident page to evict next."""
@@ -35,6 +40,14 @@ class LayerTable:
         self._kmin: Any = None
         self._kmax: Any = None
         self._pending: list[tuple[Any, Any]] = []
+        # The same per block of BLOCK_TOKENS (at most the page): (n, kv_heads, blocks,
+        # head_dim) for pages [0, n) where n = `block_pages`; attention appends them as pages
+        # are committed, or catches up from the pages (restored or filled ones).
+        self.block_tokens = min(BLOCK_TOKENS, page_tokens)
+        self._bmin: Any = None
+        self._bmax: Any = None
+        self._bpending: list[tuple[Any, Any]] = []
+        self.block_pages = 0
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _grow(self, n: int) -> None:
@@ -113,6 +126,11 @@ class LayerTable:
         if self.kmin is not None:
             self._kmin = self._kmin[:n_pages] if n_pages else None
             self._kmax = self._kmax[:n_pages] if n_pages else None
+        if self.block_pages > n_pages:
+            bmin, bmax = self.block_summaries
+            self._bmin = bmin[:n_pages] if n_pages else None
+            self._bmax = bmax[:n_pages] if n_pages else None
+            self.block_pages = n_pages
         return freed
 
     def resident(self, pages: np.ndarray) -> np.ndarray:
@@ -156,3 +174,22 @@ class LayerTable:
         if self._pending:
             self._join()
         return self._kmax
+
+    def add_blocks(self, bmin: Any, bmax: Any) -> None:
+        """Append the block summaries of pages [block_pages, block_pages + n): (n, kv_heads,
+        blocks, head_dim) element-wise key min and max per block."""
+        self._bpending.append((bmin, bmax))
+        self.block_pages += int(bmin.shape[0])
+        if len(self._bpending) % 64 == 0:
+            mx.eval(self._bpending[-64:])  # let go of the page tensors (as add_summary)
+
+    @property
+    def block_summaries(self) -> tuple[Any, Any]:
+        """(block_pages, kv_heads, blocks, head_dim) key min and max per block, or Nones."""
+        if self._bpending:
+            head = [] if self._bmin is None else [self._bmin]
+            self._bmin = mx.concatenate(head + [a for a, _ in self._bpending])
+            head = [] if self._bmax is None else [self._bmax]
+            self._bmax = mx.concatenate(head + [b for _, b in self._bpending])
+            self._bpending = []
+        return self._bmin, self._bmax

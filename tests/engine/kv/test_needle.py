@@ -68,3 +68,70 @@ def test_starter_past_trained_length_is_mlx_lm_yarn(starter_lm: Any, folder: Pat
     ours = _logits(model, ids)
     assert np.abs(ours - _logits(ref, ids)).max() < 1e-4
     assert np.abs(ours - _logits(starter_lm.model, ids)).max() > 1e-2
+
+
+# -- sparse selection on natural text -----------------------------------------------------
+NEEDLE_TOKENS = 1536
+DEPTHS = (0.2, 0.5, 0.8)
+
+
+@pytest.fixture(scope="module")
+def needles(starter_lm: Any, shared_data: Path) -> list[Any]:
+    """Exact and sparse answers to a fact at three depths of ~1.5k tokens of wikitext prose,
+    from one prefill each; sparse reads 384 tokens a step (a quarter of the context: 64 of
+    sinks, 128 of window, 12 blocks of 16 chosen among 84), about the share a 768-token
+    budget is of a 3k context."""
+    from engine.bench.needle import run_needle
+
+    return run_needle(starter_lm, [NEEDLE_TOKENS], DEPTHS, ("exact", "sparse"), (384,),
+                      page_tokens=64, sink_tokens=64, window_tokens=128,
+                      text=shared_data / "wikitext-2-test.txt")
+
+
+def test_sparse_finds_the_fact_where_exact_does(needles: list[Any]) -> None:
+    exact = {c.depth for c in needles if c.mode == "exact" and c.found}
+    sparse = {c.depth for c in needles if c.mode == "sparse" and c.found}
+    assert len(exact) >= 2, [c.reply for c in needles if c.mode == "exact"]
+    assert exact <= sparse, [(c.depth, c.mode, c.reply) for c in needles]
+
+
+def test_block_summaries_follow_the_pages(starter_lm: Any, tmp_path: Path) -> None:
+    """Block summaries written as pages are committed equal the pages' own blocks; a trim
+    cuts them; pages filled without passing attention are caught up from the pages."""
+    import mlx.core as mx
+
+    from engine.bench.fill import paged_cache
+    from engine.kv import KVSettings, close_caches
+    from engine.kv.attention import _blocks_of, _catch_up
+
+    ids = starter_lm.tokenizer.encode(PROMPT * 3)[:300]
+    settings = KVSettings(mode="sparse", page_tokens=32, sink_tokens=32, window_tokens=32,
+                          budget_tokens=128, ssd=False).validate()
+    cache, store = paged_cache(starter_lm.model, settings)
+    try:
+        starter_lm.model(mx.array(ids[:200])[None], cache=cache)
+        for t in ids[200:230]:
+            starter_lm.model(mx.array([[t]]), cache=cache)
+        table = store.tables[3]
+        assert table.block_pages == table.n_pages == 230 // 32
+        k, _ = store.resident_view(3, table.n_pages)
+        want = _blocks_of(k, table.block_tokens)
+        got = table.block_summaries
+        assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(got, want,
+                                                                               strict=True))
+        cache[3].trim(100)
+        assert table.block_pages == table.n_pages == 130 // 32
+        # Pages committed behind attention's back (a fill, a restore) catch up on demand.
+        table.truncate(2)
+        store.truncate(3, 2)
+        for _ in range(3):
+            k, v = store.page_np(0, 0)
+            store.commit(3, k, v)
+        assert table.block_pages == 2 < table.n_pages == 5
+        _catch_up(store, 3, table.n_pages)
+        k, _ = store.resident_view(3, 5)
+        want = _blocks_of(k, table.block_tokens)
+        assert all(np.array_equal(np.array(a), np.array(b)) for a, b in
+                   zip(table.block_summaries, want, strict=True))
+    finally:
+        close_caches(cache)

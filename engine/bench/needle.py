@@ -1,0 +1,332 @@
+"""Needles in natural text: a fact hidden in Wikipedia prose, asked for through the chat
+template, answered greedily in exact and sparse mode from one prefill (`strata bench needle`).
+
+Contract: `haystack(tokenizer, n_tokens, seed)` is about n_tokens of prose from the
+wikitext-2 test set (its tokenization marks undone: "@-@" joins, spaces before punctuation
+dropped), starting at a paragraph chosen by `seed`. `needle_prompt(tokenizer, n_tokens,
+depth, fact, seed)` builds a chat prompt of about n_tokens with `fact` (a `Fact`: the
+sentence, the question, the start of the answer, the answer) a paragraph of its own at
+`depth` (0..1) of the prose, returning its ids and the fact's first token index.
+`run_needle(lm, lengths, depths, modes, budgets)` prefills each prompt once through the
+paged cache (all but its last token) and lets every mode answer from those same pages, each
+answer token a decode step, so sparse selection is what finds the fact; a cell is found when
+the answer appears in the greedy reply. `run(args)` is the suite: a table per (length, RoPE,
+mode, budget), prefill and decode speed per cell, JSON with --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from engine.errors import StrataError
+
+TEXT = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext-2-test.txt"
+INTRO = "Read the text below, then answer the question after it.\n\n"
+MAX_ANSWER_TOKENS = 12
+
+
+@dataclass(frozen=True)
+class Fact:
+    """A sentence hidden in the prose, the question asking for it and its answer. `prefix`
+    is said for the assistant after the template's generation prompt: the reply starts
+    there, so a found answer is its first words."""
+
+    sentence: str
+    question: str
+    prefix: str
+    answer: str
+
+
+def facts(seed: int) -> list[Fact]:
+    """The facts of a cell: a number, a name, a short quoted sentence (fixed by `seed`)."""
+    rng = random.Random(f"fact/{seed}")
+    code = str(rng.randint(10000, 99999))
+    colour = rng.choice(["blue", "red", "green", "yellow", "white"])
+    name = rng.choice(["Margaret Okafor", "Tobias Lindqvist", "Harriet Vane", "Ignatius Moor"])
+    town = rng.choice(["Ashford", "Bramwell", "Corrigan", "Dunmore"])
+    motto = rng.choice(["Light follows the patient", "Every bridge remembers its river",
+                        "The tide keeps no secrets"])
+    return [
+        Fact(f"The secret code of the {colour} door is {code}.",
+             f"What is the secret code of the {colour} door?",
+             f"The secret code of the {colour} door is", code),
+        Fact(f"The lighthouse keeper of {town} was named {name}.",
+             f"What was the name of the lighthouse keeper of {town}?",
+             f"The lighthouse keeper of {town} was named", name),
+        Fact(f'The motto carved above the gate of {town} reads "{motto}."',
+             f"What does the motto carved above the gate of {town} read?",
+             f"The motto carved above the gate of {town} reads", motto),
+    ]
+
+
+def clean(text: str) -> str:
+    """wikitext-2's tokenized prose back to ordinary text (headings and <unk> lines go)."""
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("=") or "<unk>" in line:
+            continue
+        line = re.sub(r" @(.)@ ", r"\1", line)
+        line = re.sub(r" ([.,;:!?)'\]])", r"\1", line)
+        line = re.sub(r"([(\[]) ", r"\1", line)
+        line = line.replace(" 's", "'s").replace(' " ', ' "')
+        out.append(line)
+    return "\n".join(out)
+
+
+_paragraphs: dict[Path, list[str]] = {}
+
+
+def paragraphs(path: Path = TEXT) -> list[str]:
+    if path not in _paragraphs:
+        try:
+            raw = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise StrataError(f"{path}: cannot read the needle test's text ({exc})") from exc
+        _paragraphs[path] = [p for p in clean(raw).split("\n") if len(p) > 200]
+    return _paragraphs[path]
+
+
+def haystack(tokenizer: Any, n_tokens: int, seed: int, path: Path = TEXT) -> list[str]:
+    """Paragraphs from a seeded start, in order (wrapping), totalling >= n_tokens tokens."""
+    paras = paragraphs(path)
+    if not paras:
+        raise StrataError(f"{path}: no paragraphs of prose for the needle test")
+    i = random.Random(f"hay/{seed}").randrange(len(paras))
+    out: list[str] = []
+    total = 0
+    while total < n_tokens:
+        p = paras[i % len(paras)]
+        out.append(p)
+        total += len(tokenizer.encode(p, add_bos=False)) + 1
+        i += 1
+    return out
+
+
+def needle_prompt(tokenizer: Any, n_tokens: int, depth: float, fact: Fact, seed: int = 0,
+                  path: Path = TEXT) -> tuple[list[int], int]:
+    """Chat prompt ids of about n_tokens with `fact` a paragraph of its own at `depth` of the
+    prose (a sentence inside a paragraph was missed by exact attention on the starter model
+    at 1.6k tokens where the same fact on its own line was found); and the token index where
+    the fact's sentence starts (within a token)."""
+    paras = haystack(tokenizer, n_tokens, seed, path)
+    lens = [len(tokenizer.encode(p, add_bos=False)) + 1 for p in paras]
+
+    def render(before: list[str], after: list[str]) -> str:
+        text = "\n".join([*before, fact.sentence, *after])
+        user = INTRO + text + "\n\nQuestion: " + fact.question
+        return tokenizer.render_chat([{"role": "user", "content": user}]) + fact.prefix
+
+    overhead = len(tokenizer.encode(render([], []), add_bos=False))
+    n = len(paras)
+    while n > 1 and sum(lens[:n]) + overhead > n_tokens:
+        n -= 1
+    body = paras[:n]
+    room = n_tokens - overhead - sum(lens[:n])
+    if room > 1 and n < len(paras):
+        # The last paragraph cut to land on n_tokens (the question stays whole).
+        body.append(tokenizer.decode(tokenizer.encode(paras[n], add_bos=False)[:room - 1]))
+    cum, j = 0, 0
+    total = sum(lens[:len(body)])
+    while j < len(body) and cum + lens[j] / 2 < depth * total:
+        cum += lens[j]
+        j += 1
+    ids = tokenizer.encode(render(body[:j], body[j:]), add_bos=False)
+    head = render(body[:j], []).split(fact.sentence)[0]
+    return list(ids), len(tokenizer.encode(head, add_bos=False))
+
+
+@dataclass(frozen=True)
+class NeedleCell:
+    """One (length, depth, fact, mode, budget) result."""
+
+    length: int          # tokens in the prompt as built
+    target: int          # the asked length
+    depth: float         # where the fact sits in the prose, 0..1
+    kind: str            # number, name or quote
+    mode: str
+    budget_tokens: int   # sparse: attention budget per query; exact: the context
+    rope: str            # "trained" or the scaling the model ran with ("yarn x2.0")
+    answer: str
+    reply: str
+    found: bool
+    prefill_tok_s: float
+    decode_tok_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+KINDS = ("number", "name", "quote")
+
+
+def _answer(model: Any, eos: set[int] | Sequence[int], cache: list[Any], last: int,
+            n: int) -> tuple[list[int], float]:
+    """Greedy decode from the last prompt token, one decode step per token; tok/s."""
+    y = mx.array([[last]])
+    out: list[int] = []
+    t = time.perf_counter()
+    for _ in range(n):
+        logits = model(y, cache=cache)[:, -1, :]
+        tok = int(mx.argmax(logits, axis=-1).item())  # type: ignore[arg-type]
+        if tok in eos:
+            break
+        out.append(tok)
+        y = mx.array([[tok]])
+    return out, (len(out) + 1) / max(1e-9, time.perf_counter() - t)
+
+
+def run_needle(lm: Any, lengths: Sequence[int], depths: Sequence[float],
+               modes: Sequence[str] = ("exact", "sparse"), budgets: Sequence[int] = (768,), *,
+               kinds: Sequence[str] = ("number",), model: Any = None, rope: str = "trained",
+               page_tokens: int = 128, sink_tokens: int = 128, window_tokens: int = 512,
+               seed: int = 0, text: Path = TEXT, ssd_dir: Path | None = None,
+               on_cell: Callable[[NeedleCell], None] | None = None,
+               cancel: Callable[[], bool] | None = None) -> list[NeedleCell]:
+    """Every (length, depth, kind) prompt prefilled once, every (mode, budget) answering
+    from the same pages (see the module docstring). `model` replaces lm.model (a model
+    built at another context, e.g. with RoPE extended; `rope` names it in the cells)."""
+    # Engine imports here: the suite's parent process and this module's prompt functions
+    # (used by tests) need no KV machinery.
+    from engine.bench.fill import paged_cache
+    from engine.kv import KVSettings, close_caches
+
+    model = model if model is not None else lm.model
+    tok = lm.tokenizer
+    cells: list[NeedleCell] = []
+    for length in lengths:
+        for di, depth in enumerate(depths):
+            for kind in kinds:
+                if cancel is not None and cancel():
+                    return cells
+                cell_seed = seed * 1000 + di
+                fact = facts(cell_seed)[KINDS.index(kind)]
+                ids, _ = needle_prompt(tok, length, depth, fact, cell_seed, text)
+                least = sink_tokens + window_tokens + page_tokens
+                base = KVSettings(mode="exact", page_tokens=page_tokens,
+                                  sink_tokens=sink_tokens, window_tokens=window_tokens,
+                                  budget_tokens=max([least, *budgets]), ssd=ssd_dir is not None,
+                                  ssd_dir=ssd_dir).validate()
+                cache, store = paged_cache(model, base)
+                try:
+                    t = time.perf_counter()
+                    for i in range(0, len(ids) - 1, 512):
+                        model(mx.array(ids[i:min(i + 512, len(ids) - 1)])[None], cache=cache)
+                        mx.eval([c.state for c in cache])
+                    prefill = (len(ids) - 1) / max(1e-9, time.perf_counter() - t)
+                    runs = [("exact", len(ids))] if "exact" in modes else []
+                    runs += [("sparse", b) for b in budgets if "sparse" in modes]
+                    for mode, budget in runs:
+                        for c in cache:
+                            c.trim(c.offset - (len(ids) - 1))  # back to the shared pages
+                        store.settings = base.with_(mode=mode, budget_tokens=max(least, budget)
+                                                    if mode == "sparse" else base.budget_tokens)
+                        out, tps = _answer(model, lm.eos_ids, cache, ids[-1], MAX_ANSWER_TOKENS)
+                        reply = tok.decode(out).strip()
+                        cell = NeedleCell(len(ids), length, depth, kind, mode, budget, rope,
+                                          fact.answer, reply, _found(fact.answer, reply),
+                                          round(prefill, 2), round(tps, 2))
+                        cells.append(cell)
+                        if on_cell is not None:
+                            on_cell(cell)
+                finally:
+                    close_caches(cache)
+    return cells
+
+
+def _found(answer: str, reply: str) -> bool:
+    """The answer in the reply, case and spacing aside (a number's digits together)."""
+    def norm(s: str) -> str:
+        return re.sub(r"[^0-9a-z]+", " ", s.lower()).strip()
+
+    a, r = norm(answer), norm(reply)
+    return bool(a) and (a in r or a.replace(" ", "") in r.replace(" ", ""))
+
+
+def needle_table(cells: Sequence[NeedleCell]) -> str:
+    """Markdown: one row per (length, rope, mode, budget), one column per depth; Y found,
+    - not (several kinds: found/asked in the cell); prefill and decode speed averaged."""
+    depths = sorted({c.depth for c in cells})
+    rows: dict[tuple[int, str, str, int], list[NeedleCell]] = {}
+    for c in cells:
+        rows.setdefault((c.target, c.rope, c.mode, c.budget_tokens), []).append(c)
+    head = ("| length | RoPE | mode | budget | " + " | ".join(f"{d:.0%}" for d in depths) +
+            " | found | prefill tok/s | decode tok/s |")
+    lines = [head, "|" + "---|" * (len(depths) + 7)]
+    for (length, rope, mode, budget), cs in sorted(rows.items()):
+        marks = []
+        for d in depths:
+            at = [c for c in cs if c.depth == d]
+            if len(at) == 1:
+                marks.append("Y" if at[0].found else "-")
+            else:
+                marks.append(f"{sum(c.found for c in at)}/{len(at)}" if at else " ")
+        found = sum(c.found for c in cs)
+        pf = sum(c.prefill_tok_s for c in cs) / len(cs)
+        dc = sum(c.decode_tok_s for c in cs) / len(cs)
+        lines.append(f"| {length:,} | {rope} | {mode} | {budget:,} | " + " | ".join(marks) +
+                     f" | {found}/{len(cs)} | {pf:.1f} | {dc:.2f} |")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`strata bench needle`: the table over --needle-lengths x --needle-depths x kinds."""
+    # The runtime loads only when the suite runs (engine.bench's contract).
+    from engine.bench.common import machine_facts, say
+    from engine.runtime.fit import trained_context
+    from engine.runtime.generate import LoadedModel
+    from engine.runtime.model import extend_rope, load_weights_into_model
+
+    lm = LoadedModel.load(args.model)
+    lengths = [int(x) for x in args.needle_lengths.split(",") if x]
+    depths = [float(x) / 100 for x in args.needle_depths.split(",") if x]
+    budgets = [int(x) for x in args.needle_budgets.split(",") if x]
+    modes = [m for m in args.needle_modes.split(",") if m]
+    kinds = [k for k in args.needle_kinds.split(",") if k]
+    for k in kinds:
+        if k not in KINDS:
+            raise StrataError(f"bench needle: unknown fact kind {k!r} ({', '.join(KINDS)})")
+    text = Path(args.text) if args.text else TEXT
+    trained = trained_context(lm.config)
+    cells: list[NeedleCell] = []
+
+    def show(c: NeedleCell) -> None:
+        say(f"  {c.target} {c.depth:.0%} {c.kind} {c.rope} {c.mode} {c.budget_tokens}: "
+            f"{'found' if c.found else 'missed'} ({c.reply!r})")
+
+    complete = True
+    try:
+        for length in lengths:
+            subjects: list[tuple[str, Any]] = [("trained", None)]
+            if length > trained and args.needle_rope in ("yarn", "both"):
+                folder = Path(lm.manifest["path"])
+                config = extend_rope(lm.config, length)
+                scaled, _ = load_weights_into_model(folder, lm.profile, context=length)
+                name = f"yarn x{config['rope_scaling']['factor']:g}"
+                subjects = ([] if args.needle_rope == "yarn" else subjects) + [(name, scaled)]
+            for rope, model in subjects:
+                cells += run_needle(lm, [length], depths, modes, budgets, kinds=kinds,
+                                    model=model, rope=rope, seed=args.seed, text=text,
+                                    page_tokens=args.page_tokens, on_cell=show)
+    except KeyboardInterrupt:
+        complete = False
+        say("interrupted: reporting what finished")
+    print(needle_table(cells))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(
+            {"schema": "strata-bench-needle/1", "model": lm.manifest["name"],
+             "profile": lm.profile.name, "trained_context": trained, "complete": complete,
+             "command": " ".join(sys.argv), "machine": machine_facts(),
+             "cells": [c.as_dict() for c in cells]}, indent=2))
+    return 0 if complete else 130
