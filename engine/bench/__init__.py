@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 
-SUITES = ("quick", "full", "kv", "prefix", "kvbits", "import", "stored")
+SUITES = ("quick", "full", "kv", "prefix", "kvbits", "import", "stored", "needle")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

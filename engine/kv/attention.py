@@ -5,7 +5,9 @@ mx.fast.scaled_dot_product_attention would over every token the cache holds plus
 chunk (causal within the chunk), for (1, q_heads, L, D) queries, learned attention sinks
 included (gpt-oss: one logit per query head in the softmax's denominator, no value); in
 sparse mode a decode step (L <= SPARSE_MAX_L) reads only the sink pages,
-the recent window and the pages whose key bound is highest, within the token budget.
+the recent window and the blocks of BLOCK_TOKENS (engine.kv.table) whose bound on the
+attention weight any query head of the group could give them is highest, within the token
+budget; `attend` keeps every layer's block summaries as pages are committed, in every mode.
 `install_hook(model)` routes the model module's scaled_dot_product_attention here for paged
 layers; every other cache (a sliding-window layer's WindowLayerCache, mlx-lm's caches) goes
 to mlx-lm's function with the mask the model built.

@@ -1,4 +1,5 @@
-"""The page table of one layer: metadata only (tier, slot, LRU order, key summaries).
+"""The page table of one layer: metadata only (tier, slot, LRU order, key summaries per page
+and per block of BLOCK_TOKENS).
 
 Contract: pages are numbered from 0 in token order; page i holds positions [i*P, (i+1)*P).
 A page is resident when it has a RAM slot, on disk once the writer has stored it. Pinned pages
