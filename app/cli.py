@@ -87,12 +87,13 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_cache(args: argparse.Namespace) -> int:
     """`strata cache`: where the prefix cache is and what it holds; --clear empties it."""
-    from engine.kv.prefix import clear_folder, folder_runs, settings_from_env  # start-up
+    from engine.kv.prefix import clear_folder, folder_summary, settings_from_env  # start-up
 
     s = settings_from_env()
     folder = s.root()
-    runs, size = folder_runs(folder)
-    info: dict[str, Any] = {"folder": str(folder), "runs": runs, "bytes": size,
+    summary = folder_summary(folder)
+    runs, size = summary["runs"], summary["bytes"]
+    info: dict[str, Any] = {"folder": str(folder), **summary,
                             "budget_bytes": int(s.budget_mb * (1 << 20))}
     if args.clear:
         info["removed_runs"], info["removed_bytes"] = clear_folder(folder)
@@ -102,8 +103,16 @@ def cmd_cache(args: argparse.Namespace) -> int:
         print(f"removed {info['removed_runs']} runs ({info['removed_bytes'] / 2**20:.1f} MB) "
               f"from {folder}")
     else:  # MB as the budget setting counts them (2^20 bytes)
-        print(f"prefix cache: {folder}: {runs} runs, {size / 2**20:.1f} MB of a "
+        print(f"prefix cache: {folder}: {runs} runs, {summary['pages']} pages, "
+              f"{summary['tails']} prompt tails, {size / 2**20:.1f} MB of a "
               f"{s.budget_mb:g} MB budget (STRATA_PREFIX_MB)")
+        for m in summary["models"]:
+            print(f"  {m['name'] or 'unnamed model'}: {m['pages']} pages in {m['runs']} runs, "
+                  f"{m['bytes'] / 2**20:.1f} MB")
+        if summary["stale_files"]:
+            print(f"  {summary['stale_files']} files of an older format "
+                  f"({summary['stale_bytes'] / 2**20:.1f} MB), removed first when space runs "
+                  "out or by --clear")
     return 0
 
 

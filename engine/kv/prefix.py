@@ -355,6 +355,19 @@ class PrefixCache:
         # an abandoned temp file is never renamed into place, so it is never read.
         atexit.register(_close_at_exit, weakref.ref(self))
 
+    def label(self, name: str) -> None:
+        """Name this cache's key in the folder's labels file (what `folder_summary` shows
+        per model); a failure to write it costs only the name."""
+        path = self.folder / LABELS
+        with contextlib.suppress(OSError, ValueError):
+            labels = json.loads(path.read_text()) if path.is_file() else {}
+            if labels.get(self.key.hex()) == name:
+                return
+            labels[self.key.hex()] = name
+            tmp = self.folder / f".tmp-{os.getpid()}-labels"
+            tmp.write_text(json.dumps(labels, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+
     @classmethod
     def for_geometry(cls, geometry: KVGeometry, key: bytes,
                      settings: PrefixSettings | None = None, bits: int = 16, group: int = 64
@@ -1420,6 +1433,49 @@ def _scan(folder: Path) -> list[tuple[int, int, Path]]:
                     st = e.stat(follow_symlinks=False)
                     out.append((st.st_mtime_ns, st.st_size, Path(e.path)))
     return out
+
+
+LABELS = "labels.json"  # model key (hex) -> the model's name, written by `label`
+
+
+def folder_summary(folder: Path) -> dict[str, Any]:
+    """What a prefix folder holds, for `strata cache` and the memory panel: runs, full
+    pages, tails, window files and bytes, in all and per model (keyed by the runs' model
+    key, named from the labels file); files of another format count as `stale`."""
+    try:
+        labels = json.loads((folder / LABELS).read_text())
+    except (OSError, ValueError):
+        labels = {}
+    total: dict[str, Any] = {"runs": 0, "pages": 0, "tails": 0, "windows": 0, "bytes": 0,
+                             "stale_files": 0, "stale_bytes": 0}
+    models: dict[str, dict[str, Any]] = {}
+    for _, size, path in _scan(folder):
+        total["bytes"] += size
+        if path.suffix == TAIL_SUFFIX:
+            total["tails"] += 1
+            continue
+        if path.suffix == ".kvw":
+            total["windows"] += 1
+            continue
+        head = b""
+        with contextlib.suppress(OSError), open(path, "rb") as f:
+            head = f.read(_RUN.size)
+        if len(head) < _RUN.size or head[:8] != RUN_MAGIC or struct.unpack_from(
+                "<H", head, 8)[0] != PREFIX_VERSION:
+            total["stale_files"] += 1
+            total["stale_bytes"] += size
+            continue
+        *_, n, pbytes, _parent, key = _RUN.unpack(head)
+        pages = min(n, max(0, size - _RUN.size - 32 * n - _CRC.size) // max(1, pbytes))
+        m = models.setdefault(key.hex(), {"name": labels.get(key.hex()), "runs": 0,
+                                          "pages": 0, "bytes": 0})
+        m["runs"] += 1
+        m["pages"] += pages
+        m["bytes"] += size
+        total["runs"] += 1
+        total["pages"] += pages
+    total["models"] = sorted(models.values(), key=lambda m: -m["bytes"])
+    return total
 
 
 def folder_runs(folder: Path) -> tuple[int, int]:

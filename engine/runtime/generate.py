@@ -144,7 +144,10 @@ class LoadedModel:
         if self.paged and self.kv_settings is not None:
             s = replace(s, page_tokens=self.kv_settings.page_tokens)
         bits, group = self.kv_encoding()
-        return PrefixCache.for_geometry(self.kv_geometry, self.prefix_key(), s, bits, group)
+        pc = PrefixCache.for_geometry(self.kv_geometry, self.prefix_key(), s, bits, group)
+        pc.label(f"{self.manifest['name']} ({bits}-bit KV)" if bits != 16
+                 else str(self.manifest["name"]))
+        return pc
 
     def prefix_cache_fits(self) -> bool:
         """Whether the installed prefix cache is the one these KV settings need (key, page

@@ -94,6 +94,11 @@ def test_restart_reuses_the_prefix_and_output_is_unchanged(starter: Any, tmp_pat
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info["runs"] == 1 and info["bytes"] > 0 and info["folder"] == str(tmp_path / "px")
+    (model,) = info["models"]  # per model: named from the labels the process wrote
+    assert model["name"] == starter["name"] and model["pages"] == info["pages"] > 0
+    text = subprocess.run(show[:-1], capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=60).stdout
+    assert f"{starter['name']}: {info['pages']} pages in 1 runs" in text
     r = subprocess.run([*show, "--clear"], capture_output=True, text=True, env=env, cwd=REPO,
                        timeout=60)
     assert json.loads(r.stdout)["removed_runs"] == 1
