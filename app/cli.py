@@ -349,7 +349,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     return serve(host=args.host, port=args.port, model=args.model,
                  api_key=args.api_key or os.environ.get("STRATA_API_KEY") or None,
-                 announce=announce)
+                 announce=announce, max_batch=args.max_batch, max_queue=args.max_queue)
 
 
 def cmd_window(args: argparse.Namespace) -> int:
@@ -470,6 +470,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="starter", help="model to load first (default: starter)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' "
                    "(default: $STRATA_API_KEY)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="requests decoded together in one batch (default: 8)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting beyond the batch before a 429 (default: 64)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="measure speed and memory against mlx-lm and llama.cpp")

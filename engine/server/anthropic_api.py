@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.runtime.generate import LoadedModel
-from engine.server.exchange import Exchange, guard, read_json, start_generation
+from engine.server.exchange import Exchange, guard, read_json, start_generation, with_retry
 from engine.server.host import MAX_CHARS_PER_TOKEN, CallJob, Host, RequestError, TokenLogprob
 from engine.server.params import (
     chat_prompt,
@@ -56,7 +56,7 @@ _KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 def error_response(exc: RequestError) -> JSONResponse:
     kind = _KINDS.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
     return JSONResponse({"type": "error", "error": {"type": kind, "message": str(exc)}},
-                        status_code=exc.status)
+                        status_code=exc.status, headers=with_retry(exc))
 
 
 # -- the request ---------------------------------------------------------------------------

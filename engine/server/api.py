@@ -35,6 +35,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.errors import StrataError
+from engine.runtime.batch import MAX_ROWS
 from engine.runtime.tokenizer import Tokenizer
 from engine.server.anthropic_api import routes as anthropic_routes
 from engine.server.exchange import (
@@ -45,7 +46,7 @@ from engine.server.exchange import (
     read_json,
     start_generation,
 )
-from engine.server.host import EngineHost, Host, RequestError, TokenLogprob
+from engine.server.host import MAX_QUEUE, EngineHost, Host, RequestError, TokenLogprob
 from engine.server.params import (
     chat_messages,
     chat_prompt,
@@ -382,16 +383,19 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(host: str = "127.0.0.1", port: int = DEFAULT_PORT, model: str = "starter",
           api_key: str | None = None, caches_per_model: int = 4,
-          announce: Callable[[str], None] = print) -> int:
+          announce: Callable[[str], None] = print, max_batch: int = MAX_ROWS,
+          max_queue: int = MAX_QUEUE) -> int:
     """Serve until interrupted (Ctrl-C or SIGTERM, which raise KeyboardInterrupt here).
 
     Refuses a non-loopback address without an API key. The engine runs on this (the main)
-    thread and HTTP on another, so that MLX's work stays on the main thread.
+    thread and HTTP on another, so that MLX's work stays on the main thread. Up to
+    `max_batch` requests decode together; past `max_queue` waiting, a request gets a 429.
     """
     if not is_loopback(host) and not api_key:
         raise StrataError(f"serving on {host or 'all interfaces'} exposes the model to the "
                           "network: set --api-key or STRATA_API_KEY")
-    engine = EngineHost(caches_per_model=caches_per_model)
+    engine = EngineHost(caches_per_model=caches_per_model, max_batch=max_batch,
+                        max_queue=max_queue)
     name = str(engine.library.get(model)["name"])  # an unknown model fails before binding
     sock = bind(host, port)
     config = uvicorn.Config(create_app(engine, api_key), log_level="warning", access_log=False,

@@ -8,7 +8,8 @@ the event loop: `first()` is its `Started` (or raises the job's `RequestError`, 
 when the client went away), `events()` the rest up to the finishing `GenerationEvent`, and
 `collect()` gathers a whole reply. Closing an exchange whose job has not finished cancels it
 (a client that hangs up frees its place at once). `guard(api_key, render)` wraps endpoints
-with the API key check (Bearer or x-api-key) and renders RequestErrors in the API's shape.
+with the API key check (Bearer or x-api-key) and renders RequestErrors in the API's shape; a
+429 (the host's queue is full) carries `Retry-After` (`with_retry`).
 """
 
 from __future__ import annotations
@@ -204,7 +205,15 @@ def error_response(exc: RequestError, headers: dict[str, str] | None = None) -> 
     """OpenAI's error shape."""
     body = {"error": {"message": str(exc), "type": exc.kind, "param": exc.param,
                       "code": exc.code}}
-    return JSONResponse(body, status_code=exc.status, headers=headers)
+    return JSONResponse(body, status_code=exc.status, headers=with_retry(exc, headers))
+
+
+def with_retry(exc: RequestError, headers: dict[str, str] | None = None
+               ) -> dict[str, str] | None:
+    """`headers` plus Retry-After when the error carries one (a 429: the queue is full)."""
+    if exc.retry_after is None:
+        return headers
+    return {**(headers or {}), "Retry-After": str(exc.retry_after)}
 
 
 def authorized(request: Request, key: str) -> bool:

@@ -1,20 +1,24 @@
-"""The server's engine side: one thread owns MLX and runs generation jobs in arrival order.
+"""The server's engine side: one thread owns MLX, batches what it can and runs the rest alone.
 
 Contract: `EngineHost.run(preload=model)` makes the calling thread the engine thread (MLX
-state belongs to the thread that made it): it loads `model`, then runs queued jobs until
-`stop()`. `submit(job)` queues a job from any thread (FIFO, one runs at a time); its
-`run(models)` executes on the engine thread and reports through the job's own `emit`
-callback. `cancel(job)` drops a queued job or sets a running job's flag, which generation
-checks between prefill chunks and between decode steps. A generation may carry a grammar
-(engine.runtime.grammar: its mask constrains every token) and ask for logprobs (a
-`TokenLogprob` event before each token's `GenerationEvent`); a prompt whose text is far past
-the context (over MAX_CHARS_PER_TOKEN characters a token) is refused before tokenizing.
-`CallJob` runs any other engine-thread work on a loaded model (embeddings, token counts) and
-emits its value as one `Result`. The engine thread's
-engine.runtime.pool.ModelPool is the jobs' `Models`: the loaded model and a few prompt caches
-for it, so requests that share a prefix (a long system prompt) prefill only what is new. No
-HTTP here: another owner of an engine thread (the window's worker) serves the same API by
-implementing `Host` (queueing) over its own ModelPool.
+state belongs to the thread that made it): it loads `model`, then serves queued jobs until
+`stop()`. `submit(job)` queues a job from any thread (FIFO); past `max_queue` jobs waiting it
+raises a 429 RequestError with `retry_after`. Generations that can share a forward pass
+(engine.runtime.batch: no grammar, no logprobs, no repetition penalty, the loaded model) join
+one decode batch of up to `max_batch` rows at step boundaries, each prefilled alone first, and
+leave it when they finish or are cancelled; any other job (a grammar or logprobs request, a
+`CallJob`, another model) runs alone once the batch has drained, FIFO order kept (nothing
+behind it joins meanwhile). `cancel(job)` drops a queued job or sets a running job's flag,
+which prefill checks between chunks and decoding before each step (a batched row then leaves
+at the next step). A generation may carry a grammar (engine.runtime.grammar: its mask
+constrains every token) and ask for logprobs (a `TokenLogprob` event before each token's
+`GenerationEvent`); a prompt whose text is far past the context (over MAX_CHARS_PER_TOKEN
+characters a token) is refused before tokenizing. `CallJob` runs any other engine-thread work
+on a loaded model (embeddings, token counts) and emits its value as one `Result`. The engine
+thread's engine.runtime.pool.ModelPool is the jobs' `Models`: the loaded model and a few
+prompt caches for it, so requests that share a prefix (a long system prompt) prefill only what
+is new. No HTTP here: another owner of an engine thread (the window's worker) serves the same
+API by implementing `Host` (queueing) over its own ModelPool, running each job alone.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any, Protocol
 
 from engine.errors import StrataError
 from engine.library import Library
+from engine.runtime.batch import MAX_ROWS, Batch, Row, batchable
 from engine.runtime.generate import LoadedModel, PromptCache, generate
 from engine.runtime.grammar import GrammarError, GrammarProcessor
 from engine.runtime.pool import ModelPool
@@ -40,18 +45,22 @@ log = logging.getLogger(__name__)
 # text past context x this is refused at once instead of tokenized for seconds.
 MAX_CHARS_PER_TOKEN = 64
 MAX_TOP_LOGPROBS = 20
+MAX_QUEUE = 64  # jobs waiting (not yet decoding) before new ones get a 429
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait: a batch slot frees within steps
 
 
 class RequestError(StrataError):
     """A request the server refuses or fails: the HTTP status and OpenAI's `code`/`param`."""
 
     def __init__(self, message: str, status: int = 400, code: str | None = None,
-                 param: str | None = None, kind: str = "invalid_request_error") -> None:
+                 param: str | None = None, kind: str = "invalid_request_error",
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.param = param
         self.kind = kind
+        self.retry_after = retry_after  # seconds, sent as Retry-After (a 429)
 
 
 # -- protocols: what the HTTP layer needs, and what a job needs ----------------------------
@@ -173,6 +182,7 @@ class GenerationJob:
     grammar: str | Callable[[Tokenizer], str | None] | None = None
     logprobs: int | None = None  # None: none; else how many alternatives per token
     chars: int = 0  # characters of prompt text, for the refusal before tokenizing
+    finished: bool = False  # a batched request: its last event is out
     _flag: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -185,35 +195,56 @@ class GenerationJob:
     def fail(self, error: RequestError) -> None:
         self.emit(error)
 
+    def _prepare(self, lm: LoadedModel) -> tuple[list[int], int, list[Any], _Logprobs | None]:
+        """The prompt's ids, max_tokens and logits processors, or the RequestError refusing
+        the request (context too long, empty prompt)."""
+        limit = lm.context_length
+        if self.chars > limit * MAX_CHARS_PER_TOKEN:
+            raise RequestError(
+                f"this model's maximum context length is {limit} tokens, and the request "
+                f"has {self.chars:,} characters of text: far more than fit",
+                code="context_length_exceeded", param=self.prompt_param)
+        ids = self.prompt(lm.tokenizer)
+        if not ids:
+            raise RequestError("the prompt is empty", param=self.prompt_param)
+        max_tokens = self.max_tokens if self.max_tokens is not None else limit - len(ids)
+        if max_tokens < 1 or len(ids) + max_tokens > limit:
+            raise RequestError(
+                f"this model's maximum context length is {limit} tokens, but the request "
+                f"needs {len(ids) + max(max_tokens, 1)} ({len(ids)} in the prompt, "
+                f"{max(max_tokens, 1)} for the completion)",
+                code="context_length_exceeded", param=self.prompt_param)
+        procs: list[Any] = []
+        grammar = self.grammar(lm.tokenizer) if callable(self.grammar) else self.grammar
+        if grammar is not None:
+            procs.append(GrammarProcessor(lm.tokenizer, grammar))
+        scores = _Logprobs(self.logprobs) if self.logprobs is not None else None
+        if scores is not None:
+            procs.append(scores)  # after the grammar: what was sampled from
+        return ids, max_tokens, procs, scores
+
+    def _failed(self, exc: BaseException, models: Models, pc: PromptCache | None) -> None:
+        """Report `exc` (raised preparing or generating) as the request's RequestError."""
+        if isinstance(exc, RequestError):
+            self.emit(exc)
+        elif isinstance(exc, GrammarError):  # the grammar refused before the first token
+            self.emit(RequestError(str(exc), param="response_format"))
+        elif isinstance(exc, StrataError):  # the model failed to load, or generation refused
+            self.emit(RequestError(str(exc), status=500, kind="server_error"))
+        else:  # a bug: report it, and keep the engine thread alive
+            log.error("generation failed", exc_info=exc)
+            if pc is not None:
+                models.discard(pc)  # its KV may no longer match its tokens
+            self.emit(RequestError(f"internal error: {exc}", status=500, kind="server_error"))
+
     def run(self, models: Models) -> None:
+        """Generate alone, start to end."""
         if self.cancelled:
             return
         pc = None
         try:
             lm = models.get(self.model)
-            limit = lm.context_length
-            if self.chars > limit * MAX_CHARS_PER_TOKEN:
-                raise RequestError(
-                    f"this model's maximum context length is {limit} tokens, and the request "
-                    f"has {self.chars:,} characters of text: far more than fit",
-                    code="context_length_exceeded", param=self.prompt_param)
-            ids = self.prompt(lm.tokenizer)
-            if not ids:
-                raise RequestError("the prompt is empty", param=self.prompt_param)
-            max_tokens = self.max_tokens if self.max_tokens is not None else limit - len(ids)
-            if max_tokens < 1 or len(ids) + max_tokens > limit:
-                raise RequestError(
-                    f"this model's maximum context length is {limit} tokens, but the request "
-                    f"needs {len(ids) + max(max_tokens, 1)} ({len(ids)} in the prompt, "
-                    f"{max(max_tokens, 1)} for the completion)",
-                    code="context_length_exceeded", param=self.prompt_param)
-            procs: list[Any] = []
-            grammar = self.grammar(lm.tokenizer) if callable(self.grammar) else self.grammar
-            if grammar is not None:
-                procs.append(GrammarProcessor(lm.tokenizer, grammar))
-            scores = _Logprobs(self.logprobs) if self.logprobs is not None else None
-            if scores is not None:
-                procs.append(scores)  # after the grammar: what was sampled from
+            ids, max_tokens, procs, scores = self._prepare(lm)
             pc = models.cache_for(lm, ids)
             self.emit(Started(lm.manifest["name"], len(ids), max_tokens))
             for ev in generate(lm, ids, self.params, max_tokens, self.stop,
@@ -222,17 +253,37 @@ class GenerationJob:
                 if scores is not None and ev.token is not None:
                     self.emit(scores.take(ev.token, lm.tokenizer))
                 self.emit(ev)
-        except RequestError as exc:
-            self.emit(exc)
-        except GrammarError as exc:  # the grammar refused before the first token
-            self.emit(RequestError(str(exc), param="response_format"))
-        except StrataError as exc:  # the model failed to load, or generation refused
-            self.emit(RequestError(str(exc), status=500, kind="server_error"))
-        except Exception as exc:  # a bug: report it, and keep the engine thread alive
-            log.exception("generation failed")
-            if pc is not None:
-                models.discard(pc)  # its KV may no longer match its tokens
-            self.emit(RequestError(f"internal error: {exc}", status=500, kind="server_error"))
+        except Exception as exc:
+            self._failed(exc, models, pc)
+
+    def admit(self, models: Models, batch: Batch) -> str:
+        """On the engine thread, with `batch` decoding on the loaded model: join it if this
+        request can batch. 'joined' (it decodes in the batch; `finished` tells when it is
+        done), 'done' (refused, or finished during its prefill), or 'alone' (it must run by
+        itself: call `run` once the batch is empty)."""
+        if self.cancelled:
+            return "done"
+        lm = batch.lm
+        if self.model != lm.manifest["name"]:
+            return "alone"
+        pc = None
+        try:
+            ids, max_tokens, procs, _ = self._prepare(lm)
+            if not batchable(lm, self.params, procs):
+                return "alone"
+            pc = models.cache_for(lm, ids)
+            self.emit(Started(lm.manifest["name"], len(ids), max_tokens))
+            row = Row(ids, self.params, max_tokens, self._on_event, self.stop,
+                      self._flag.is_set, pc)
+            return "joined" if batch.join(row) else "done"
+        except Exception as exc:
+            self._failed(exc, models, pc)
+            return "done"
+
+    def _on_event(self, ev: GenerationEvent) -> None:
+        if ev.finish_reason is not None:
+            self.finished = True
+        self.emit(ev)
 
 
 @dataclass(eq=False)
@@ -286,23 +337,29 @@ def embed(lm: LoadedModel, ids: list[int]) -> list[float]:
     return [float(x) for x in h.tolist()]
 
 
-# -- the host: a FIFO queue and the engine thread -----------------------------------------
+# -- the host: a FIFO queue, a decode batch and the engine thread ------------------------
 class EngineHost:
-    """The standalone `Host`: a queue, and a model pool driven by `run()` on the engine thread.
+    """The standalone `Host`: a queue, a decode batch and a model pool driven by `run()` on
+    the engine thread.
 
     `strata serve` calls `run()` on the main thread and serves HTTP from another: MLX's CPU
     backend aborts the process at exit when some of its work ran on a secondary thread.
     """
 
-    def __init__(self, library: Library | None = None, caches_per_model: int = 4) -> None:
+    def __init__(self, library: Library | None = None, caches_per_model: int = 4,
+                 max_batch: int = MAX_ROWS, max_queue: int = MAX_QUEUE) -> None:
         self.library = library or Library()
         self.default_model = ""
+        self.max_batch = max(1, max_batch)
+        self.max_queue = max(0, max_queue)
+        # A prompt cache per row being prefilled at once is enough: one joins at a time.
         self._caches_per_model = caches_per_model
         self._queue: deque[Job] = deque()
         self._cv = threading.Condition()
-        self._running: Job | None = None
+        self._running: list[Job] = []  # decoding in the batch, or the one running alone
         self._closed = False
-        self._counts = {"completed": 0, "cancelled": 0}
+        self._counts = {"completed": 0, "cancelled": 0, "rejected": 0}
+        self._batch: dict[str, int] = {"rows": 0, "steps": 0, "tokens": 0, "peak_rows": 0}
         self._pool_status: dict[str, Any] = {"model": None, "prompt_caches": []}
 
     # any thread
@@ -317,14 +374,22 @@ class EngineHost:
         return m
 
     def submit(self, job: Job) -> int:
-        """Queue `job`; returns the queue depth it joined (running and waiting, itself in)."""
+        """Queue `job`; returns the queue depth it joined (running and waiting, itself in).
+        Past `max_queue` jobs waiting: a 429 RequestError with `retry_after`."""
         with self._cv:
             if self._closed:
                 raise RequestError("the server is shutting down", status=503,
                                    kind="server_error")
+            if len(self._queue) >= self.max_queue:
+                self._counts["rejected"] += 1
+                raise RequestError(
+                    f"the server is busy: {len(self._queue)} requests are waiting (at most "
+                    f"{self.max_queue}, --max-queue); retry after {RETRY_AFTER_S} s",
+                    status=429, code="rate_limit_exceeded", kind="rate_limit_error",
+                    retry_after=RETRY_AFTER_S)
             self._queue.append(job)
             self._cv.notify()
-            return len(self._queue) + (self._running is not None)
+            return len(self._queue) + len(self._running)
 
     def cancel(self, job: Job) -> None:
         job.cancel()
@@ -336,19 +401,20 @@ class EngineHost:
     def status(self) -> dict[str, Any]:
         with self._cv:
             waiting = len(self._queue)
-            running = self._running is not None
+            running = len(self._running)
             counts = dict(self._counts)
-        return {"queue_depth": waiting + running, "running": int(running), "waiting": waiting,
-                **counts, **self._pool_status}
+            batch = dict(self._batch, max_rows=self.max_batch)
+        return {"queue_depth": waiting + running, "running": running, "waiting": waiting,
+                "max_queue": self.max_queue, "batch": batch, **counts, **self._pool_status}
 
     def stop(self) -> None:
-        """Refuse new jobs, fail queued ones, cancel the running one; `run()` then returns."""
+        """Refuse new jobs, fail queued ones, cancel the running ones; `run()` then returns."""
         with self._cv:
             self._closed = True
             dropped = list(self._queue)
             self._queue.clear()
-            if self._running is not None:
-                self._running.cancel()
+            for job in self._running:
+                job.cancel()
             self._cv.notify_all()
         for job in dropped:
             job.fail(RequestError("the server is shutting down", status=503, kind="server_error"))
@@ -370,23 +436,90 @@ class EngineHost:
             pool.close()
 
     def _loop(self, pool: ModelPool) -> None:
-        while True:
-            with self._cv:
-                while not self._queue and not self._closed:
-                    self._cv.wait()
-                if self._closed:
-                    return
-                job = self._running = self._queue.popleft()
-            try:
-                job.run(pool)
-            except Exception:  # jobs report their own errors; this is a last resort
-                log.exception("engine job failed")
-            except BaseException:  # Ctrl-C while generating: tell the client, then stop
-                job.fail(RequestError("the server is shutting down", status=503,
-                                      kind="server_error"))
-                raise
-            status = pool.status()
-            with self._cv:
-                self._running = None
+        batch: Batch | None = None
+        held: Job | None = None  # must run alone: waits for the batch to drain
+        try:
+            while True:
+                job = None
+                with self._cv:
+                    while (not self._queue and held is None and not (batch and len(batch))
+                           and not self._closed):
+                        self._cv.wait()
+                    if self._closed:
+                        return
+                    if held is None and self._queue and (batch is None or not batch.full):
+                        job = self._queue.popleft()
+                        self._running.append(job)
+                if held is not None and (batch is None or not len(batch)):
+                    job, held = held, None
+                    self._alone(job, pool)
+                    continue
+                if job is not None:
+                    if batch is None or batch.lm is not pool.lm:
+                        batch = Batch(pool.lm, self.max_batch) if pool.lm is not None else None
+                    how = "alone"
+                    if isinstance(job, GenerationJob) and batch is not None:
+                        try:
+                            how = job.admit(pool, batch)
+                        except BaseException:  # Ctrl-C while prefilling
+                            job.fail(RequestError("the server is shutting down", status=503,
+                                                  kind="server_error"))
+                            raise
+                    if how == "done":
+                        self._finished([job], pool)
+                    elif how == "alone":
+                        if batch is None or not len(batch):
+                            self._alone(job, pool)
+                        else:
+                            held = job
+                    if how != "joined":
+                        continue
+                    if batch is not None and self._queue and not batch.full:
+                        continue  # others arrived together: they join before the next step
+                if batch is not None and len(batch):
+                    self._step(batch, pool)
+        finally:
+            if batch is not None and len(batch):
+                batch.cancel_all()
+            if held is not None:
+                held.fail(RequestError("the server is shutting down", status=503,
+                                       kind="server_error"))
+
+    def _alone(self, job: Job, pool: ModelPool) -> None:
+        try:
+            job.run(pool)
+        except Exception:  # jobs report their own errors; this is a last resort
+            log.exception("engine job failed")
+        except BaseException:  # Ctrl-C while generating: tell the client, then stop
+            job.fail(RequestError("the server is shutting down", status=503,
+                                  kind="server_error"))
+            raise
+        self._finished([job], pool)
+
+    def _step(self, batch: Batch, pool: ModelPool) -> None:
+        try:
+            batch.step()
+        except Exception as exc:  # a bug: every row fails, the engine thread lives on
+            log.exception("batched decoding failed")
+            error = RequestError(f"internal error: {exc}", status=500, kind="server_error")
+            for job in list(self._running):
+                if isinstance(job, GenerationJob) and not job.finished:
+                    job.finished = True
+                    job.fail(error)
+            batch.drop_all()
+        done: list[Job] = [j for j in self._running
+                           if isinstance(j, GenerationJob) and j.finished]
+        with self._cv:
+            self._batch.update(rows=len(batch), steps=batch.steps, tokens=batch.rows_stepped,
+                               peak_rows=max(self._batch["peak_rows"], batch.peak_rows))
+        if done:
+            self._finished(done, pool)
+
+    def _finished(self, jobs: list[Job], pool: ModelPool) -> None:
+        status = pool.status()
+        with self._cv:
+            for job in jobs:
+                if job in self._running:
+                    self._running.remove(job)
                 self._counts["cancelled" if job.cancelled else "completed"] += 1
-                self._pool_status = status
+            self._pool_status = status
