@@ -53,7 +53,8 @@ class GenerationEvent:
     """One step of a generation: a text delta and the running figures.
 
     `finish_reason` is None until the last event: 'stop' (EOS or a stop string), 'length'
-    (max tokens) or 'cancelled'.
+    (max tokens) or 'cancelled'. `drafted_tokens` / `accepted_tokens`: speculative
+    decoding's running counts (0 when it did not run).
     """
 
     text: str
@@ -66,3 +67,6 @@ class GenerationEvent:
     decode_tps: float
     peak_memory_bytes: int
     finish_reason: str | None = None
+    # Speculative decoding: tokens drafted so far in this reply, and how many the target kept.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0

@@ -61,6 +61,7 @@ from engine.runtime.model import (
 )
 from engine.runtime.readahead import read_ahead
 from engine.runtime.sampling import LogitsProcessor, Sampler, SamplingParams
+from engine.runtime.speculative import Drafter, Speculator, for_reply
 from engine.runtime.tokenizer import StreamingDetokenizer, Tokenizer
 from engine.telemetry import GenerationEvent, Timeline
 
@@ -320,13 +321,16 @@ def generate(
     timeline: Timeline | None = None,
     prefix_cache: bool | None = None,
     logits_processors: Sequence[LogitsProcessor] = (),
+    drafter: str | Drafter = "auto",
 ) -> Iterator[GenerationEvent]:
     """Stream a completion of `prompt` (token ids). See the module docstring.
 
     prefix_cache: None uses the model's SSD prefix cache if enabled; False skips it; True
     enables it first if needed. logits_processors: `(tokens so far, logits) -> logits`
     before sampling (a grammar's mask); they see every token up to the one being sampled, so
-    decode is not pipelined while they run.
+    decode is not pipelined while they run. drafter: speculative decoding
+    (engine.runtime.speculative): "auto" (prompt lookup when it pays), "off", "lookup"
+    (always), or a Drafter such as a ModelDrafter.
     """
     own = prompt_cache is None
     pc = prompt_cache or lm.new_cache()
@@ -336,7 +340,7 @@ def generate(
     prefix = lm.prefix_cache if prefix_cache is not False else None
     try:
         yield from _generate(lm, prompt, params, max_tokens, stop, cancel, pc, timeline, prefix,
-                             logits_processors)
+                             logits_processors, drafter)
     finally:
         if own:
             pc.close()  # a paged cache's threads and files go with the reply
@@ -356,6 +360,7 @@ def _generate(
     timeline: Timeline | None = None,
     prefix: PrefixCache | None = None,
     logits_processors: Sequence[LogitsProcessor] = (),
+    drafter: str | Drafter = "auto",
 ) -> Iterator[GenerationEvent]:
     params = params or SamplingParams()
     if not prompt:
@@ -466,10 +471,12 @@ def _generate(
             saved[0] = True
             prefix.store(pc.cache, prompt, plan, window[0], tail)
 
+    spec = for_reply(lm, drafter, params, logits_processors, sampler, pc,
+                     lambda x: _forward(lm, x, cache, pc, repair), stats)
     try:
         yield from _decode(lm, cache, pc, sampler, y, history, detok, stop, cancel,
                            max_tokens, pipelined, event, timeline, t_first_decode, prefill_s,
-                           save_prefix, repair)
+                           save_prefix, repair, spec)
     finally:
         save_prefix()
 
@@ -479,9 +486,12 @@ def _decode(lm: LoadedModel, cache: list[LayerCache], pc: PromptCache, sampler: 
             cancel: Callable[[], bool], max_tokens: int, pipelined: bool,
             event: Callable[..., GenerationEvent], timeline: Timeline, t_first_decode: float,
             prefill_s: float, after_first: Callable[[], None],
-            repair: Callable[[int], None] | None = None) -> Iterator[GenerationEvent]:
-    """The decode loop: one event per token; `after_first` runs once the first is out."""
+            repair: Callable[[int], None] | None = None, spec: Speculator | None = None
+            ) -> Iterator[GenerationEvent]:
+    """The decode loop: one event per token; `after_first` runs once the first is out.
+    With `spec`, a step may verify drafts: the accepted ones (`ahead`) are in the cache."""
     pending = ""
+    ahead: list[int] = []
     n = 0
     t_first = 0.0
     reason: str | None = None
@@ -489,15 +499,16 @@ def _decode(lm: LoadedModel, cache: list[LayerCache], pc: PromptCache, sampler: 
         if n and cancel():  # checked before each new token, so nothing runs past a Stop
             reason = "cancelled"
             break
-        fed = False
+        drafted = fed = bool(ahead)
+        plain = spec is None or drafted or spec.rest()
         # The first token goes out before the next step is queued: building that step reads
         # pages (a restored context's, cold), which must not delay it.
-        if pipelined and 0 < n and n + 1 < max_tokens:
+        if not fed and plain and pipelined and 0 < n and n + 1 < max_tokens:
             next_y = sampler(_forward(lm, y[None], cache, pc, repair)[:, -1, :], history)
             mx.async_eval(next_y)
             fed = True
-        tok = int(y.item())
-        if fed:
+        tok = ahead.pop(0) if drafted else int(y.item())
+        if fed and not drafted:
             pc.tokens.append(tok)
         n += 1
         if n == 1:
@@ -518,12 +529,15 @@ def _decode(lm: LoadedModel, cache: list[LayerCache], pc: PromptCache, sampler: 
         yield event(text, tok, n, t_first, prefill_s)
         if n == 1:
             after_first()
-        if not fed:
+        if not fed and spec is not None and not plain:
+            ahead, next_y = spec.step(tok, history, max_tokens - n)
+        elif not fed:
             next_y = sampler(_forward(lm, mx.array([[tok]]), cache, pc, repair)[:, -1, :],
                              history)
             pc.tokens.append(tok)
             mx.async_eval(next_y)
-        y = next_y
+        if not drafted:
+            y = next_y
     tail, _, _ = _stop_split(pending + detok.flush(), stop)
     yield event(tail, None, n, t_first, prefill_s, reason)
 

@@ -1,0 +1,321 @@
+"""Speculative decoding: a drafter proposes the next tokens, the target checks them in one pass.
+
+Contract: a drafter (`LookupDrafter`: n-gram matches against the prompt and the reply so far;
+`ModelDrafter`: a library model with the target's vocabulary, greedy) proposes token ids;
+`Speculator.step(tok, history, room)` feeds `tok` plus the drafts to the target in one
+forward pass, samples every position with the reply's own sampler and keeps the drafts up to
+the first one the target's sample disagrees with, then the target's token there. Drafts are
+point masses, so "accept x when the target's sample is x, else emit that sample" is standard
+speculative sampling (accept with p(x); on rejection a draw from p without x, renormalized):
+greedy text is the plain decode's, sampled text keeps the target's distribution. Rejected
+positions are trimmed from the cache (mlx-lm's KVCache trim, the paged cache's trim).
+`for_reply` decides per reply whether speculation runs at all ("off", logits processors or a
+repetition penalty: never), and the speculator decides per step how many tokens to draft
+from the acceptance rate it has seen and the measured cost of a verify pass of each length
+against a plain step (per model), resting (plain, pipelined decode) when drafting would be
+slower. Counts go to the reply's stats (`drafted_tokens`, `accepted_tokens`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import mlx.core as mx
+
+from engine.errors import StrataError
+from engine.kv import SPARSE_MAX_L, trimmable
+from engine.runtime.sampling import LogitsProcessor, Sampler, SamplingParams
+from engine.runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # generate.py imports this module: the types only, for the checker
+    from engine.runtime.generate import LoadedModel, PromptCache
+
+K_MAX = 8  # draft tokens per verify pass, at most
+# A verify pass of L tokens is assumed to cost 1 + SLOPE * (L - 1) plain steps until measured.
+PRIOR_SLOPE = 0.25
+PRIOR_ACCEPT = (1.0, 2.0)  # (accepted, reached) before any draft: acceptance 0.5
+DECAY = 0.9  # per verify pass: the acceptance follows the reply as it goes on
+MARGIN = 1.05  # drafting must promise this much over a plain step
+PROBE_EVERY = 32  # plain tokens between two probes while resting
+EMA = 0.3  # weight of a new timing
+DRAFT_SETTINGS = ("auto", "off", "lookup")
+
+
+class DraftRefused(StrataError):
+    """A draft model that cannot draft for this target (another vocabulary)."""
+
+
+class Drafter(Protocol):
+    """Proposes up to k token ids that follow `history` (prompt and reply so far)."""
+
+    name: str
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]: ...
+
+    def cost_per_token(self) -> float:
+        """Seconds one drafted token costs (0 for lookup)."""
+        ...
+
+
+# -- drafters ----------------------------------------------------------------------------
+
+class LookupDrafter:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the last n
+    tokens (n from max_n down to min_n), from the prompt or the reply itself."""
+
+    name = "lookup"
+
+    def __init__(self, min_n: int = 3, max_n: int = 5) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        # n -> n-gram -> end (exclusive) of its latest occurrence indexed so far
+        self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in
+                                                              range(min_n, max_n + 1)}
+        self._done = 0  # n-grams ending before this position are indexed
+        self._seq: list[int] = []
+
+    def _extend(self, history: Sequence[int]) -> None:
+        seq = self._seq
+        if len(seq) > len(history) or seq != list(history[:len(seq)]):
+            # Another history (a new prompt): index again from the start.
+            self._index = {n: {} for n in self._index}
+            self._done, seq = 0, []
+        seq.extend(history[len(seq):])
+        self._seq = seq
+        # Index every n-gram that ends before the last position (the query's own end).
+        for end in range(max(self._done, 1), len(seq)):
+            for n, table in self._index.items():
+                if end >= n:
+                    table[tuple(seq[end - n:end])] = end
+        self._done = max(self._done, len(seq) - 1 if seq else 0)
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        if k <= 0 or len(history) <= self.min_n:
+            return []
+        self._extend(history)
+        seq, h = self._seq, len(self._seq)
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if h < n:
+                continue
+            end = self._index[n].get(tuple(seq[h - n:]))
+            if end is not None:
+                return seq[end:min(end + k, h)]
+        return []
+
+    def cost_per_token(self) -> float:
+        return 0.0
+
+
+def vocabulary_key(tok: Tokenizer) -> str:
+    """A digest of a tokenizer's vocabulary (pieces, ids, added tokens): equal keys, same ids
+    for the same text."""
+    folder = tok.folder
+    h = hashlib.sha256()
+    if (folder / "tokenizer.json").is_file():
+        data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+        vocab = (data.get("model") or {}).get("vocab")
+        h.update(json.dumps(vocab, sort_keys=True).encode())
+        added = sorted((t.get("id"), t.get("content")) for t in data.get("added_tokens") or [])
+        h.update(json.dumps(added).encode())
+    elif (folder / "tokenizer.model").is_file():
+        h.update((folder / "tokenizer.model").read_bytes())
+    h.update(str(tok.vocab_size).encode())
+    return h.hexdigest()
+
+
+class ModelDrafter:
+    """A smaller (or lower-bit) library model with the target's vocabulary drafts greedily
+    over its own prompt cache, trimmed to the history it is asked about."""
+
+    def __init__(self, target: LoadedModel, draft: LoadedModel) -> None:
+        if vocabulary_key(draft.tokenizer) != vocabulary_key(target.tokenizer):
+            raise DraftRefused(
+                f"draft model {draft.manifest['name']}: its vocabulary "
+                f"({draft.tokenizer.vocab_size} tokens) is not the vocabulary of "
+                f"{target.manifest['name']} ({target.tokenizer.vocab_size} tokens)")
+        self.name = str(draft.manifest["name"])
+        self.lm = draft
+        self.pc: PromptCache = draft.new_cache()
+        self._limit = target.tokenizer.vocab_size
+        self._cost = 0.0
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        t0 = time.perf_counter()
+        pc, model = self.pc, self.lm.model
+        common = pc.reuse(history)
+        todo = list(history[common:])
+        logits = None
+        for i in range(0, len(todo), 512):
+            logits = model(mx.array(todo[i:i + 512])[None], cache=pc.cache)
+            if i + 512 < len(todo):
+                mx.eval([c.state for c in pc.cache])
+        pc.tokens.extend(todo)
+        assert logits is not None  # reuse leaves at least one token to run
+        out: list[int] = []
+        y: Any = mx.argmax(logits[:, -1, :], axis=-1)
+        for _ in range(k):
+            d = int(y.item())
+            if d >= self._limit:
+                break  # a padded row of the draft's embedding: no token of the target's
+            out.append(d)
+            if len(out) == k:
+                break
+            y = mx.argmax(model(mx.array([[d]]), cache=pc.cache)[:, -1, :], axis=-1)
+            pc.tokens.append(d)
+        n = max(len(out), 1)
+        dt = (time.perf_counter() - t0) / n
+        self._cost = dt if self._cost == 0 else (1 - EMA) * self._cost + EMA * dt
+        return out
+
+    def cost_per_token(self) -> float:
+        return self._cost
+
+    def close(self) -> None:
+        self.pc.close()
+
+
+# -- costs and policy --------------------------------------------------------------------
+
+@dataclass
+class StepCosts:
+    """Seconds of a target forward pass (plus sampling) of L tokens, measured per model."""
+
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    def add(self, length: int, seconds: float) -> None:
+        old = self.seconds.get(length)
+        self.seconds[length] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def ratio(self, length: int) -> float:
+        """Cost of a pass of `length` tokens in plain steps."""
+        prior = 1 + PRIOR_SLOPE * (length - 1)
+        one, this = self.seconds.get(1), self.seconds.get(length)
+        if one is None or this is None:
+            return prior
+        return this / one
+
+
+_COSTS: weakref.WeakKeyDictionary[Any, StepCosts] = weakref.WeakKeyDictionary()
+
+
+def costs_of(lm: LoadedModel) -> StepCosts:
+    """The model's measured step costs (kept across replies while the model is loaded)."""
+    c = _COSTS.get(lm)
+    if c is None:
+        c = _COSTS[lm] = StepCosts()
+    return c
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a verify pass yields with k drafts, each accepted with `alpha` after the last."""
+    return sum(alpha ** i for i in range(k + 1))
+
+
+class Speculator:
+    """One reply's speculation over the target's cache: drafts, verifies, trims, decides."""
+
+    def __init__(self, lm: LoadedModel, drafter: Drafter, sampler: Sampler, pc: PromptCache,
+                 forward: Callable[[Any], Any], stats: dict[str, Any], forced: bool,
+                 k_max: int = K_MAX) -> None:
+        self.lm, self.drafter, self.sampler, self.pc = lm, drafter, sampler, pc
+        self.forward, self.stats, self.forced, self.k_max = forward, stats, forced, k_max
+        self.costs = costs_of(lm)
+        self.accepted, self.reached = PRIOR_ACCEPT
+        self._since_probe = 0
+        self._probe = False
+        stats.setdefault("drafted_tokens", 0)
+        stats.setdefault("accepted_tokens", 0)
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.reached
+
+    def best_k(self, limit: int) -> int:
+        """The draft length with the most tokens per second (0: a plain step is faster)."""
+        if limit <= 0:
+            return 0
+        one = self.costs.seconds.get(1)
+        per_draft = self.drafter.cost_per_token() / one if one else 0.0
+        best, best_gain = 0, MARGIN if not self.forced else 0.0
+        for k in range(1, limit + 1):
+            gain = expected_tokens(self.alpha, k) / (self.costs.ratio(k + 1) + k * per_draft)
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best
+
+    def rest(self) -> bool:
+        """Whether the next step is a plain (pipelined) one: drafting would not pay. Called
+        once per token; every PROBE_EVERY resting tokens one short draft is tried again."""
+        if self.forced or 1 not in self.costs.seconds or self.best_k(self.k_max) > 0:
+            return False
+        self._since_probe += 1
+        if self._since_probe >= PROBE_EVERY:
+            self._since_probe = 0
+            self._probe = True
+            return False
+        return True
+
+    def step(self, tok: int, history: list[int], room: int) -> tuple[list[int], Any]:
+        """Feed `tok` (the history's last token) and drafts; (accepted drafts, now in the
+        cache and in pc.tokens, and the lazy next token, which is not)."""
+        cache = self.pc.cache
+        k = 0
+        if 1 in self.costs.seconds and all(trimmable(c, self.k_max) for c in cache):
+            k = 1 if self._probe else self.best_k(min(self.k_max, room - 1))
+            self._probe = False
+        drafts = self.drafter.propose(history, k) if k else []
+        t0 = time.perf_counter()
+        logits = self.forward(mx.array([[tok, *drafts]]))[0]
+        ys = self.sampler(logits, history)
+        if not drafts:
+            mx.eval(ys)
+            self.costs.add(1, time.perf_counter() - t0)
+            self.pc.tokens.append(tok)
+            return [], ys
+        out = ys.tolist()
+        self.costs.add(len(drafts) + 1, time.perf_counter() - t0)
+        a = 0
+        while a < len(drafts) and out[a] == drafts[a]:
+            a += 1
+        reject = len(drafts) - a
+        if reject:
+            for c in cache:
+                c.trim(reject)
+        self.pc.tokens.extend([tok, *drafts[:a]])
+        self.accepted = self.accepted * DECAY + a
+        self.reached = self.reached * DECAY + min(a + 1, len(drafts))
+        self.stats["drafted_tokens"] += len(drafts)
+        self.stats["accepted_tokens"] += a
+        return drafts[:a], mx.array(out[a:a + 1], dtype=mx.uint32)
+
+
+def for_reply(lm: LoadedModel, drafter: str | Drafter | None, params: SamplingParams,
+              processors: Sequence[LogitsProcessor], sampler: Sampler, pc: PromptCache,
+              forward: Callable[[Any], Any], stats: dict[str, Any]) -> Speculator | None:
+    """The reply's speculator, or None for plain decoding: drafter "off" (or None), logits
+    processors or a repetition penalty (they need each token before the next is drafted), or
+    a cache that cannot trim. "auto" drafts by prompt lookup when it pays; "lookup" or a
+    Drafter (a ModelDrafter) always drafts."""
+    if drafter is None or drafter == "off" or processors or params.repetition_penalty != 1.0:
+        return None
+    if isinstance(drafter, str):
+        if drafter not in DRAFT_SETTINGS:
+            raise StrataError(f"draft setting {drafter!r}: expected one of "
+                              f"{', '.join(DRAFT_SETTINGS)} or a draft model")
+        forced = drafter == "lookup"
+        drafter = LookupDrafter()
+    else:
+        forced = True
+    if not all(trimmable(c, 1) for c in pc.cache):
+        return None
+    k_max = K_MAX
+    if lm.paged and lm.kv_settings is not None and lm.kv_settings.mode == "sparse":
+        k_max = SPARSE_MAX_L - 1  # the sparse attention takes at most this many queries
+    return Speculator(lm, drafter, sampler, pc, forward, stats, forced, k_max)
