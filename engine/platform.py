@@ -215,6 +215,9 @@ class MemorySnapshot:
     compressed_bytes: int | None
     kv_ssd_reason: str | None = None
     prefix_disk_reason: str | None = None
+    kv_shared_bytes: int | None = None  # pages a paged cache maps from the prefix cache
+    prefix_hits: int | None = None  # prompts that restored stored pages, of prefix_lookups
+    prefix_lookups: int | None = None
 
 
 def memory_snapshot(weights_bytes: int | None = None,
@@ -222,7 +225,10 @@ def memory_snapshot(weights_bytes: int | None = None,
                     kv_ssd_bytes: int | None = None,
                     prefix_disk_bytes: int | None = None,
                     kv_ssd_reason: str | None = None,
-                    prefix_disk_reason: str | None = None) -> MemorySnapshot:
+                    prefix_disk_reason: str | None = None,
+                    kv_shared_bytes: int | None = None,
+                    prefix_hits: int | None = None,
+                    prefix_lookups: int | None = None) -> MemorySnapshot:
     """psutil's system and process figures plus MLX's counters (only if MLX is loaded).
 
     The caller supplies what only the runtime knows: weights and KV bytes in RAM, the paged
@@ -267,6 +273,9 @@ def memory_snapshot(weights_bytes: int | None = None,
         kv_ssd_reason=None if kv_ssd_bytes is not None else (kv_ssd_reason or "paged KV off"),
         prefix_disk_reason=None if prefix_disk_bytes is not None
         else (prefix_disk_reason or "prefix cache off"),
+        kv_shared_bytes=kv_shared_bytes,
+        prefix_hits=prefix_hits,
+        prefix_lookups=prefix_lookups,
     )
 
 

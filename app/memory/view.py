@@ -37,6 +37,9 @@ PROCESS_ROWS = (
     ("kv_ram", "KV cache in RAM", "keys and values of the open chats"),
     ("kv_ssd", "KV cache on SSD", "pages of the paged KV cache spilled to the SSD"),
     ("prefix_disk", "Prefix cache on disk", "prompt prefixes kept warm across restarts"),
+    ("kv_shared", "KV shared with the prefix cache",
+     "stored pages a chat reads in place, not copied"),
+    ("prefix_hits", "Prefix cache hits", "prompts that found stored pages, this session"),
     ("rest", "Rest of the process", "resident memory minus weights and KV cache"),
     ("rss", "Process resident (RSS)", "what the operating system counts for Strata"),
     ("mlx_active", "MLX active", "memory MLX has allocated and in use"),
@@ -53,6 +56,14 @@ SYSTEM_ROWS = (
 )
 
 
+def _hit_rate(hits: int | None, lookups: int | None) -> str:
+    if hits is None or lookups is None:
+        return "prefix cache off"
+    if not lookups:
+        return "no prompt yet"
+    return f"{hits} of {lookups} prompts ({100 * hits / lookups:.0f}%)"
+
+
 def snapshot_figures(s: MemorySnapshot) -> dict[str, str]:
     """Label texts for every row key, from one snapshot."""
     rest: int | None = None
@@ -66,6 +77,9 @@ def snapshot_figures(s: MemorySnapshot) -> dict[str, str]:
         else "no model loaded",
         "kv_ssd": human_bytes(s.kv_ssd_bytes),
         "prefix_disk": human_bytes(s.prefix_disk_bytes),
+        "kv_shared": human_bytes(s.kv_shared_bytes) if s.kv_shared_bytes is not None
+        else "paged KV off",
+        "prefix_hits": _hit_rate(s.prefix_hits, s.prefix_lookups),
         "rest": human_bytes(rest),
         "rss": human_bytes(s.process_rss_bytes),
         "mlx_active": human_bytes(s.mlx_active_bytes),

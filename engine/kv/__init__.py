@@ -31,6 +31,7 @@ from engine.kv.cache import (
     PagedLayerCache,
     WindowLayerCache,
     close_caches,
+    shared_bytes,
     ssd_bytes,
     trimmable,
 )
@@ -50,7 +51,7 @@ __all__ = ["BITS", "SPARSE_MAX_L", "DEFAULT_GROUP", "GROUP_SIZES", "MODES", "KVG
            "KVSettings",
            "KVStore", "KVUnpageable", "LayerCache", "PagedLayerCache", "WindowLayerCache",
            "close_caches", "geometry_of", "make_paged_cache", "settings_from_env",
-           "ssd_bytes", "trimmable"]
+           "shared_bytes", "ssd_bytes", "trimmable"]
 
 
 def geometry_of(model: Any, dtype: str | None = None, caches: list[Any] | None = None

@@ -240,6 +240,13 @@ def close_caches(caches: Sequence[LayerCache]) -> None:
         s.close()
 
 
+def shared_bytes(caches: Iterable[LayerCache]) -> int:
+    """Bytes of pages these caches map from the prefix cache's files (a restored prefix:
+    shared with the SSD store, not copied)."""
+    stores = {id(c.store): c.store for c in caches if isinstance(c, PagedLayerCache)}
+    return sum(int(s.stats()["bytes_shared"]) for s in stores.values())
+
+
 def ssd_bytes(caches: Iterable[LayerCache]) -> int:
     """Bytes the SSD tier holds for these caches (each store counted once; mlx-lm's: 0)."""
     stores = {id(c.store): c.store for c in caches

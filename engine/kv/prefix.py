@@ -273,6 +273,7 @@ class TailSnapshot:
 
 @dataclass
 class PrefixStats:
+    lookups: int = 0
     hits: int = 0
     restored_tokens: int = 0
     restore_s: float = 0.0
@@ -459,6 +460,7 @@ class PrefixCache:
         """Chain hashes of the prompt's full pages (at least one token left to prefill) and
         the longest run of them on disk."""
         n = max(0, (len(prompt) - 1) // self.P)
+        self.stats.lookups += 1
         hashes = chain_hashes(prompt, self.P, self.key, n)
         hit, runs = self._walk(hashes, 0)
         stored = hit

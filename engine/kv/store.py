@@ -458,9 +458,12 @@ class KVStore:
         """Pages and bytes per tier (encoded sizes: quantized pages count as stored)."""
         ram_pages = sum(t.n_resident for t in self.tables)
         ssd_pages = sum(t.n_on_disk for t in self.tables)
+        mapped = self.mapped_pages
         return {"pages_ram": ram_pages, "pages_ssd": ssd_pages,
                 "bytes_ram": ram_pages * self.page_bytes,
-                "bytes_ssd": ssd_pages * self.record_bytes,
+                # This session's own pages on the SSD; mapped ones are the prefix cache's.
+                "bytes_ssd": (ssd_pages - mapped) * self.record_bytes,
+                "bytes_shared": mapped * self.record_bytes,
                 "ram_budget_bytes": self.max_slots * self.n_layers * self.page_bytes,
                 "kv_bits": self.codec.bits, "ssd_full": self.ssd_full_reason,
                 "pages_mapped": self.mapped_pages,

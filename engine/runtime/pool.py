@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import Cancelled, StrataError
-from engine.kv import KVSettings, ssd_bytes
+from engine.kv import KVSettings, shared_bytes, ssd_bytes
 from engine.kv import settings_from_env as kv_settings_from_env
 from engine.kv.prefix import PrefixSettings, clear_folder, prefix_folder_bytes
 from engine.kv.prefix import settings_from_env as prefix_settings_from_env
@@ -316,7 +316,7 @@ class ModelPool:
         a figure that does not exist now comes with the reason."""
         caches = self.prompt_caches()
         kv = sum(int(pc.nbytes) for pc in caches) if self.lm is not None else None
-        kv_ssd, kv_reason = None, "paged KV off"
+        kv_ssd, kv_reason, shared = None, "paged KV off", None
         settings = self.settings.kv
         if self.lm is not None and self.lm.kv_notice is not None:
             kv_reason = self.lm.kv_notice
@@ -325,17 +325,20 @@ class ModelPool:
                 kv_reason = "SSD tier off"
             else:
                 kv_ssd = ssd_bytes(c for pc in caches for c in pc.cache)
+            shared = shared_bytes(c for pc in caches for c in pc.cache)
         prefix, prefix_reason = None, self._prefix_reason
+        hits = lookups = None
         lm = self.lm
         if lm is not None and lm.prefix_cache is not None:
             prefix = lm.prefix_cache.disk_bytes()
+            hits, lookups = lm.prefix_cache.stats.hits, lm.prefix_cache.stats.lookups
         elif lm is None and self.settings.prefix_cache:
             try:
                 prefix = prefix_folder_bytes(self.prefix_settings())  # earlier runs' pages
             except StrataError as exc:  # a bad STRATA_PREFIX_* value
                 prefix_reason = f"prefix cache unavailable: {exc}"
         return memory_snapshot(self.weights_bytes, kv, kv_ssd, prefix, kv_reason,
-                               prefix_reason)
+                               prefix_reason, shared, hits, lookups)
 
     def status(self) -> dict[str, Any]:
         """The loaded model and the server's prompt caches (most recent first)."""

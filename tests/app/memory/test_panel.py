@@ -42,6 +42,11 @@ def test_missing_counters_read_unavailable_never_zero() -> None:
     assert figures["weights"] == "no model loaded"
     assert figures["compressed"] == "unavailable"
     assert figures["kv_ram"] == "no model loaded"
+    assert figures["kv_shared"] == "paged KV off"
+    assert figures["prefix_hits"] == "prefix cache off"
+    figures = snapshot_figures(memory_snapshot(kv_shared_bytes=3_000_000, prefix_hits=3,
+                                               prefix_lookups=4))
+    assert figures["kv_shared"] == "3.0 MB" and figures["prefix_hits"] == "3 of 4 prompts (75%)"
 
 
 def test_the_chart_takes_each_replys_phases(qtbot: Any) -> None:

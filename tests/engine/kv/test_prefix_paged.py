@@ -149,6 +149,9 @@ def test_a_restore_maps_the_stored_pages_and_copies_nothing(
         assert got == stored.pages * PAGE
         assert store.stats()["pages_mapped"] == stored.pages * store.n_layers
         assert store.stats()["pages_ram"] == 0 and store.counters["ssd_reads"] == 0
+        # Shown as shared with the prefix cache, not as this session's SSD pages.
+        assert store.stats()["bytes_shared"] == got // PAGE * store.n_layers * store.record_bytes
+        assert store.stats()["bytes_ssd"] == 0
         assert pc.stats.bytes_read == stored.pages * (pc.page_head + pc.summary_bytes)
         for run in plan.runs:
             run.path.unlink()  # evicted meanwhile: the open descriptor still reads it
