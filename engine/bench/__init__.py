@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 
-SUITES = ("quick", "full", "kv", "prefix", "kvbits", "import", "stored", "needle")
+SUITES = ("quick", "full", "kv", "prefix", "kvbits", "import", "stored", "needle", "serve")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,6 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_prefix(p)
     _add_kvbits(p)
     _add_needle(p)
+    _add_serve(p)
 
 
 def _add_kv(p: argparse.ArgumentParser) -> None:
@@ -145,6 +146,14 @@ def _add_needle(p: argparse.ArgumentParser) -> None:
                         "with YaRN RoPE scaling (yarn) or both")
 
 
+def _add_serve(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("serve suite")
+    g.add_argument("--clients", default="1,2,4,8",
+                   help="serve: concurrent streaming clients, comma-separated (default 1,2,4,8)")
+    g.add_argument("--requests", type=int, default=8,
+                   help="serve: greedy requests each configuration sends (default 8)")
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """Run `args.suite` (parsed by a parser `add_arguments` set up); its exit code."""
     # Each import below is the chosen suite's alone (see the module docstring).
@@ -172,6 +181,10 @@ def run_cli(args: argparse.Namespace) -> int:
         from engine.bench import needle  # the suite's modules load when it runs
 
         return needle.run(args)
+    if args.suite == "serve":
+        from engine.bench import serve  # the suite's modules load when it runs
+
+        return serve.run(args)
     from engine.bench import quick  # quick and full: the suite's modules load when it runs
 
     return quick.run(args)
