@@ -1,0 +1,469 @@
+"""One model across several machines (or local processes): start or join an MLX group.
+
+Contract: rank 0 (the window, or `generate --ranks N`) calls `start(model, hosts)` or
+`start_local(model, n, join_command)` (which spawns N-1 local ranks on loopback); every other
+rank runs `join()`. Before anything loads, a handshake over a plain TCP control socket (JSON
+lines, rank 0 listening; every wait has a deadline of ours) checks that all ranks run the same
+Strata, MLX and mlx-lm versions, compute profile and model fingerprint (the library
+manifest's), and refuses in one line naming what differs; only then does every rank call
+`mx.distributed.init(backend="ring", strict=True)` (MLX_HOSTFILE: a JSON list of
+["ip:port"], MLX_RANK), load its share (engine.runtime.cluster_split) and, on rank 0, become a
+`LoadedModel` whose forward drives every rank. Tensors travel only over MLX's transport. A
+rank that dies mid-reply ends the reply on rank 0 with one line (`Cluster` as a context
+manager turns MLX's RuntimeError into `ClusterError`); `Cluster.close()` stops the others and
+reaps the processes it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import faulthandler
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import mlx.core as mx
+
+from engine import __version__ as STRATA_VERSION
+from engine.library import Library, Manifest
+from engine.platform import ComputeProfile, compute_profile, memory_facts
+from engine.runtime.cluster_split import (
+    ClusterError,
+    Follower,
+    SplitModel,
+    SplitPlan,
+    choose_split,
+    load_share,
+)
+from engine.runtime.generate import LoadedModel
+from engine.runtime.model import ensure_mlx_lm, mlx_lm_version, read_config, weights_fingerprint
+from engine.runtime.tokenizer import Tokenizer
+from engine.telemetry import Timeline
+
+__all__ = ["Cluster", "ClusterError", "identity", "join", "read_hostfile", "start",
+           "start_local", "write_hostfile"]
+
+JOIN_TIMEOUT_S = 60.0
+# STRATA_CLUSTER_CONTROL: the control socket's address (default: rank 0's host, port + 1).
+CONTROL_ENV = "STRATA_CLUSTER_CONTROL"
+# STRATA_CLUSTER_SPLIT: 'tensor' or 'pipeline' forces the split (default: tensor where it can).
+SPLIT_ENV = "STRATA_CLUSTER_SPLIT"
+
+
+# -- hostfile and control socket --------------------------------------------------------------
+def read_hostfile(path: str | Path) -> list[str]:
+    """The ranks' "ip:port" addresses from an MLX hostfile (a JSON list of ["ip:port"] or of
+    "ip:port"); one line naming the file if it is not one."""
+    try:
+        data = json.loads(Path(path).read_text())
+        hosts = [h[0] if isinstance(h, list) else h for h in data]
+        if len(hosts) < 2 or not all(isinstance(h, str) and ":" in h for h in hosts):
+            raise ValueError("need a list of at least two 'ip:port'")
+    except (OSError, ValueError, TypeError, IndexError) as exc:
+        raise ClusterError(f"{path}: not an MLX hostfile ({exc})") from exc
+    return [str(h) for h in hosts]
+
+
+def write_hostfile(hosts: Sequence[str], path: Path) -> Path:
+    path.write_text(json.dumps([[h] for h in hosts]))
+    return path
+
+
+def _split_addr(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    try:
+        return host, int(port)
+    except ValueError as exc:
+        raise ClusterError(f"{addr!r}: not an ip:port address") from exc
+
+
+def control_address(hosts: Sequence[str]) -> tuple[str, int]:
+    if os.environ.get(CONTROL_ENV):
+        return _split_addr(os.environ[CONTROL_ENV])
+    host, port = _split_addr(hosts[0])
+    return host, port + 1
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n distinct free TCP ports on `host` (held together while picked, so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class _Line:
+    """JSON lines over a socket, every read under a deadline."""
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.buf = b""
+
+    def send(self, obj: dict[str, Any]) -> None:
+        self.sock.sendall(json.dumps(obj).encode() + b"\n")
+
+    def recv(self, deadline: float, waiting: str) -> dict[str, Any]:
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ClusterError(f"{self.peer}: no answer within the deadline ({waiting})")
+            self.sock.settimeout(left)
+            try:
+                chunk = self.sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                raise ClusterError(f"{self.peer}: connection lost ({waiting}: {exc})") from exc
+            if not chunk:
+                raise ClusterError(f"{self.peer}: closed the connection ({waiting})")
+            self.buf += chunk
+        line, _, self.buf = self.buf.partition(b"\n")
+        try:
+            obj = json.loads(line)
+        except ValueError as exc:
+            raise ClusterError(f"{self.peer}: not a Strata rank ({exc})") from exc
+        if not isinstance(obj, dict):
+            raise ClusterError(f"{self.peer}: not a Strata rank")
+        return obj
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+# -- identity ---------------------------------------------------------------------------------
+def identity(manifest: Manifest | None, profile: ComputeProfile) -> dict[str, Any]:
+    """What must be the same on every rank: versions, compute profile, model fingerprint
+    (None: this rank has no such model)."""
+    return {
+        "strata": STRATA_VERSION,
+        "mlx": str(getattr(mx, "__version__", None)),
+        "mlx-lm": mlx_lm_version(),
+        "profile": [profile.name, profile.dtype, profile.dequantize],
+        "fingerprint": None if manifest is None else weights_fingerprint(manifest),
+    }
+
+
+def _differs(rank: int, host: str, mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
+    """One line naming the first thing rank `rank` differs in, or None."""
+    for key, what in (("strata", "Strata version"), ("mlx", "MLX version"),
+                      ("mlx-lm", "mlx-lm version"), ("profile", "compute profile"),
+                      ("fingerprint", "model fingerprint")):
+        a, b = mine.get(key), theirs.get(key)
+        if key == "fingerprint" and b is None:
+            return f"rank {rank} ({host}) refused: it has no copy of the model"
+        if a != b:
+            return f"rank {rank} ({host}) refused: {what} differs ({a} here, {b} there)"
+    return None
+
+
+def _resolve(model: str | Path, library: Library | None) -> tuple[Manifest, Path]:
+    path = Path(model)
+    if path.is_dir() and (path / "config.json").is_file():
+        return {"name": path.name, "path": str(path)}, path
+    manifest = (library or Library()).get(str(model))
+    return manifest, Path(manifest["path"])
+
+
+# -- rank 0 -----------------------------------------------------------------------------------
+def _gather(hosts: Sequence[str], job: dict[str, Any], mine: dict[str, Any], timeout: float,
+            cancel: Callable[[], str | None]) -> list[dict[str, Any]]:
+    """Wait for every other rank on the control socket, check each one's identity, then tell
+    all of them go (with the split) or the refusal line; returns their hellos by rank."""
+    host, port = control_address(hosts)
+    n = len(hosts)
+    deadline = time.monotonic() + timeout
+    peers: dict[int, tuple[_Line, dict[str, Any]]] = {}
+    with socket.create_server((host if host != "localhost" else "127.0.0.1", port),
+                              reuse_port=False) as srv:
+        try:
+            while len(peers) < n - 1:
+                why = cancel()
+                if why:
+                    raise ClusterError(f"the cluster did not start: {why}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [r for r in range(1, n) if r not in peers]
+                    raise ClusterError(
+                        f"rank{'s' if len(missing) > 1 else ''} "
+                        f"{', '.join(map(str, missing))} did not join within {timeout:g} s "
+                        f"(control {host}:{port}): run `strata join` there")
+                srv.settimeout(min(left, 0.5))
+                try:
+                    conn, addr = srv.accept()
+                except TimeoutError:
+                    continue
+                line = _Line(conn, f"{addr[0]}:{addr[1]}")
+                hello = line.recv(deadline, "hello")
+                rank = int(hello.get("rank", -1))
+                if not 0 < rank < n or rank in peers:
+                    line.send({"refused": f"rank {rank} is not expected"})
+                    line.close()
+                    continue
+                line.peer = f"rank {rank} ({addr[0]})"
+                line.send(job)
+                peers[rank] = (line, line.recv(deadline, "identity"))
+            refusal = None
+            for rank in sorted(peers):
+                line, theirs = peers[rank]
+                refusal = refusal or _differs(rank, line.sock.getpeername()[0], mine, theirs)
+            for line, _ in peers.values():
+                with contextlib.suppress(OSError):
+                    line.send({"refused": refusal} if refusal else {"go": job["plan"]})
+            if refusal:
+                raise ClusterError(refusal)
+            return [peers[r][1] for r in sorted(peers)]
+        finally:
+            for line, _ in peers.values():
+                line.close()
+
+
+def _init_group(hosts: Sequence[str], rank: int, hostfile: Path | None) -> Any:
+    if hostfile is None:
+        fd, name = tempfile.mkstemp(prefix="strata-hosts-", suffix=".json")
+        os.close(fd)
+        hostfile = write_hostfile(hosts, Path(name))
+    os.environ["MLX_HOSTFILE"] = str(hostfile)
+    os.environ["MLX_RANK"] = str(rank)
+    try:
+        group = mx.distributed.init(backend="ring", strict=True)
+    except RuntimeError as exc:
+        raise ClusterError(f"rank {rank}: the MLX group did not start ({exc})") from exc
+    if group.size() != len(hosts) or group.rank() != rank:
+        raise ClusterError(f"rank {rank}: MLX gave a group of {group.size()} "
+                           f"(rank {group.rank()}), expected {len(hosts)}")
+    return group
+
+
+class Cluster:
+    """Rank 0's view: the group, the split, the LoadedModel and the ranks it spawned."""
+
+    def __init__(self, lm: LoadedModel, split: SplitModel, peers: list[dict[str, Any]],
+                 procs: list[subprocess.Popen[bytes]] | None = None) -> None:
+        self.lm = lm
+        self.split = split
+        self.peers = peers
+        self.procs = procs or []
+
+    @property
+    def plan(self) -> SplitPlan:
+        return self.split.plan
+
+    def lost(self, exc: BaseException) -> ClusterError:
+        """The one line for a group that broke: which spawned rank exited, if one did."""
+        deadline = time.monotonic() + 2.0
+        dead = _exited(self.procs)
+        while not dead and time.monotonic() < deadline and self.procs:
+            time.sleep(0.05)
+            dead = _exited(self.procs)
+        who = dead or "a rank was lost"
+        line = f"the reply stopped after {self.split.steps} steps: {who} ({exc})"
+        self.split.broken = line
+        return ClusterError(line)
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            if isinstance(exc, RuntimeError):
+                raise self.lost(exc) from exc
+            if isinstance(exc, ClusterError) and self.split.broken:
+                raise self.lost(exc) from exc
+        finally:
+            self.close()
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stop every rank (a quit step) and reap the processes started here: terminated,
+        then killed, if they have not exited within `wait_s`."""
+        self.split.quit()
+        deadline = time.monotonic() + wait_s
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(2.0)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def start(model: str | Path, hosts: Sequence[str], library: Library | None = None,
+          profile: ComputeProfile | None = None, timeline: Timeline | None = None,
+          timeout: float = JOIN_TIMEOUT_S, hostfile: Path | None = None,
+          procs: list[subprocess.Popen[bytes]] | None = None,
+          cancel: Callable[[], str | None] | None = None) -> Cluster:
+    """Rank 0: wait for the other ranks, check them, start the group, load rank 0's share and
+    return the Cluster (its `lm` generates as a one-machine model does)."""
+    ensure_mlx_lm()
+    timeline = timeline or Timeline()
+    profile = profile or compute_profile()
+    manifest, folder = _resolve(model, library)
+    config = read_config(folder)
+    plan = choose_split(config, len(hosts), os.environ.get(SPLIT_ENV) or None)
+    mine = identity(manifest, profile)
+    job = {"model": manifest.get("name"), "fingerprint": mine["fingerprint"],
+           "plan": plan.as_dict()}
+    with timeline.phase("cluster handshake"):
+        peers = _gather(hosts, job, mine, timeout, cancel or (lambda: None))
+    with timeline.phase("cluster group"):
+        group = _init_group(hosts, 0, hostfile)
+    with timeline.phase("tokenizer"):
+        tokenizer = Tokenizer.load(folder)
+    with timeline.phase("weights"):
+        share, config = load_share(folder, plan, group, profile)
+    split = SplitModel(share, config, plan, group)
+    lm = LoadedModel(split, config, tokenizer, manifest, profile, timeline)
+    cluster = Cluster(lm, split, peers, procs)
+    with cluster_errors(cluster), timeline.phase("warm-up"):
+        lm.warm_up()
+    return cluster
+
+
+@contextlib.contextmanager
+def cluster_errors(cluster: Cluster) -> Any:
+    """MLX's RuntimeError from a broken group as the cluster's one line (group kept open)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise cluster.lost(exc) from exc
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM when the process that started it exits."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def start_local(model: str | Path, n: int, join_command: Sequence[str],
+                library: Library | None = None, profile: ComputeProfile | None = None,
+                timeline: Timeline | None = None, timeout: float = JOIN_TIMEOUT_S,
+                env: dict[str, str] | None = None) -> Cluster:
+    """Rank 0 with n-1 local ranks: `join_command` (the `join` subcommand) run n-1 times on
+    loopback with MLX_HOSTFILE, MLX_RANK and the control address in the environment."""
+    if n < 2:
+        raise ClusterError(f"--ranks {n}: a split needs at least 2 ranks")
+    ports = free_ports(n + 1)
+    hosts = [f"127.0.0.1:{p}" for p in ports[:n]]
+    fd, name = tempfile.mkstemp(prefix="strata-hosts-", suffix=".json")
+    os.close(fd)
+    hostfile = write_hostfile(hosts, Path(name))
+    child_env = dict(os.environ if env is None else env)
+    child_env.update({"MLX_HOSTFILE": str(hostfile), CONTROL_ENV: f"127.0.0.1:{ports[n]}"})
+    os.environ[CONTROL_ENV] = child_env[CONTROL_ENV]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank in range(1, n):
+            procs.append(subprocess.Popen(
+                [*join_command], env={**child_env, "MLX_RANK": str(rank)},
+                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))  # noqa: PLW1509
+        return start(model, hosts, library, profile, timeline, timeout, hostfile, procs,
+                     cancel=lambda: _exited(procs))
+    except BaseException:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(5.0)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        raise
+
+
+def _exited(procs: Sequence[subprocess.Popen[bytes]]) -> str | None:
+    dead = [f"rank {r} exited (code {p.returncode})"
+            for r, p in enumerate(procs, start=1) if p.poll() is not None]
+    return "; ".join(dead) or None
+
+
+# -- ranks > 0 --------------------------------------------------------------------------------
+def join(hostfile: str | Path | None = None, rank: int | None = None,
+         library: Library | None = None, profile: ComputeProfile | None = None,
+         timeout: float = JOIN_TIMEOUT_S, say: Callable[[str], None] | None = None) -> int:
+    """A rank > 0: reach rank 0's control socket, send this rank's identity, wait for go,
+    start the group, load this rank's share and run rank 0's steps until it quits; returns the
+    steps run. Every wait before the group runs has a deadline (`timeout` s)."""
+    say = say or (lambda _msg: None)
+    where = hostfile or os.environ.get("MLX_HOSTFILE")
+    if not where:
+        raise ClusterError("no hostfile: pass --hostfile or set MLX_HOSTFILE")
+    hosts = read_hostfile(where)
+    if rank is None:
+        try:
+            rank = int(os.environ.get("MLX_RANK", ""))
+        except ValueError as exc:
+            raise ClusterError("no rank: pass --rank or set MLX_RANK") from exc
+    if not 0 < rank < len(hosts):
+        raise ClusterError(f"rank {rank}: a joining rank is 1 to {len(hosts) - 1}")
+    ensure_mlx_lm()
+    profile = profile or compute_profile()
+    host, port = control_address(hosts)
+    deadline = time.monotonic() + timeout
+    line = _connect(host, port, deadline, timeout)
+    try:
+        line.send({"rank": rank, "memory": memory_facts().available_bytes})
+        job = line.recv(deadline, "the model from rank 0")
+        if "refused" in job:
+            raise ClusterError(str(job["refused"]))
+        try:
+            manifest, folder = _resolve(str(job["model"]), library)
+        except Exception:  # noqa: BLE001 - no copy: said to rank 0, which names it
+            manifest, folder = None, None
+        line.send(identity(manifest, profile))
+        verdict = line.recv(time.monotonic() + timeout, "rank 0's go")
+    finally:
+        line.close()
+    if "refused" in verdict or folder is None:
+        raise ClusterError(str(verdict.get("refused") or "no copy of the model here"))
+    plan = SplitPlan.from_dict(verdict["go"])
+    say(f"rank {rank}: joining a {plan.mode} split of {job['model']} over {plan.ranks} ranks")
+    # init cannot be interrupted (it holds the GIL): a C-level watchdog ends this process if
+    # a neighbour never comes.
+    with open(os.devnull, "w") as devnull:
+        faulthandler.dump_traceback_later(timeout, exit=True, file=devnull)
+        try:
+            group = _init_group(hosts, rank, Path(where))
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+    share, config = load_share(folder, plan, group, profile)
+    follower = Follower(share, config, plan, group, getattr(mx, profile.dtype))
+    try:
+        return follower.serve()
+    except RuntimeError as exc:
+        raise ClusterError(f"rank {rank}: the group was lost ({exc})") from exc
+
+
+def _connect(host: str, port: int, deadline: float, timeout: float) -> _Line:
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=1.0)
+            return _Line(sock, f"rank 0 ({host}:{port})")
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise ClusterError(f"rank 0 did not answer at {host}:{port} within "
+                                   f"{timeout:g} s") from None
+            time.sleep(0.1)
