@@ -10,6 +10,7 @@ headless subcommands (generate, serve, bench, ...) start without Qt.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -240,7 +241,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # Bad KV or prefix-cache options fail before the model loads.
     pool = ModelPool(_library(), PoolSettings(kv=_kv_settings(args),
                                               prefix_cache=args.prefix_cache))
-    lm = pool.get(args.model, timeline=timeline)
+    cluster = _start_cluster(args, timeline) if args.ranks > 1 else None
+    lm = cluster.lm if cluster is not None else pool.get(args.model, timeline=timeline)
     messages = ([{"role": "system", "content": system}] if system else [])
     messages.append({"role": "user", "content": prompt_text})
     ids = (lm.tokenizer.encode(prompt_text) if args.raw else lm.tokenizer.encode_chat(messages))
@@ -251,12 +253,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from engine.runtime.grammar import GrammarProcessor  # start-up: llguidance only here
 
         processors.append(GrammarProcessor(lm.tokenizer, grammar))
-    for ev in generate(lm, ids, params, args.max_tokens, stop=args.stop or (),
-                       timeline=timeline, logits_processors=processors):
-        parts.append(ev.text)
-        if not args.json:
-            print(ev.text, end="", flush=True)
-        last = ev
+    # A split model: a rank lost mid-reply is one line; the other ranks stop with the reply.
+    with cluster if cluster is not None else contextlib.nullcontext():
+        for ev in generate(lm, ids, params, args.max_tokens, stop=args.stop or (),
+                           timeline=timeline, logits_processors=processors):
+            parts.append(ev.text)
+            if not args.json:
+                print(ev.text, end="", flush=True)
+            last = ev
     assert last is not None
     if not args.json:
         print()
@@ -281,6 +285,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "timeline": {k: round(v, 4) for k, v in timeline.durations().items()},
         }
         _print(out, True)
+    return 0
+
+
+def _start_cluster(args: argparse.Namespace, timeline: Any) -> Any:
+    """`generate --ranks N`: rank 0 here, N-1 local `strata join` ranks on loopback."""
+    from engine.runtime.cluster import ClusterError, start_local  # start-up: only when split
+
+    if args.kv_mode not in (None, "mlx"):
+        raise ClusterError(f"--kv-mode {args.kv_mode}: a split model keeps mlx-lm's KV cache")
+    return start_local(args.model, args.ranks, [sys.executable, "-m", "app", "join"],
+                       library=_library(), timeline=timeline)
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    """`strata join`: a rank > 0 of a split model; runs rank 0's steps until it quits."""
+    from engine.runtime.cluster import join  # start-up: MLX loads only when joining
+
+    join(args.hostfile, args.rank, library=_library(), timeout=args.timeout,
+         say=lambda msg: print(msg, file=sys.stderr, flush=True))
     return 0
 
 
@@ -456,8 +479,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-schema", metavar="FILE",
                    help="constrain the output to JSON valid against this JSON schema")
     _add_kv(p)
+    p.add_argument("--ranks", type=int, default=1, metavar="N",
+                   help="split the model across N local processes (MLX ring on loopback)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("join", help="serve as a rank > 0 of a model split across machines")
+    p.add_argument("--hostfile", help="MLX hostfile: JSON list of [\"ip:port\"] per rank "
+                   "(default: $MLX_HOSTFILE)")
+    p.add_argument("--rank", type=int, help="this machine's rank (default: $MLX_RANK)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds to wait for rank 0 and the other ranks (default: 60)")
+    p.set_defaults(func=cmd_join)
 
     p = sub.add_parser("chat", help="chat in the terminal")
     _add_sampling(p, temp=0.7)
