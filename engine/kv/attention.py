@@ -215,7 +215,7 @@ def _catch_up(store: Any, layer: int, n_pages: int) -> None:
 
 
 def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial) -> _Partial:
-    """Quest over blocks of BLOCK_TOKENS: per KV head, the blocks most likely to matter to any
+    """Quest over blocks of BLOCK_TOKENS (8): per KV head, the blocks most likely to matter to any
     of its query heads, within the budget; the sinks and the window are read whole.
 
     A block's bound on q.k (sum over dims of max(q kmin, q kmax), two matmuls) is turned into
@@ -239,11 +239,10 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial) -> _Pa
     _catch_up(store, layer, n_pages)
     h, r, d = qg.shape
     bmin, bmax = table.block_summaries
-    qt = qg.swapaxes(-1, -2)                                        # (H, D, R)
-    bound = (bmax[lo:hi] @ mx.maximum(qt, 0) +
-             bmin[lo:hi] @ mx.minimum(qt, 0))                       # (c, H, nb, R)
-    bound = bound.transpose(1, 0, 2, 3).reshape(h, -1, r)           # (H, c*nb, R)
-    score = mx.logsumexp(bound - acc[0][:, None, :], axis=-1)       # (H, c*nb)
+    qt = qg.swapaxes(-1, -2).astype(bmax.dtype)                     # (H, D, R)
+    bound = (bmax[:, lo * nb:hi * nb] @ mx.maximum(qt, 0) +
+             bmin[:, lo * nb:hi * nb] @ mx.minimum(qt, 0))          # (H, c*nb, R)
+    score = mx.logsumexp(bound.astype(qg.dtype) - acc[0][:, None, :], axis=-1)  # (H, c*nb)
     top = mx.argpartition(-score, kth=k_sel - 1, axis=-1)[:, :k_sel] + lo * nb
     fixed = mx.concatenate([mx.arange(sink * nb), mx.arange(hi * nb, n_pages * nb)])
     blocks = mx.concatenate([mx.broadcast_to(fixed[None], (h, fixed.shape[0])),

@@ -16,8 +16,12 @@ import numpy as np
 
 # Sparse selection's unit (engine.kv.attention): the key summaries are also kept per run of
 # this many tokens of a page. A 128-token page's min/max bound hardly tells pages apart on
-# natural text; 16 tokens (Quest's page) does (docs/benchmarks.md, needles in natural text).
-BLOCK_TOKENS = 16
+# natural text; 8 tokens found a fact that 16 missed at a fifth of the context
+# (docs/benchmarks.md, needles in natural text). Kept in float16 whatever the KV dtype: 1/16
+# of float32 KV's bytes (1/8 of float16 KV's); a bound only ranks blocks, so its rounding
+# does not matter.
+BLOCK_TOKENS = 8
+SUMMARY_DTYPE = mx.float16
 
 
 class LayerTable:
@@ -41,9 +45,10 @@ class LayerTable:
         self._kmin: Any = None
         self._kmax: Any = None
         self._pending: list[tuple[Any, Any]] = []
-        # The same per block of BLOCK_TOKENS (at most the page): (n, kv_heads, blocks,
-        # head_dim) for pages [0, n) where n = `block_pages`; attention appends them as pages
-        # are committed, or catches up from the pages (restored or filled ones).
+        # The same per block of BLOCK_TOKENS (at most the page), head-major so a decode step
+        # bounds every block of a head with one matmul: (kv_heads, n * blocks, head_dim) for
+        # pages [0, n), n = `block_pages`; attention appends them as pages are committed, or
+        # catches up from the pages (restored or filled ones).
         self.block_tokens = min(BLOCK_TOKENS, page_tokens)
         self._bmin: Any = None
         self._bmax: Any = None
@@ -129,8 +134,9 @@ class LayerTable:
             self._kmax = self._kmax[:n_pages] if n_pages else None
         if self.block_pages > n_pages:
             bmin, bmax = self.block_summaries
-            self._bmin = bmin[:n_pages] if n_pages else None
-            self._bmax = bmax[:n_pages] if n_pages else None
+            nb = self.page_tokens // self.block_tokens
+            self._bmin = bmin[:, :n_pages * nb] if n_pages else None
+            self._bmax = bmax[:, :n_pages * nb] if n_pages else None
             self.block_pages = n_pages
         return freed
 
@@ -179,18 +185,24 @@ class LayerTable:
     def add_blocks(self, bmin: Any, bmax: Any) -> None:
         """Append the block summaries of pages [block_pages, block_pages + n): (n, kv_heads,
         blocks, head_dim) element-wise key min and max per block."""
-        self._bpending.append((bmin, bmax))
+        self._bpending.append((bmin.astype(SUMMARY_DTYPE), bmax.astype(SUMMARY_DTYPE)))
         self.block_pages += int(bmin.shape[0])
         if len(self._bpending) % 64 == 0:
             mx.eval(self._bpending[-64:])  # let go of the page tensors (as add_summary)
 
     @property
     def block_summaries(self) -> tuple[Any, Any]:
-        """(block_pages, kv_heads, blocks, head_dim) key min and max per block, or Nones."""
+        """(kv_heads, block_pages * blocks, head_dim) key min and max per block (block j of
+        page i at i * blocks + j), or Nones."""
         if self._bpending:
+            def head_major(a: Any) -> Any:
+                n, h, nb, d = a.shape
+                return a.transpose(1, 0, 2, 3).reshape(h, n * nb, d)
+
+            # One concatenation per read, not per page (a new page is one every P steps).
             head = [] if self._bmin is None else [self._bmin]
-            self._bmin = mx.concatenate(head + [a for a, _ in self._bpending])
+            self._bmin = mx.concatenate(head + [head_major(a) for a, _ in self._bpending], 1)
             head = [] if self._bmax is None else [self._bmax]
-            self._bmax = mx.concatenate(head + [b for _, b in self._bpending])
+            self._bmax = mx.concatenate(head + [head_major(b) for _, b in self._bpending], 1)
             self._bpending = []
         return self._bmin, self._bmax
