@@ -267,7 +267,9 @@ class Speculator:
         cache and in pc.tokens, and the lazy next token, which is not)."""
         cache = self.pc.cache
         k = 0
-        if 1 in self.costs.seconds and all(trimmable(c, self.k_max) for c in cache):
+        # Unforced, the first step is a plain one: it measures what drafting must beat.
+        if ((self.forced or 1 in self.costs.seconds)
+                and all(trimmable(c, self.k_max) for c in cache)):
             k = 1 if self._probe else self.best_k(min(self.k_max, room - 1))
             self._probe = False
         drafts = self.drafter.propose(history, k) if k else []
