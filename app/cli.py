@@ -253,10 +253,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from engine.runtime.grammar import GrammarProcessor  # start-up: llguidance only here
 
         processors.append(GrammarProcessor(lm.tokenizer, grammar))
+    # A split model's other ranks follow one token a step: no drafts there.
+    drafter: Any = "off" if cluster is not None else args.draft
+    if drafter not in ("auto", "off", "lookup"):  # a draft model: same vocabulary or one line
+        from engine.runtime.generate import LoadedModel  # start-up: as above
+        from engine.runtime.speculative import ModelDrafter
+
+        drafter = ModelDrafter(lm, LoadedModel.load(args.draft, library=_library()))
     # A split model: a rank lost mid-reply is one line; the other ranks stop with the reply.
     with cluster if cluster is not None else contextlib.nullcontext():
         for ev in generate(lm, ids, params, args.max_tokens, stop=args.stop or (),
-                           timeline=timeline, logits_processors=processors):
+                           timeline=timeline, logits_processors=processors,
+                           drafter=drafter):
             parts.append(ev.text)
             if not args.json:
                 print(ev.text, end="", flush=True)
@@ -281,6 +289,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "decode_tps": round(last.decode_tps, 2),
             "peak_memory_bytes": last.peak_memory_bytes,
             "finish_reason": last.finish_reason,
+            "drafted_tokens": last.drafted_tokens,
+            "accepted_tokens": last.accepted_tokens,
             "profile": lm.profile.name,
             "timeline": {k: round(v, 4) for k, v in timeline.durations().items()},
         }
@@ -313,6 +323,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
     params = _sampling(args)
     pool = ModelPool(_library(), PoolSettings(prefix_cache=args.prefix_cache))
     lm = pool.get(args.model)
+    drafter: Any = args.draft
+    if drafter not in ("auto", "off", "lookup"):  # a draft model: same vocabulary or one line
+        from engine.runtime.generate import LoadedModel  # start-up: MLX loads only here
+        from engine.runtime.speculative import ModelDrafter
+
+        drafter = ModelDrafter(lm, LoadedModel.load(args.draft, library=_library()))
 
     def new_session() -> Any:
         pool.forget(0)
@@ -345,7 +361,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         try:
             # The flag is read within this turn only.
             for ev in session.send(text, params, args.max_tokens,
-                                   cancel=lambda: stopped[0]):  # noqa: B023
+                                   cancel=lambda: stopped[0], drafter=drafter):  # noqa: B023
                 print(ev.text, end="", flush=True)
                 last = ev
         except KeyboardInterrupt:
@@ -401,6 +417,14 @@ def cmd_smoke(args: argparse.Namespace) -> int:
 
 
 # -- parser -------------------------------------------------------------------------------
+def _add_draft(p: argparse.ArgumentParser) -> None:
+    """generate and chat: --draft, speculative decoding's drafter."""
+    p.add_argument("--draft", default="auto", metavar="{auto,off,lookup,MODEL}",
+                   help="speculative decoding: auto (prompt lookup when it is faster, the "
+                        "default), off, lookup (always), or a library model with the same "
+                        "vocabulary that drafts")
+
+
 def _add_sampling(p: argparse.ArgumentParser, temp: float) -> None:
     p.add_argument("--model", default="starter", help="library name or alias (default: starter)")
     system = p.add_mutually_exclusive_group()
@@ -481,6 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kv(p)
     p.add_argument("--ranks", type=int, default=1, metavar="N",
                    help="split the model across N local processes (MLX ring on loopback)")
+    _add_draft(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_generate)
 
@@ -494,6 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("chat", help="chat in the terminal")
     _add_sampling(p, temp=0.7)
+    _add_draft(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("serve", help="serve the OpenAI API on this machine (loopback)")

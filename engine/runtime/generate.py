@@ -553,15 +553,15 @@ class ChatSession:
         self.cache = lm.new_cache()
 
     def send(self, text: str, params: SamplingParams | None = None, max_tokens: int = 512,
-             cancel: Callable[[], bool] | None = None, timeline: Timeline | None = None
-             ) -> Iterator[GenerationEvent]:
+             cancel: Callable[[], bool] | None = None, timeline: Timeline | None = None,
+             drafter: str | Drafter = "auto") -> Iterator[GenerationEvent]:
         """Append the user's message, stream the reply, and record it when done."""
         self.messages.append({"role": "user", "content": text})
         prompt = self.lm.tokenizer.encode_chat(self.messages)
         reply: list[str] = []
         try:
             for ev in generate(self.lm, prompt, params, max_tokens, cancel=cancel,
-                               prompt_cache=self.cache, timeline=timeline):
+                               prompt_cache=self.cache, timeline=timeline, drafter=drafter):
                 reply.append(ev.text)
                 yield ev
         finally:
