@@ -249,15 +249,19 @@ class SplitModel:
             raise ClusterError(self.broken) from exc
         self.steps += 1
         x = x.astype(mx.int32)
+        inner = self.inner.model
         if self.plan.mode == "tensor":
             x = mx.distributed.all_sum(x, group=self.group)  # the others' zeros: x everywhere
-            return self.inner(x, cache=cache)
-        inner = self.inner.model
-        h = _run_layers(inner.layers, inner.embed_tokens(x), cache)
-        sent = mx.distributed.send(h, 1, group=self.group)
-        mx.async_eval(sent)  # queued before the recv below, on the same stream
-        back = mx.distributed.recv_like(h, self.plan.ranks - 1, group=self.group)
-        out = inner.norm(back)
+            out = inner(x, cache=cache)
+        else:
+            h = _run_layers(inner.layers, inner.embed_tokens(x), cache)
+            sent = mx.distributed.send(h, 1, group=self.group)
+            mx.async_eval(sent)  # queued before the recv below, on the same stream
+            out = inner.norm(mx.distributed.recv_like(h, self.plan.ranks - 1, group=self.group))
+        if cache is not None and cache[-1].keys is not None:
+            # A caller that evaluates only the cache (a prefill chunk) still runs the step's
+            # last collectives, which the other ranks wait on (as mlx-lm's pipelines do).
+            cache[-1].keys = mx.depends(cache[-1].keys, out)
         if getattr(self.inner.args, "tie_word_embeddings", False):
             return inner.embed_tokens.as_linear(out)
         return self.inner.lm_head(out)
