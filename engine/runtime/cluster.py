@@ -274,7 +274,9 @@ class Cluster:
             time.sleep(0.05)
             dead = _exited(self.procs)
         who = dead or "a rank was lost"
-        line = f"the reply stopped after {self.split.steps} steps: {who} ({exc})"
+        root = exc.__cause__ if isinstance(exc, ClusterError) and exc.__cause__ else exc
+        line = (f"the reply stopped after {self.split.decode_steps} decode steps: {who}; "
+                f"{root}")
         self.split.broken = line
         return ClusterError(line)
 

@@ -205,6 +205,7 @@ class SplitModel:
         self.plan = plan
         self.group = group
         self.steps = 0
+        self.decode_steps = 0
         self.broken: str | None = None
         self._next_id = 0
         self._freed: list[int] = []
@@ -248,6 +249,8 @@ class SplitModel:
             self.broken = f"a rank of the cluster was lost ({exc})"
             raise ClusterError(self.broken) from exc
         self.steps += 1
+        # Decode steps (one token each) since the last prompt chunk: what a lost rank cost.
+        self.decode_steps = self.decode_steps + 1 if n == 1 else 0
         x = x.astype(mx.int32)
         inner = self.inner.model
         if self.plan.mode == "tensor":
