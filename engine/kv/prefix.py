@@ -4,24 +4,28 @@ Contract: a page is `page_tokens` prompt tokens; its hash is sha256(parent hash,
 page token ids): a chain, so a page is found only after the same tokens, on the same weights,
 config (RoPE, quantization), compute profile and KV dtype/bits (`model_key`).
 
-Format 3 (this one): each `store` writes the pages that are not on disk yet as ONE run file,
-`<hash of its first page>.kvp` in the prefix folder: a run header (layout, parent hash, the
-chain hashes of its pages, CRC-32), then one page record per page, each `page_bytes` long: the
-page header (hashes, depth, token ids, an xxh3-64 digest of the rest, CRC-32) and one SSD-tier
-record per layer (engine.kv.pagefile's header and CRC), so the two tiers share one record
-format. Pages an earlier run holds are referenced, not copied: a run starts where the stored
-chain ended and names its parent, and `lookup` walks from run to run (the run named after the
-next page's hash), matching page by page, so a prompt that diverges inside a run (or inside a
-page) reuses exactly the pages before. A restore reads each run's pages as one contiguous
-range (few files instead of one per page; docs/benchmarks.md, prefix cache, fourth pass).
+Format 4 (this one): each `store` writes the pages that are not on disk yet as ONE run file,
+`<hash of its first page>.kvp` in the prefix folder: a run header (layout, parent hash, model
+key, the chain hashes of its pages, CRC-32), then one page record per page, each `page_bytes`
+long: the page header (hashes, depth, token ids, xxh3-64 digests of the layer records and of
+the summaries, CRC-32), the key summaries (every layer's min and max of the keys as computed
+per block of BLOCK_TOKENS, float32), and one SSD-tier record per layer (engine.kv.pagefile's
+header and CRC), so the two tiers share one record format. Pages an earlier run holds are
+referenced, not copied: a run starts where the stored chain ended and names its parent, and
+`lookup` walks from run to run (the run named after the next page's hash), matching page by
+page, so a prompt that diverges inside a run (or inside a page) reuses exactly the pages
+before. After the full pages, the prompt's partial last page and its next-token logits are a
+tail record (engine.kv.tail), so a stored prompt restores whole.
 
-Integrity: a restore checks every byte of the pages it uses (page header CRC, hashes, depth,
-tokens, the digest over the layer records, which replaces the records' own CRC-32s: xxh3 runs
-at about 10x zlib's CRC-32). The first page that fails ends the match; its run is cut before it
-(truncated, or deleted if it was the run's first page), so it and the run's later pages are
-never used and the next `store` writes them again. A run header that does not verify, a
-truncated page and a file of another format (format 2's one file per page) are ignored; the
-next store of that name replaces it, and eviction removes unusable files first.
+Integrity: an mlx-lm restore checks every byte of the pages it uses (page header CRC, hashes,
+depth, tokens, the digest over the layer records: xxh3 runs at about 10x zlib's CRC-32); a
+paged restore checks each page's header and summaries, and the store checks each layer
+record (its header and CRC-32) when it first reads it. The first page that fails ends the
+match; its run is cut before it (truncated, or deleted if it was the run's first page), so
+it and the run's later pages are never used and the next `store` writes them again (a
+mapped page that fails later is recomputed by the runtime: `damaged`). A run header that
+does not verify, a truncated page and a file of another format are ignored; the next store
+of that name replaces it, and eviction removes unusable files first.
 
 Sliding-window layers (Gemma 2/3, gpt-oss, Mistral's windowed releases): their KV at a depth
 is only the window before it, which mlx-lm's rotating cache no longer holds once the prompt
@@ -35,13 +39,14 @@ a restored prefix gives the logits a prefill would. Window files go with the bud
 (least recently used first) and when their page is no longer stored.
 
 Every KV mode: `restore` and `store` take mlx-lm's caches (pages map onto its KVCache arrays)
-or the paged KV cache's (engine.kv.cache): a paged restore commits each verified page to the
-caches' store as a computed page is committed (a RAM slot under the store's budget, written
-through to its SSD tier, evicted as usual), and a paged store copies the pages out of the
-store (either tier). The records hold the pages as the store encodes them: at 16 bits the
-keys and values in the compute dtype (the same records as mlx-lm's cache, so all three modes
-share them), at 8 and 4 bits the quantized bytes (format 2 layer records, with the group) and
-each layer's key summaries taken before quantization, so a restore gives the very pages and
+or the paged KV cache's (engine.kv.cache): a paged restore maps the pages into the caches'
+store (`KVStore.map_pages`: cold pages read in place when attention needs them, the run files
+held open so eviction cannot take them from a live session, never copied to the session's
+files), with their block summaries, and a paged store copies new pages out of the store
+(either tier). The records hold the pages as the store encodes them: at 16 bits the keys and
+values in the compute dtype (the same records as mlx-lm's cache, so all three modes share
+them), at 8 and 4 bits the quantized bytes (format 2 layer records, with the group); the
+summaries are always of the keys before quantization, so a restore gives the very pages and
 sparse selections the prefilling store had; bits and group are in the key (`model_key`). The
 page size is the store's (the runtime sets it). A sliding model's window file sets the
 paged mode's window caches; such a model restores into an empty cache only.
@@ -50,7 +55,8 @@ Writes: `store` snapshots new pages on the calling thread; a background thread w
 (temp file + rename, so a run appears whole or not at all). Disk budget: least recently used
 whole runs leave when the folder passes it, and with them every run whose parent page is no
 longer stored (so nothing points into a deleted file); a store never writes a run larger than
-the budget. Format 2 files are never found (the key includes the format) and go first.
+the budget. Files of earlier formats are never found (the key includes the format) and go
+first.
 """
 
 from __future__ import annotations
@@ -88,10 +94,10 @@ from engine.kv.pagefile import (
     DTYPE_CODES,
     FORMAT_VERSION,
     MAGIC,
-    QUANT_FORMAT_VERSION,
     PageHeader,
 )
 from engine.kv.settings import KVGeometry
+from engine.kv.table import BLOCK_TOKENS, SUMMARY_DTYPE
 from engine.kv.tail import SUFFIX as TAIL_SUFFIX
 from engine.kv.tail import Tail, TailLayout, common_prefix, read_tail, tail_name, write_tail
 from engine.platform import default_home, pid_alive
@@ -328,10 +334,15 @@ class PrefixCache:
         self.payload = 2 * kv_heads * self.P * self.codec.vector_bytes(head_dim)
         self.layer_bytes = (_HEADER_Q.size if self.codec.quantized else _HEADER.size
                             ) + self.payload + _CRC.size
-        # Every page carries each layer's key summaries (min and max of the keys as computed,
-        # float32: exact for every compute dtype), so a restore can map the page records
-        # without reading them and sparse mode still selects as the prefilling store did.
-        self.summary_bytes = n_layers * 2 * kv_heads * head_dim * 4
+        # Every page carries each layer's key summaries per block of BLOCK_TOKENS (min and
+        # max of the keys as computed, in the table's SUMMARY_DTYPE: what sparse selection
+        # reads, engine.kv.attention), so a restore can map the page records without
+        # reading them and sparse mode selects as the prefilling store did.
+        self.block = min(BLOCK_TOKENS, self.P)
+        self.blocks = self.P // self.block
+        self.sum_dtype = np.dtype(str(SUMMARY_DTYPE).rsplit(".", 1)[-1])
+        self.summary_bytes = (n_layers * 2 * kv_heads * self.blocks * head_dim
+                              * self.sum_dtype.itemsize)
         self.page_bytes = self.page_head + self.summary_bytes + n_layers * self.layer_bytes
         self.folder = self.settings.root()
         try:
@@ -717,10 +728,16 @@ class PrefixCache:
         if cached > first * P:
             for c in full:  # the partial page held in memory: the stored one replaces it
                 c.trim(cached - first * P)
-        lo, hi = mx.stack(lows, axis=1), mx.stack(highs, axis=1)  # (layers, n, heads, dim)
+        # (layers, n, heads, blocks, dim); the page's own bound is its blocks' extreme.
+        lo, hi = mx.stack(lows, axis=1), mx.stack(highs, axis=1)
         name = plan.runs[0].path.name
         for layer in range(self.n_layers):
-            store.map_pages(layer, records[layer], lo[layer], hi[layer], name)
+            table = store.tables[layer]
+            if table.block_tokens == self.block and table.block_pages == table.n_pages:
+                table.add_blocks(lo[layer], hi[layer])
+            dt = getattr(mx, self.dtype_name)
+            store.map_pages(layer, records[layer], lo[layer].min(axis=2).astype(dt),
+                            hi[layer].max(axis=2).astype(dt), name)
         end = (first + good) * P
         for c in full:
             c.offset = end
@@ -761,54 +778,15 @@ class PrefixCache:
                     self.codec.dtype)
                 and (not c.quantized or c.group == self.codec.group))
 
-    def _parse_record(self, buf: bytearray, h: bytes, depth: int, prompt: Sequence[int]
-                      ) -> list[tuple[Parts, Parts, Any, Any]] | None:
-        """A whole page record, verified (page header, hash, depth, tokens, the digest over
-        every byte after the header, each layer record's header): per layer the encoded k
-        and v parts and the key summaries, MLX arrays; None if anything does not check."""
-        P, heads, hd = self.P, self.kv_heads, self.head_dim
-        digests = self._header_digest(bytes(buf[:self.page_head]), h, depth, prompt)
-        if digests is None:
-            return None
-        sums = self._summaries(memoryview(buf)[self.page_head:self.page_head +
-                                               self.summary_bytes], digests[1])
-        rest = memoryview(buf)[self.page_head + self.summary_bytes:]
-        if sums is None or xxhash.xxh3_64_intdigest(rest) != digests[0]:
-            return None
-        q = self.codec.quantized
-        hs = _HEADER_Q if q else _HEADER
-        dims = self.codec.part_dims(hd)
-        out: list[tuple[Parts, Parts, Any, Any]] = []
-        off = self.page_head + self.summary_bytes
-        for layer in range(self.n_layers):
-            expect = (MAGIC, QUANT_FORMAT_VERSION if q else FORMAT_VERSION, layer, depth,
-                      depth * P, P, self.dtype_code, self.codec.bits, heads, hd, P,
-                      self.payload) + ((self.codec.group,) if q else ())
-            if hs.unpack_from(buf, off) != expect:
-                return None
-            pos = off + hs.size
-            kv: list[Parts] = []
-            for _ in range(2):
-                parts = []
-                for n, dt in dims:
-                    a = np.frombuffer(buf, dt, count=heads * P * n, offset=pos)
-                    parts.append(mx.array(a.reshape(heads, P, n)))
-                    pos += a.nbytes
-                kv.append(tuple(parts))
-            out.append((kv[0], kv[1], None, None))
-            off += self.layer_bytes
-        lo, hi = sums
-        return [(kp, vp, lo[i], hi[i]) for i, (kp, vp, _, _) in enumerate(out)]
-
     def _summaries(self, seg: Any, digest: int) -> tuple[Any, Any] | None:
-        """A page's summary block, verified: (n_layers, kv_heads, head_dim) key min and max
-        as MLX arrays in the compute dtype; None if it does not match its digest."""
+        """A page's summary block, verified: (n_layers, kv_heads, blocks, head_dim) key min
+        and max per block as MLX arrays (SUMMARY_DTYPE); None if it does not match its
+        digest."""
         if xxhash.xxh3_64_intdigest(seg) != digest:
             return None
-        a = np.frombuffer(seg, np.float32).reshape(self.n_layers, 2, self.kv_heads,
-                                                    self.head_dim)
-        dt = getattr(mx, self.dtype_name)
-        return mx.array(a[:, 0]).astype(dt), mx.array(a[:, 1]).astype(dt)
+        a = np.frombuffer(seg, self.sum_dtype).reshape(self.n_layers, 2, self.kv_heads,
+                                                        self.blocks, self.head_dim)
+        return mx.array(a[:, 0]), mx.array(a[:, 1])
 
     def read_pages(self, plan: Plan, prompt: Sequence[int], ks: list[np.ndarray],
                    vs: list[np.ndarray], first: int = 0) -> int:
@@ -1124,13 +1102,27 @@ class PrefixCache:
                             or [tuple(a.shape) for a in vp] != want
                             or [a.dtype for a in kp] != [dt for _, dt in dims]):
                         return None
-                    kmin, kmax = store.summary(layer, d)
-                    row.append((kp, vp, np.array(kmin.astype(mx.float32)),
-                                np.array(kmax.astype(mx.float32))))
+                    kmin, kmax = self._block_summary(store, layer, d)
+                    row.append((kp, vp, kmin, kmax))
                 out.append(row)
         except StrataError:
             return None  # a page of the SSD tier that does not verify: never stored
         return out
+
+    def _block_summary(self, store: Any, layer: int, page: int) -> tuple[Any, Any]:
+        """A stored page's key min and max per block (kv_heads, blocks, head_dim) in the
+        records' dtype: the store's own (taken from the keys as computed) when it has them,
+        else from the page as it holds it (as sparse selection would catch them up)."""
+        table = store.tables[layer]
+        if table.block_tokens == self.block and table.block_pages > page:
+            bmin, bmax = table.block_summaries  # (kv_heads, pages * blocks, head_dim)
+            at = slice(page * self.blocks, (page + 1) * self.blocks)
+            lo, hi = bmin[:, at], bmax[:, at]
+        else:
+            k, _ = store.page_np(layer, page)  # (kv_heads, P, head_dim), decoded
+            kb = k.reshape(self.kv_heads, self.blocks, self.block, self.head_dim)
+            lo, hi = kb.min(axis=2), kb.max(axis=2)
+        return (np.array(lo.astype(SUMMARY_DTYPE)), np.array(hi.astype(SUMMARY_DTYPE)))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until queued pages are on disk; False if `timeout` passed first."""
@@ -1189,7 +1181,8 @@ class PrefixCache:
         x = xxhash.xxh3_64()
         pos = (depth - job.first) * P
         q = self.codec.quantized
-        sums = np.empty((self.n_layers, 2, self.kv_heads, self.head_dim), np.float32)
+        sums = np.empty((self.n_layers, 2, self.kv_heads, self.blocks, self.head_dim),
+                        self.sum_dtype)
         for layer in range(self.n_layers):
             head = PageHeader(layer, depth, depth * P, P, self.dtype_code, self.codec.bits,
                               self.kv_heads, self.head_dim, P, self.payload,
@@ -1202,8 +1195,9 @@ class PrefixCache:
                 for parts in (kp, vp):
                     segs.extend(np.ascontiguousarray(a).data.cast("B") for a in parts)
             else:
-                keys = _as_float32(job.k[layer][:, pos:pos + P])
-                sums[layer, 0], sums[layer, 1] = keys.min(axis=1), keys.max(axis=1)
+                keys = _as_float32(job.k[layer][:, pos:pos + P]).reshape(
+                    self.kv_heads, self.blocks, self.block, self.head_dim)
+                sums[layer, 0], sums[layer, 1] = keys.min(axis=2), keys.max(axis=2)
                 for arr in (job.k[layer], job.v[layer]):
                     segs.extend(np.ascontiguousarray(arr[hh, pos:pos + P]).data.cast("B")
                                 for hh in range(self.kv_heads))
