@@ -186,8 +186,12 @@ def note_blocks(store: Any, layer: int, n_pages: int, rk: Any) -> None:
     full = rk.shape[1] // store.P
     if full and table.block_pages == n_pages:
         h, _, d = rk.shape
-        table.add_blocks(*_blocks_of(rk[:, :full * store.P].reshape(h, full, store.P, d)
-                                     .transpose(1, 0, 2, 3), table.block_tokens))
+        k = rk[:, :full * store.P].reshape(h, full, store.P, d).transpose(1, 0, 2, 3)
+        # From the keys as stored (quantized, or cast to the page dtype), so that a process
+        # that restores these pages and catches up from them selects exactly alike.
+        k = store.codec.decode(store.codec.encode(k)) if store.codec.quantized else \
+            k.astype(store.dtype)
+        table.add_blocks(*_blocks_of(k, table.block_tokens))
 
 
 def _blocks_of(k: Any, b: int) -> tuple[Any, Any]:
