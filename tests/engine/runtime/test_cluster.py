@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
 import psutil
 import pytest
@@ -39,7 +38,6 @@ JOIN = [sys.executable, "-m", "app", "join"]
 
 DRIVER = """
 import json, sys
-import mlx.core as mx
 import numpy as np
 from engine.runtime.cluster import start_local
 from engine.runtime.cluster_split import share_bytes
@@ -49,7 +47,7 @@ model, ranks, tokens, out, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[
 cluster = start_local(model, ranks, [sys.executable, "-m", "app", "join"], timeout=60)
 logits = []
 def capture(history, x):
-    logits.append(np.array(x.astype(mx.float32)).reshape(-1))
+    logits.append(np.array(x).astype(np.float32).reshape(-1))
     return x
 with cluster:
     lm = cluster.lm
@@ -78,7 +76,7 @@ def reference(starter_lm: Any) -> dict[str, Any]:
     logits: list[np.ndarray] = []
 
     def capture(history: list[int], x: Any) -> Any:
-        logits.append(np.array(x.astype(mx.float32)).reshape(-1))
+        logits.append(np.array(x).astype(np.float32).reshape(-1))
         return x
 
     ids = starter_lm.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
@@ -197,7 +195,7 @@ def test_a_rank_that_never_comes_times_out(starter: Any, tmp_path: Path) -> None
 
 def test_a_rank_killed_mid_reply_ends_it_with_one_line_and_no_orphans(
         starter: Any, strata_home: Path) -> None:
-    cmd = [sys.executable, "-m", "app", "generate", "--ranks", "3", "--temp", "0",
+    cmd = [sys.executable, "-m", "app", "generate", "--ranks", "2", "--temp", "0",
            "--max-tokens", "2000", "--no-prefix-cache", "--prompt",
            "Tell me a very long story about a lighthouse keeper."]
     with subprocess.Popen(cmd, env=_env(strata_home), cwd=REPO, stdout=subprocess.PIPE,
@@ -208,8 +206,8 @@ def test_a_rank_killed_mid_reply_ends_it_with_one_line_and_no_orphans(
             first = proc.stdout.read(1)  # the reply has begun
             assert first, proc.stderr.read().decode()
             ranks = rank0.children()
-            assert len(ranks) == 2
-            ranks[1].kill()
+            assert len(ranks) == 1
+            ranks[0].kill()
             t0 = time.perf_counter()
             rc = proc.wait(timeout=20)
             elapsed = time.perf_counter() - t0
@@ -219,10 +217,10 @@ def test_a_rank_killed_mid_reply_ends_it_with_one_line_and_no_orphans(
                 proc.kill()
                 proc.wait()
     assert rc == 1, stderr
-    # Rank 0's one line (the surviving rank, sharing this stderr, says it lost the group).
+    # Rank 0's one line (a surviving rank, sharing this stderr, would say it lost the group).
     errors = [ln for ln in stderr.splitlines() if ln.startswith("strata: error: the reply")]
     assert len(errors) == 1, stderr
-    assert "decode steps: rank 2 exited (code -9); [ring] connection to a peer was lost" \
+    assert "decode steps: rank 1 exited (code -9); [ring] connection to a peer was lost" \
         in errors[0], errors[0]
     assert elapsed < 10, elapsed
     for r in ranks:
