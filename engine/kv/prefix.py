@@ -687,15 +687,18 @@ class PrefixCache:
         head = self.page_head + self.summary_bytes
         good = 0
         records: list[list[tuple[int, int]]] = [[] for _ in range(self.n_layers)]
-        lows: list[Any] = []
-        highs: list[Any] = []
+        # Every page's summaries, read straight into one array: (pages, layers, 2, kv_heads,
+        # blocks, head_dim) in the records' dtype.
+        sums = np.empty((plan.hit_pages - first, self.n_layers, 2, self.kv_heads, self.blocks,
+                         self.head_dim), self.sum_dtype)
         fds = {run.path: fd for run, fd, _ in opened}
-        buf = bytearray(head)
+        buf = bytearray(self.page_head)
         for d in range(first, plan.hit_pages):
             run, i = plan.where(d)
             off = run.offset(i, self.page_bytes)
+            seg = sums[d - first].data.cast("B")
             try:
-                n = os.preadv(fds[run.path], [buf], off)
+                n = os.preadv(fds[run.path], [buf, seg], off)
                 size = os.fstat(fds[run.path]).st_size
             except OSError:
                 n, size = 0, 0
@@ -703,15 +706,11 @@ class PrefixCache:
                 break  # truncated since lookup: this page and those after it are unused
             digests = self._header_digest(bytes(buf[:self.page_head]), plan.hashes[d], d,
                                           prompt)
-            sums = None if digests is None else self._summaries(
-                memoryview(buf)[self.page_head:], digests[1])
-            if sums is None:
+            if digests is None or xxhash.xxh3_64_intdigest(seg) != digests[1]:
                 self.stats.corrupt_pages += 1
                 self._cut(run, i)
                 plan.stored_pages = d
                 break
-            lows.append(sums[0])
-            highs.append(sums[1])
             fd = fds[run.path]
             for layer in range(self.n_layers):
                 records[layer].append((fd, off + head + layer * self.layer_bytes))
@@ -728,16 +727,17 @@ class PrefixCache:
         if cached > first * P:
             for c in full:  # the partial page held in memory: the stored one replaces it
                 c.trim(cached - first * P)
-        # (layers, n, heads, blocks, dim); the page's own bound is its blocks' extreme.
-        lo, hi = mx.stack(lows, axis=1), mx.stack(highs, axis=1)
         name = plan.runs[0].path.name
+        dt = getattr(mx, self.dtype_name)
         for layer in range(self.n_layers):
             table = store.tables[layer]
+            lo, hi = sums[:good, layer, 0], sums[:good, layer, 1]  # (n, heads, blocks, dim)
             if table.block_tokens == self.block and table.block_pages == table.n_pages:
-                table.add_blocks(lo[layer], hi[layer])
-            dt = getattr(mx, self.dtype_name)
-            store.map_pages(layer, records[layer], lo[layer].min(axis=2).astype(dt),
-                            hi[layer].max(axis=2).astype(dt), name)
+                table.add_blocks(mx.array(lo), mx.array(hi))
+            # The page's own bound is its blocks' extreme (numpy: MLX's CPU float16 is slow).
+            store.map_pages(layer, records[layer],
+                            mx.array(lo.min(axis=2).astype(np.float32)).astype(dt),
+                            mx.array(hi.max(axis=2).astype(np.float32)).astype(dt), name)
         end = (first + good) * P
         for c in full:
             c.offset = end
@@ -777,16 +777,6 @@ class PrefixCache:
                 == (self.P, self.kv_heads, self.head_dim, self.n_layers, self.codec.bits,
                     self.codec.dtype)
                 and (not c.quantized or c.group == self.codec.group))
-
-    def _summaries(self, seg: Any, digest: int) -> tuple[Any, Any] | None:
-        """A page's summary block, verified: (n_layers, kv_heads, blocks, head_dim) key min
-        and max per block as MLX arrays (SUMMARY_DTYPE); None if it does not match its
-        digest."""
-        if xxhash.xxh3_64_intdigest(seg) != digest:
-            return None
-        a = np.frombuffer(seg, self.sum_dtype).reshape(self.n_layers, 2, self.kv_heads,
-                                                        self.blocks, self.head_dim)
-        return mx.array(a[:, 0]), mx.array(a[:, 1])
 
     def read_pages(self, plan: Plan, prompt: Sequence[int], ks: list[np.ndarray],
                    vs: list[np.ndarray], first: int = 0) -> int:
