@@ -8,7 +8,8 @@ KVCache) with fill.py (synthetic KV fill), passkey.py (pass-key retrieval) and l
 prefix.py (the SSD prefix cache and multi-turn reuse, each figure from a prefix_worker.py
 process); importing.py (import time and peak memory per file, llama.cpp's load as the
 peer); needle.py (a fact hidden in natural text, exact and sparse, RoPE past the trained
-length); smoke.py (the engine's half of `strata --smoke`); and what they share: stats.py
+length); spec.py (speculative decoding against plain decoding: edit, summary, open chat);
+smoke.py (the engine's half of `strata --smoke`); and what they share: stats.py
 (statistics, ratios, the result schema), system.py (RSS, I/O counters, dropping files from
 the page cache), common.py (prompt ids, machine facts). Modules here may import every floor
 below (the leaves, kv, library, runtime, importers, quant, server), never the window or the
@@ -26,7 +27,8 @@ from __future__ import annotations
 
 import argparse
 
-SUITES = ("quick", "full", "kv", "prefix", "kvbits", "import", "stored", "needle", "serve")
+SUITES = ("quick", "full", "kv", "prefix", "kvbits", "import", "stored", "needle", "serve",
+          "spec")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="quick (about 2 minutes), full (depth sweep, KV modes), kv (paged KV "
                         "decode), prefix (the SSD prefix cache), kvbits (KV precision) or "
                         "import (import time and peak memory of --files), needle (a fact in "
-                        "natural text, exact and sparse)")
+                        "natural text, exact and sparse), spec (speculative decoding against "
+                        "plain)")
     p.add_argument("--model", default="starter",
                    help="library name or alias; comma-separated for several (e.g. recipes)")
     p.add_argument("--depths", help="context depths, comma-separated (quick: 0,512)")
@@ -58,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_prefix(p)
     _add_kvbits(p)
     _add_needle(p)
+    _add_spec(p)
     _add_serve(p)
 
 
@@ -154,6 +158,12 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
                    help="serve: greedy requests each configuration sends (default 8)")
 
 
+def _add_spec(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("spec suite")
+    g.add_argument("--drafters", default="auto",
+                   help="spec: drafters against plain decoding, comma-separated (auto, lookup)")
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """Run `args.suite` (parsed by a parser `add_arguments` set up); its exit code."""
     # Each import below is the chosen suite's alone (see the module docstring).
@@ -177,6 +187,10 @@ def run_cli(args: argparse.Namespace) -> int:
         from engine.bench import stored  # the suite's modules load when it runs
 
         return stored.run(args)
+    if args.suite == "spec":
+        from engine.bench import spec  # the suite's modules load when it runs
+
+        return spec.run(args)
     if args.suite == "needle":
         from engine.bench import needle  # the suite's modules load when it runs
 

@@ -500,7 +500,7 @@ def _decode(lm: LoadedModel, cache: list[LayerCache], pc: PromptCache, sampler: 
             reason = "cancelled"
             break
         drafted = fed = bool(ahead)
-        plain = spec is None or drafted or spec.rest()
+        plain = spec is None or drafted or spec.rest(history)
         # The first token goes out before the next step is queued: building that step reads
         # pages (a restored context's, cold), which must not delay it.
         if not fed and plain and pipelined and 0 < n and n + 1 < max_tokens:

@@ -58,6 +58,11 @@ class Drafter(Protocol):
 
     def propose(self, history: Sequence[int], k: int) -> list[int]: ...
 
+    def may_propose(self, history: Sequence[int]) -> bool:
+        """Whether a proposal is possible once one more token follows `history` (False:
+        the next step is a plain, pipelined one)."""
+        ...
+
     def cost_per_token(self) -> float:
         """Seconds one drafted token costs (0 for lookup)."""
         ...
@@ -73,9 +78,10 @@ class LookupDrafter:
 
     def __init__(self, min_n: int = 3, max_n: int = 5) -> None:
         self.min_n, self.max_n = min_n, max_n
-        # n -> n-gram -> end (exclusive) of its latest occurrence indexed so far
+        # n -> n-gram -> end (exclusive) of its latest occurrence indexed so far; the
+        # (min_n - 1)-grams tell whether the next token may complete a match.
         self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in
-                                                              range(min_n, max_n + 1)}
+                                                              range(min_n - 1, max_n + 1)}
         self._done = 0  # n-grams ending before this position are indexed
         self._seq: list[int] = []
 
@@ -106,6 +112,15 @@ class LookupDrafter:
             if end is not None:
                 return seq[end:min(end + k, h)]
         return []
+
+    def may_propose(self, history: Sequence[int]) -> bool:
+        m = self.min_n - 1
+        if len(history) < max(m, 1) + 1:
+            return False
+        if m == 0:
+            return True
+        self._extend(history)
+        return tuple(self._seq[-m:]) in self._index[m]
 
     def cost_per_token(self) -> float:
         return 0.0
@@ -176,6 +191,9 @@ class ModelDrafter:
 
     def cost_per_token(self) -> float:
         return self._cost
+
+    def may_propose(self, history: Sequence[int]) -> bool:
+        return True
 
     def close(self) -> None:
         self.pc.close()
@@ -250,9 +268,12 @@ class Speculator:
                 best, best_gain = k, gain
         return best
 
-    def rest(self) -> bool:
-        """Whether the next step is a plain (pipelined) one: drafting would not pay. Called
-        once per token; every PROBE_EVERY resting tokens one short draft is tried again."""
+    def rest(self, history: Sequence[int]) -> bool:
+        """Whether the next step is a plain (pipelined) one: no draft is possible after the
+        next token, or drafting would not pay. Called once per token before that token is
+        known; every PROBE_EVERY resting tokens one short draft is tried again."""
+        if not self.drafter.may_propose(history):
+            return True
         if self.forced or 1 not in self.costs.seconds or self.best_k(self.k_max) > 0:
             return False
         self._since_probe += 1

@@ -62,6 +62,9 @@ def test_lookup_proposes_what_followed_the_last_match() -> None:
     assert d.propose([1, 2, 3, 4, 5, 9, 2, 3], 2) == [4, 5]
     assert d.propose([1, 2, 3, 4, 5, 9, 2, 3, 4], 8) == [5, 9, 2, 3, 4]  # up to the end
     assert d.propose([7, 8, 9], 4) == []  # another history: indexed again, no match
+    # After [.., 8, 9] a match needs an earlier 9 followed by something: none yet.
+    assert not d.may_propose([7, 8, 9])
+    assert d.may_propose([7, 8, 9, 1, 9])
 
 
 @pytest.mark.parametrize("mode", ["mlx", "exact"])
@@ -148,14 +151,17 @@ def test_sampled_tokens_keep_the_target_distribution(starter_lm: LoadedModel) ->
 
 def test_cancel_during_a_verify_step_stops_before_the_next_token(starter_lm: LoadedModel,
                                                                  copy_ids: list[int]) -> None:
+    """The flag is set as the first token of a verify pass that kept several drafts comes
+    out: the tokens that pass accepted after it never do."""
     stop = [False]
     events: list[GenerationEvent] = []
     for ev in generate(starter_lm, copy_ids, GREEDY, 64, drafter="lookup",
                        cancel=lambda: stop[0]):
         events.append(ev)
-        if ev.token is not None and ev.generated_tokens == 8:
-            stop[0] = True  # the step after this token verifies drafts, then the flag is read
+        if not stop[0] and ev.accepted_tokens >= 3:
+            stop[0] = True
+            at = ev.generated_tokens
     last = events[-1]
-    assert last.finish_reason == "cancelled"
-    assert last.generated_tokens == 8 and last.token is None
-    assert last.drafted_tokens > events[-2].drafted_tokens  # that verify pass ran
+    assert stop[0] and last.finish_reason == "cancelled" and last.token is None
+    assert last.generated_tokens == at  # nothing after the flag
+    assert len([e for e in events if e.token is not None]) == at

@@ -1,0 +1,155 @@
+"""Speculative decoding measured (`strata bench spec`): drafts against plain decoding, same run.
+
+Contract: `tasks(tokenizer, files)` are the suite's prompts: an edit (a ~300-line source file,
+then a header asking for it again with one rename, the copy begun: greedy text copies), a
+summary that quotes its source (a wikitext-2 passage) and open chat (chat-template questions
+with nothing to copy). `measure(lm, task, drafters, max_tokens, trials)` runs each task once
+per trial and drafter, greedily, the drafters in turn (their order rotating per trial) over
+one prompt cache (the prompt is prefilled once); it returns the generated tokens per second
+of every run, the drafted and accepted counts, and whether every run's text is the plain
+decode's. `run(args)` prints a table (median tok/s per drafter and the ratio to plain
+decoding) and writes JSON with --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.bench.common import REPO, machine_facts, say
+from engine.errors import StrataError
+from engine.runtime.generate import LoadedModel, generate
+from engine.runtime.sampling import SamplingParams
+
+EDIT_FILE = REPO / "engine" / "kv" / "cache.py"
+EDIT_RENAME = ("PagedLayerCache", "PagedCache")
+TEXT = REPO.parent / "shared" / "data" / "wikitext-2-test.txt"
+CHAT = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain to a child why the sky changes colour at sunset.",
+)
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class Task:
+    name: str
+    kind: str  # edit, summary or chat
+    ids: list[int]
+
+
+@dataclass
+class Result:
+    task: str
+    kind: str
+    prompt_tokens: int
+    tps: dict[str, list[float]] = field(default_factory=dict)
+    drafted: dict[str, int] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
+    generated: dict[str, int] = field(default_factory=dict)
+    identical: bool = True
+
+    def median(self, drafter: str) -> float:
+        return statistics.median(self.tps[drafter])
+
+    def ratio(self, drafter: str) -> float:
+        plain = self.median("off")
+        return self.median(drafter) / plain if plain else 0.0
+
+
+def _passage(n_chars: int = 1600) -> str:
+    """A wikitext-2 article's first paragraphs (its tokenization marks undone)."""
+    if not TEXT.is_file():
+        raise StrataError(f"{TEXT}: the wikitext-2 test set is missing (bench spec's summary)")
+    out: list[str] = []
+    for line in TEXT.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line or line.startswith("="):
+            if out and sum(map(len, out)) >= n_chars:
+                break
+            continue
+        out.append(line.replace(" @-@ ", "-").replace(" @,@ ", ",").replace(" @.@ ", ".")
+                   .replace(" ,", ",").replace(" .", ".").replace(" 's", "'s"))
+    return "\n".join(out)[:n_chars * 2]
+
+
+def tasks(tok: Any, edit_file: Path = EDIT_FILE) -> list[Task]:
+    """The edit, the summary and the open-chat prompts (see the module docstring)."""
+    src = edit_file.read_text(encoding="utf-8")
+    old, new = EDIT_RENAME
+    first = src.splitlines()[0] + "\n"
+    edit = (f"# {edit_file.name}\n{src}\n# {edit_file.name}, the same file with `{old}` "
+            f"renamed to `{new}`\n{first}")
+    passage = _passage()
+    opening = " ".join(passage.split()[:8])
+    summary = (f"{passage}\n\nA short summary of the text above, quoting its key sentences:\n"
+               f"\"{opening}")
+    out = [Task("edit", "edit", tok.encode(edit, add_bos=False)),
+           Task("summary", "summary", tok.encode(summary, add_bos=False))]
+    for i, q in enumerate(CHAT):
+        out.append(Task(f"chat{i + 1}", "chat", tok.encode_chat([{"role": "user",
+                                                                 "content": q}])))
+    return out
+
+
+def measure(lm: LoadedModel, task: Task, drafters: list[str], max_tokens: int,
+            trials: int) -> Result:
+    res = Result(task.name, task.kind, len(task.ids))
+    cache = lm.new_cache()
+    plain_tokens: list[int] | None = None
+    texts: dict[str, list[list[int]]] = {}
+    try:
+        for t in range(trials):
+            order = drafters[t % len(drafters):] + drafters[:t % len(drafters)]
+            for d in order:
+                toks: list[int] = []
+                last = None
+                for ev in generate(lm, task.ids, GREEDY, max_tokens, drafter=d,
+                                   prompt_cache=cache):
+                    if ev.token is not None:
+                        toks.append(ev.token)
+                    last = ev
+                assert last is not None
+                res.tps.setdefault(d, []).append(last.decode_tps)
+                res.drafted[d] = res.drafted.get(d, 0) + last.drafted_tokens
+                res.accepted[d] = res.accepted.get(d, 0) + last.accepted_tokens
+                res.generated[d] = res.generated.get(d, 0) + last.generated_tokens
+                texts.setdefault(d, []).append(toks)
+                if d == "off" and plain_tokens is None:
+                    plain_tokens = toks
+                say(f"  {task.name} trial {t + 1} {d}: {last.decode_tps:.2f} tok/s, "
+                    f"{last.accepted_tokens}/{last.drafted_tokens} drafts kept")
+    finally:
+        cache.close()
+    res.identical = all(toks == plain_tokens for runs in texts.values() for toks in runs)
+    return res
+
+
+def run(args: argparse.Namespace) -> int:
+    """`strata bench spec`: edit, summary and open chat, each drafter against plain."""
+    lm = LoadedModel.load(args.model)
+    max_tokens = args.max_tokens or 128
+    trials = args.trials or 3
+    drafters = ["off", *[d for d in args.drafters.split(",") if d and d != "off"]]
+    results: list[Result] = []
+    for task in tasks(lm.tokenizer):
+        say(f"{task.name}: {len(task.ids)} prompt tokens")
+        results.append(measure(lm, task, drafters, max_tokens, trials))
+    head = f"{'task':10} {'prompt':>6} " + " ".join(f"{d + ' tok/s':>14}" for d in drafters)
+    print(head + "   ratio  kept/drafted  identical")
+    for r in results:
+        cells = " ".join(f"{r.median(d):14.2f}" for d in drafters)
+        extra = drafters[1] if len(drafters) > 1 else "off"
+        print(f"{r.task:10} {r.prompt_tokens:6d} {cells}  {r.ratio(extra):6.2f}x  "
+              f"{r.accepted.get(extra, 0):5d}/{r.drafted.get(extra, 0):<6d}  {r.identical}")
+    if args.json_out:
+        out = {"suite": "spec", "model": lm.manifest["name"], "profile": lm.profile.name,
+               "max_tokens": max_tokens, "trials": trials, "machine": machine_facts(),
+               "results": [{**asdict(r), "median_tps": {d: r.median(d) for d in drafters},
+                            "ratio": {d: r.ratio(d) for d in drafters}} for r in results]}
+        Path(args.json_out).write_text(json.dumps(out, indent=2))
+    return 0 if all(r.identical for r in results) else 1
