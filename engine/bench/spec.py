@@ -1,14 +1,15 @@
 """Speculative decoding measured (`strata bench spec`): drafts against plain decoding, same run.
 
-Contract: `tasks(tokenizer, files)` are the suite's prompts: an edit (a ~300-line source file,
-then a header asking for it again with one rename, the copy begun: greedy text copies), a
-summary that quotes its source (a wikitext-2 passage) and open chat (chat-template questions
-with nothing to copy). `measure(lm, task, drafters, max_tokens, trials)` runs each task once
-per trial and drafter, greedily, the drafters in turn (their order rotating per trial) over
-one prompt cache (the prompt is prefilled once); it returns the generated tokens per second
-of every run, the drafted and accepted counts, and whether every run's text is the plain
-decode's. `run(args)` prints a table (median tok/s per drafter and the ratio to plain
-decoding) and writes JSON with --json.
+Contract: `tasks(tokenizer, edit_file)` are the suite's prompts: an edit (a ~250-line source
+file and a copy of it, then a header asking for another with one rename, the copy begun:
+greedy text copies), a summary that quotes its source (a wikitext-2 passage) and open chat
+(chat-template questions with nothing to copy). `measure(lm, task, drafters, max_tokens,
+trials, models)` runs each task once per trial and drafter ("off", "auto", "lookup" or a
+draft model's name in `models`), greedily, the drafters in turn (their order rotating per
+trial) over one prompt cache (the prompt is prefilled once); it returns the generated
+tokens per second of every run, the drafted and accepted counts, and whether every run's
+text is the plain decode's. `run(args)` prints a table (median tok/s per drafter and the
+ratio to plain decoding) and writes JSON with --json.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from engine.bench.common import REPO, machine_facts, say
 from engine.errors import StrataError
 from engine.runtime.generate import LoadedModel, generate
 from engine.runtime.sampling import SamplingParams
+from engine.runtime.speculative import DRAFT_SETTINGS, ModelDrafter
 
 EDIT_FILE = REPO / "engine" / "kv" / "cache.py"
 EDIT_RENAME = ("PagedLayerCache", "PagedCache")
@@ -82,8 +84,10 @@ def tasks(tok: Any, edit_file: Path = EDIT_FILE) -> list[Task]:
     src = edit_file.read_text(encoding="utf-8")
     old, new = EDIT_RENAME
     first = src.splitlines()[0] + "\n"
-    edit = (f"# {edit_file.name}\n{src}\n# {edit_file.name}, the same file with `{old}` "
-            f"renamed to `{new}`\n{first}")
+    # The file twice: the starter (135M) copies a file it has seen copied once far better
+    # than one it has only read.
+    edit = (f"# {edit_file.name}\n{src}\n# {edit_file.name}, a copy\n{src}\n"
+            f"# {edit_file.name}, a copy with `{old}` renamed to `{new}`\n{first}")
     passage = _passage()
     opening = " ".join(passage.split()[:8])
     summary = (f"{passage}\n\nA short summary of the text above, quoting its key sentences:\n"
@@ -97,7 +101,9 @@ def tasks(tok: Any, edit_file: Path = EDIT_FILE) -> list[Task]:
 
 
 def measure(lm: LoadedModel, task: Task, drafters: list[str], max_tokens: int,
-            trials: int) -> Result:
+            trials: int, models: dict[str, ModelDrafter] | None = None) -> Result:
+    """`drafters`: "off", "auto", "lookup" or names of `models` (draft models)."""
+    models = models or {}
     res = Result(task.name, task.kind, len(task.ids))
     cache = lm.new_cache()
     plain_tokens: list[int] | None = None
@@ -108,8 +114,8 @@ def measure(lm: LoadedModel, task: Task, drafters: list[str], max_tokens: int,
             for d in order:
                 toks: list[int] = []
                 last = None
-                for ev in generate(lm, task.ids, GREEDY, max_tokens, drafter=d,
-                                   prompt_cache=cache):
+                for ev in generate(lm, task.ids, GREEDY, max_tokens,
+                                   drafter=models.get(d, d), prompt_cache=cache):
                     if ev.token is not None:
                         toks.append(ev.token)
                     last = ev
@@ -135,17 +141,24 @@ def run(args: argparse.Namespace) -> int:
     max_tokens = args.max_tokens or 128
     trials = args.trials or 3
     drafters = ["off", *[d for d in args.drafters.split(",") if d and d != "off"]]
+    # A draft model (a name that is no setting): same vocabulary, or one line.
+    models = {d: ModelDrafter(lm, LoadedModel.load(d)) for d in drafters
+              if d not in DRAFT_SETTINGS}
     results: list[Result] = []
-    for task in tasks(lm.tokenizer):
-        say(f"{task.name}: {len(task.ids)} prompt tokens")
-        results.append(measure(lm, task, drafters, max_tokens, trials))
-    head = f"{'task':10} {'prompt':>6} " + " ".join(f"{d + ' tok/s':>14}" for d in drafters)
-    print(head + "   ratio  kept/drafted  identical")
+    try:
+        for task in tasks(lm.tokenizer):
+            say(f"{task.name}: {len(task.ids)} prompt tokens")
+            results.append(measure(lm, task, drafters, max_tokens, trials, models))
+    finally:
+        for m in models.values():
+            m.close()
+    print(f"{'task':10} {'prompt':>6} {'off tok/s':>10}  " + "  ".join(
+        f"{d + ' tok/s, ratio, kept/drafted':>36}" for d in drafters[1:]) + "  identical")
     for r in results:
-        cells = " ".join(f"{r.median(d):14.2f}" for d in drafters)
-        extra = drafters[1] if len(drafters) > 1 else "off"
-        print(f"{r.task:10} {r.prompt_tokens:6d} {cells}  {r.ratio(extra):6.2f}x  "
-              f"{r.accepted.get(extra, 0):5d}/{r.drafted.get(extra, 0):<6d}  {r.identical}")
+        cells = "  ".join(f"{r.median(d):10.2f} {r.ratio(d):6.2f}x {r.accepted.get(d, 0):8d}/"
+                          f"{r.drafted.get(d, 0):<8d}" for d in drafters[1:])
+        print(f"{r.task:10} {r.prompt_tokens:6d} {r.median('off'):10.2f}  {cells}  "
+              f"{r.identical}")
     if args.json_out:
         out = {"suite": "spec", "model": lm.manifest["name"], "profile": lm.profile.name,
                "max_tokens": max_tokens, "trials": trials, "machine": machine_facts(),
