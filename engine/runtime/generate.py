@@ -57,6 +57,7 @@ from engine.runtime.model import (
     ensure_mlx_lm,
     load_weights_into_model,
     model_identity,
+    read_config,
     weight_files,
 )
 from engine.runtime.readahead import read_ahead
@@ -196,7 +197,9 @@ class LoadedModel:
         with timeline.phase("tokenizer"):
             tokenizer = Tokenizer.load(path)
         with timeline.phase("weights"):
-            model, config = load_weights_into_model(path, profile)
+            # Past the trained length the chosen context extends RoPE (YaRN, engine.runtime.model).
+            model, config = load_weights_into_model(
+                path, profile, context=chosen_context(read_config(path), path))
         lm = cls(model, config, tokenizer, manifest, profile, timeline)
         if warm_up:
             with timeline.phase("warm-up"):
