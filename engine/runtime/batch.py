@@ -2,7 +2,7 @@
 
 Contract: `Batch(lm)` holds the rows decoding together on one loaded model, in mlx-lm's
 `GenerationBatch` with its `BatchKVCache` (mlx-lm's in-memory KV, left-padded; the paged KV
-cache is batch-size 1, so a model in a paged mode does not batch: `batchable`). `join(row)`
+cache is batch-size 1, so a model in a paged mode does not batch: `accepts`). `join(row)`
 prefills one request alone through `generate` (the prompt cache it is given and the SSD prefix
 cache serve it as they serve any request), samples its first token from the prompt's last
 logits with the row's own sampler (what a sequential run samples), emits it, and adds the row
@@ -35,12 +35,16 @@ MAX_ROWS = 8  # rows decoding together; past this a request waits for a slot
 _PREFILL = SamplingParams(temperature=0.0)  # the prefill's own token is not used: cheapest
 
 
-def batchable(lm: LoadedModel, params: SamplingParams, processors: Sequence[Any] = ()) -> bool:
-    """Whether a request can decode in a `Batch`: mlx-lm's KV cache (not a paged mode, every
-    layer's cache mergeable), no logits processors, no repetition penalty."""
-    if processors or params.repetition_penalty != 1.0 or lm.paged:
+def mergeable(lm: LoadedModel) -> bool:
+    """Whether `lm`'s prompt caches can join a batch: mlx-lm's KV cache (not a paged mode),
+    every layer's cache one mlx-lm can merge."""
+    if lm.paged:
         return False
-    return all(hasattr(c, "merge") for c in lm.new_cache().cache)
+    cache = lm.new_cache()
+    try:
+        return all(hasattr(c, "merge") for c in cache.cache)
+    finally:
+        cache.close()
 
 
 @dataclass(eq=False)
@@ -100,9 +104,17 @@ class Batch:
         self.steps = 0  # decode steps run (each one forward pass for every row)
         self.rows_stepped = 0  # tokens those steps made, all rows together
         self.peak_rows = 0  # the most rows one step has run
+        self._mergeable: bool | None = None
 
     def __len__(self) -> int:
         return len(self._rows)
+
+    def accepts(self, params: SamplingParams, processors: Sequence[Any] = ()) -> bool:
+        """Whether a request with these settings can decode in this batch: the model's caches
+        merge, no logits processors, no repetition penalty."""
+        if self._mergeable is None:
+            self._mergeable = mergeable(self.lm)
+        return self._mergeable and not processors and params.repetition_penalty == 1.0
 
     @property
     def full(self) -> bool:

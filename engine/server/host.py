@@ -2,22 +2,23 @@
 
 Contract: `EngineHost.run(preload=model)` makes the calling thread the engine thread (MLX
 state belongs to the thread that made it): it loads `model`, then serves queued jobs until
-`stop()`. `submit(job)` queues a job from any thread (FIFO); past `max_queue` jobs waiting it
-raises a 429 RequestError with `retry_after`. Generations that can share a forward pass
-(engine.runtime.batch: no grammar, no logprobs, no repetition penalty, the loaded model) join
-one decode batch of up to `max_batch` rows at step boundaries, each prefilled alone first, and
-leave it when they finish or are cancelled; any other job (a grammar or logprobs request, a
-`CallJob`, another model) runs alone once the batch has drained, FIFO order kept (nothing
-behind it joins meanwhile). `cancel(job)` drops a queued job or sets a running job's flag,
-which prefill checks between chunks and decoding before each step (a batched row then leaves
-at the next step). A generation may carry a grammar (engine.runtime.grammar: its mask
-constrains every token) and ask for logprobs (a `TokenLogprob` event before each token's
-`GenerationEvent`); a prompt whose text is far past the context (over MAX_CHARS_PER_TOKEN
-characters a token) is refused before tokenizing. `CallJob` runs any other engine-thread work
-on a loaded model (embeddings, token counts) and emits its value as one `Result`. The engine
-thread's engine.runtime.pool.ModelPool is the jobs' `Models`: the loaded model and a few
-prompt caches for it, so requests that share a prefix (a long system prompt) prefill only what
-is new. No HTTP here: another owner of an engine thread (the window's worker) serves the same
+`stop()`. `submit(job)` queues a job from any thread (FIFO); past `max_queue` jobs waiting
+it raises a 429 RequestError with `retry_after`. Generations that can share a forward pass
+(engine.runtime.batch: no grammar, no logprobs, no repetition penalty, the loaded model)
+join one decode batch of up to `max_batch` rows at step boundaries, each prefilled alone
+first, and leave it when they finish or are cancelled; a `CallJob` on the loaded model runs
+between two steps; any other job (a grammar or logprobs request, another model) runs alone
+once the batch has drained, FIFO order kept (nothing behind it joins meanwhile).
+`cancel(job)` drops a queued job or sets a running job's flag, which prefill checks between
+chunks and decoding before each step (a batched row then leaves at the next step). A
+generation may carry a grammar (engine.runtime.grammar: its mask constrains every token) and
+ask for logprobs (a `TokenLogprob` event before each token's `GenerationEvent`); a prompt
+whose text is far past the context (over MAX_CHARS_PER_TOKEN characters a token) is refused
+before tokenizing. `CallJob` runs any other engine-thread work on a loaded model
+(embeddings, token counts) and emits its value as one `Result`. The engine thread's
+engine.runtime.pool.ModelPool is the jobs' `Models`: the loaded model and a few prompt
+caches for it, so requests that share a prefix (a long system prompt) prefill only what is
+new. No HTTP here: another owner of an engine thread (the window's worker) serves the same
 API by implementing `Host` (queueing) over its own ModelPool, running each job alone.
 """
 
@@ -32,7 +33,7 @@ from typing import Any, Protocol
 
 from engine.errors import StrataError
 from engine.library import Library
-from engine.runtime.batch import MAX_ROWS, Batch, Row, batchable
+from engine.runtime.batch import MAX_ROWS, Batch, Row
 from engine.runtime.generate import LoadedModel, PromptCache, generate
 from engine.runtime.grammar import GrammarError, GrammarProcessor
 from engine.runtime.pool import ModelPool
@@ -165,6 +166,21 @@ class _Logprobs:
                             [(t, v, b) for t, b, v in top])
 
 
+def in_step(pc: PromptCache) -> bool:
+    """Whether every layer of `pc` holds exactly its tokens' positions."""
+    n = len(pc.tokens)
+    return all(getattr(c, "offset", n) == n for c in pc.cache)
+
+
+def _cache(models: Models, lm: LoadedModel, ids: list[int]) -> PromptCache:
+    """The prompt cache for `ids`; one whose KV is out of step with its tokens is dropped."""
+    pc = models.cache_for(lm, ids)
+    if not in_step(pc):
+        models.discard(pc)
+        pc = models.cache_for(lm, ids)
+    return pc
+
+
 @dataclass(eq=False)
 class GenerationJob:
     """One completion request. `prompt` turns the model's tokenizer into token ids (it runs on
@@ -245,7 +261,7 @@ class GenerationJob:
         try:
             lm = models.get(self.model)
             ids, max_tokens, procs, scores = self._prepare(lm)
-            pc = models.cache_for(lm, ids)
+            pc = _cache(models, lm, ids)
             self.emit(Started(lm.manifest["name"], len(ids), max_tokens))
             for ev in generate(lm, ids, self.params, max_tokens, self.stop,
                                cancel=self._flag.is_set, prompt_cache=pc,
@@ -255,6 +271,10 @@ class GenerationJob:
                 self.emit(ev)
         except Exception as exc:
             self._failed(exc, models, pc)
+        if pc is not None and not in_step(pc):
+            # A grammar that refuses mid-reply raises after the step that fed its last token
+            # (KV one position past the cache's tokens): a later prompt must not reuse it.
+            models.discard(pc)
 
     def admit(self, models: Models, batch: Batch) -> str:
         """On the engine thread, with `batch` decoding on the loaded model: join it if this
@@ -269,9 +289,9 @@ class GenerationJob:
         pc = None
         try:
             ids, max_tokens, procs, _ = self._prepare(lm)
-            if not batchable(lm, self.params, procs):
+            if not batch.accepts(self.params, procs):
                 return "alone"
-            pc = models.cache_for(lm, ids)
+            pc = _cache(models, lm, ids)
             self.emit(Started(lm.manifest["name"], len(ids), max_tokens))
             row = Row(ids, self.params, max_tokens, self._on_event, self.stop,
                       self._flag.is_set, pc)
@@ -458,6 +478,10 @@ class EngineHost:
                     if batch is None or batch.lm is not pool.lm:
                         batch = Batch(pool.lm, self.max_batch) if pool.lm is not None else None
                     how = "alone"
+                    if (isinstance(job, CallJob) and pool.lm is not None
+                            and job.model == pool.lm.manifest["name"]):
+                        self._alone(job, pool)  # short, on the loaded model: between steps
+                        continue
                     if isinstance(job, GenerationJob) and batch is not None:
                         try:
                             how = job.admit(pool, batch)
