@@ -41,6 +41,11 @@ DECODE_ELEMENTS = 1 << 22
 # Sparse mode: the sinks and the recent window take at most this share of the budget, the
 # chosen blocks the rest (at 768 tokens the defaults, 128 + 512, left one page to choose).
 FIXED_SHARE = 0.5
+# Pages on the SSD are read whole: when a layer's pages are not all in RAM, sparse mode
+# chooses its blocks inside the pages whose best block ranks highest, at most this many times
+# the pages its block budget fills, so a step reads about what the budget holds rather than
+# one page per chosen block (at 128k that was ~300 pages a layer and a full RAM tier).
+READ_PAGES_FACTOR = 2
 
 _Partial = tuple[Any, Any, Any]  # running max (H, R), sum (H, R), output (H, R, D)
 
@@ -247,6 +252,15 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial) -> _Pa
     bound = (bmax[:, lo * nb:hi * nb] @ mx.maximum(qt, 0) +
              bmin[:, lo * nb:hi * nb] @ mx.minimum(qt, 0))          # (H, c*nb, R)
     score = mx.logsumexp(bound.astype(qg.dtype) - acc[0][:, None, :], axis=-1)  # (H, c*nb)
+    c = hi - lo
+    m = max(1, READ_PAGES_FACTOR * (k_sel * b // P))
+    if m < c and not table.all_resident(n_pages):
+        per_page = score.reshape(h, c, nb)
+        keep = mx.argpartition(-per_page.max(axis=-1), kth=m - 1, axis=-1)[:, :m]  # (H, m)
+        chosen = mx.put_along_axis(mx.zeros((h, c), mx.bool_), keep,
+                                   mx.ones(keep.shape, mx.bool_), axis=-1)
+        score = mx.where(chosen[..., None], per_page,
+                         mx.array(-mx.inf, score.dtype)).reshape(h, c * nb)
     top = mx.argpartition(-score, kth=k_sel - 1, axis=-1)[:, :k_sel] + lo * nb
     fixed = mx.concatenate([mx.arange(sink * nb), mx.arange(hi * nb, n_pages * nb)])
     blocks = mx.concatenate([mx.broadcast_to(fixed[None], (h, fixed.shape[0])),

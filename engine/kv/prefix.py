@@ -687,18 +687,20 @@ class PrefixCache:
         head = self.page_head + self.summary_bytes
         good = 0
         records: list[list[tuple[int, int]]] = [[] for _ in range(self.n_layers)]
-        # Every page's summaries, read straight into one array: (pages, layers, 2, kv_heads,
-        # blocks, head_dim) in the records' dtype.
-        sums = np.empty((plan.hit_pages - first, self.n_layers, 2, self.kv_heads, self.blocks,
-                         self.head_dim), self.sum_dtype)
+        # Every page's summaries, read straight into one layer-major array: (layers, 2,
+        # pages, kv_heads, blocks, head_dim) in the records' dtype, so each layer's min and
+        # max are contiguous (a page's record holds them layer by layer: one iovec each).
+        sums = np.empty((self.n_layers, 2, plan.hit_pages - first, self.kv_heads,
+                         self.blocks, self.head_dim), self.sum_dtype)
         fds = {run.path: fd for run, fd, _ in opened}
         buf = bytearray(self.page_head)
         for d in range(first, plan.hit_pages):
             run, i = plan.where(d)
             off = run.offset(i, self.page_bytes)
-            seg = sums[d - first].data.cast("B")
+            segs = [sums[layer, j, d - first].data.cast("B")
+                    for layer in range(self.n_layers) for j in range(2)]
             try:
-                n = os.preadv(fds[run.path], [buf, seg], off)
+                n = os.preadv(fds[run.path], [buf, *segs], off)
                 size = os.fstat(fds[run.path]).st_size
             except OSError:
                 n, size = 0, 0
@@ -706,7 +708,10 @@ class PrefixCache:
                 break  # truncated since lookup: this page and those after it are unused
             digests = self._header_digest(bytes(buf[:self.page_head]), plan.hashes[d], d,
                                           prompt)
-            if digests is None or xxhash.xxh3_64_intdigest(seg) != digests[1]:
+            x = xxhash.xxh3_64()
+            for seg in segs:
+                x.update(seg)
+            if digests is None or x.intdigest() != digests[1]:
                 self.stats.corrupt_pages += 1
                 self._cut(run, i)
                 plan.stored_pages = d
@@ -731,13 +736,13 @@ class PrefixCache:
         dt = getattr(mx, self.dtype_name)
         for layer in range(self.n_layers):
             table = store.tables[layer]
-            lo, hi = sums[:good, layer, 0], sums[:good, layer, 1]  # (n, heads, blocks, dim)
+            lo = mx.array(sums[layer, 0, :good])  # (n, heads, blocks, dim), contiguous
+            hi = mx.array(sums[layer, 1, :good])
             if table.block_tokens == self.block and table.block_pages == table.n_pages:
-                table.add_blocks(mx.array(lo), mx.array(hi))
-            # The page's own bound is its blocks' extreme (numpy: MLX's CPU float16 is slow).
-            store.map_pages(layer, records[layer],
-                            mx.array(lo.min(axis=2).astype(np.float32)).astype(dt),
-                            mx.array(hi.max(axis=2).astype(np.float32)).astype(dt), name)
+                table.add_blocks(lo, hi)
+            # The page's own bound is its blocks' extreme.
+            store.map_pages(layer, records[layer], lo.astype(mx.float32).min(axis=2).astype(dt),
+                            hi.astype(mx.float32).max(axis=2).astype(dt), name)
         end = (first + good) * P
         for c in full:
             c.offset = end
