@@ -161,7 +161,10 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
 def _add_spec(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("spec suite")
     g.add_argument("--drafters", default="auto",
-                   help="spec: drafters against plain decoding, comma-separated (auto, lookup)")
+                   help="spec: drafters against plain decoding, comma-separated (auto, lookup "
+                        "or a draft model's name)")
+    g.add_argument("--spec-tasks", default="edit,summary,chat1,chat2",
+                   help="spec: tasks, comma-separated (edit, summary, chat1, chat2)")
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -146,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
               if d not in DRAFT_SETTINGS}
     results: list[Result] = []
     try:
-        for task in tasks(lm.tokenizer):
+        chosen = [t for t in args.spec_tasks.split(",") if t]
+        for task in [t for t in tasks(lm.tokenizer) if t.name in chosen]:
             say(f"{task.name}: {len(task.ids)} prompt tokens")
             results.append(measure(lm, task, drafters, max_tokens, trials, models))
     finally:
