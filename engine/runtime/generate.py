@@ -244,6 +244,19 @@ class PromptCache:
             del self.tokens[common:]
         return common
 
+    def resync(self) -> None:
+        """After a reply that failed mid-step (a sampler that raised once the step's KV was
+        fed): drop cached positions past the tokens it records, or everything if a cache
+        cannot trim them."""
+        extra = max((int(getattr(c, "offset", 0)) for c in self.cache), default=0) - len(
+            self.tokens)
+        if extra > 0:
+            if all(trimmable(c, extra) for c in self.cache):
+                for c in self.cache:
+                    c.trim(extra)
+            else:
+                self.clear()
+
     def clear(self) -> None:
         self.close()
         self.cache = _make_cache(self.lm)
@@ -344,6 +357,10 @@ def generate(
     try:
         yield from _generate(lm, prompt, params, max_tokens, stop, cancel, pc, timeline, prefix,
                              logits_processors, drafter)
+    except Exception:
+        if not own:
+            pc.resync()  # the caller's cache stays in step with its tokens for the next reply
+        raise
     finally:
         if own:
             pc.close()  # a paged cache's threads and files go with the reply

@@ -107,6 +107,27 @@ def test_logits_processors_see_history_and_steer_greedy_output(starter_lm: Any) 
     assert seen[-1][len(ids):] == steered[:len(seen) - 1]
 
 
+def test_a_processor_that_raises_leaves_the_prompt_cache_in_step(starter_lm: Any) -> None:
+    """A grammar that fails mid-reply (after the step's KV was fed): the next reply over the
+    same prompt cache is the one a fresh cache gives."""
+    ids = starter_lm.tokenizer.encode_chat(FRANCE)
+
+    def fail_late(history: list[int], logits: Any) -> Any:
+        if len(history) > len(ids) + 2:
+            raise StrataError("grammar failed")
+        return logits
+
+    pc = starter_lm.new_cache()
+    with pytest.raises(StrataError, match="grammar failed"):
+        _run(starter_lm, ids, max_tokens=8, prompt_cache=pc, logits_processors=[fail_late])
+    assert all(getattr(c, "offset", 0) <= len(pc.tokens) for c in pc.cache)
+    again = starter_lm.tokenizer.encode_chat(FRANCE + [{"role": "assistant", "content": "Paris"},
+                                                       {"role": "user", "content": "And Spain?"}])
+    got = _run(starter_lm, again, max_tokens=6, prompt_cache=pc)[1]
+    assert got == _run(starter_lm, again, max_tokens=6)[1]
+    pc.close()
+
+
 def test_invalid_sampling_is_a_user_error() -> None:
     with pytest.raises(StrataError, match="top_p"):
         SamplingParams(top_p=0).validate()
