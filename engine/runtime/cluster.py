@@ -21,6 +21,7 @@ import ctypes
 import faulthandler
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -87,9 +88,10 @@ def _split_addr(addr: str) -> tuple[str, int]:
         raise ClusterError(f"{addr!r}: not an ip:port address") from exc
 
 
-def control_address(hosts: Sequence[str]) -> tuple[str, int]:
-    if os.environ.get(CONTROL_ENV):
-        return _split_addr(os.environ[CONTROL_ENV])
+def control_address(hosts: Sequence[str], control: str | None = None) -> tuple[str, int]:
+    """`control` ("host:port"), else $STRATA_CLUSTER_CONTROL, else rank 0's host, port + 1."""
+    if control or os.environ.get(CONTROL_ENV):
+        return _split_addr(control or os.environ[CONTROL_ENV])
     host, port = _split_addr(hosts[0])
     return host, port + 1
 
@@ -147,6 +149,14 @@ class _Line:
         with contextlib.suppress(OSError):
             self.sock.close()
 
+    def gone(self) -> bool:
+        """Whether the peer closed its end (its process ended), without blocking."""
+        try:
+            ready, _, _ = select.select([self.sock], [], [], 0)
+            return bool(ready) and self.sock.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
 
 # -- identity ---------------------------------------------------------------------------------
 def identity(manifest: Manifest | None, profile: ComputeProfile) -> dict[str, Any]:
@@ -184,10 +194,12 @@ def _resolve(model: str | Path, library: Library | None) -> tuple[Manifest, Path
 
 # -- rank 0 -----------------------------------------------------------------------------------
 def _gather(hosts: Sequence[str], job: dict[str, Any], mine: dict[str, Any], timeout: float,
-            cancel: Callable[[], str | None]) -> list[dict[str, Any]]:
+            cancel: Callable[[], str | None], control: str | None
+            ) -> list[tuple[_Line, dict[str, Any]]]:
     """Wait for every other rank on the control socket, check each one's identity, then tell
-    all of them go (with the split) or the refusal line; returns their hellos by rank."""
-    host, port = control_address(hosts)
+    all of them go (with the split) or the refusal line; returns (control line, identity) by
+    rank, the lines left open: a rank's closing its line is how rank 0 sees it gone."""
+    host, port = control_address(hosts, control)
     n = len(hosts)
     deadline = time.monotonic() + timeout
     peers: dict[int, tuple[_Line, dict[str, Any]]] = {}
@@ -229,10 +241,11 @@ def _gather(hosts: Sequence[str], job: dict[str, Any], mine: dict[str, Any], tim
                     line.send({"refused": refusal} if refusal else {"go": job["plan"]})
             if refusal:
                 raise ClusterError(refusal)
-            return [peers[r][1] for r in sorted(peers)]
-        finally:
+            return [peers[r] for r in sorted(peers)]
+        except BaseException:
             for line, _ in peers.values():
                 line.close()
+            raise
 
 
 def _init_group(hosts: Sequence[str], rank: int, hostfile: Path | None) -> Any:
@@ -255,12 +268,27 @@ def _init_group(hosts: Sequence[str], rank: int, hostfile: Path | None) -> Any:
 class Cluster:
     """Rank 0's view: the group, the split, the LoadedModel and the ranks it spawned."""
 
-    def __init__(self, lm: LoadedModel, split: SplitModel, peers: list[dict[str, Any]],
+    def __init__(self, lm: LoadedModel, split: SplitModel,
+                 peers: list[tuple[_Line, dict[str, Any]]],
                  procs: list[subprocess.Popen[bytes]] | None = None) -> None:
         self.lm = lm
         self.split = split
-        self.peers = peers
+        self.lines = [line for line, _ in peers]
+        self.peers = [ident for _, ident in peers]
         self.procs = procs or []
+        # MLX's ring fails the collectives pending when a peer goes, but one posted after
+        # that waits forever: every step first looks for a rank gone (process, control line).
+        split.check = self.missing
+        self.temp_files: list[Path] = []  # a hostfile written for local ranks
+
+    def missing(self) -> str | None:
+        """Which ranks are gone (a spawned process exited, a control line closed), or None."""
+        dead = _exited(self.procs)
+        if dead:
+            return dead
+        gone = [f"rank {r} closed its connection"
+                for r, line in enumerate(self.lines, start=1) if line.gone()]
+        return "; ".join(gone) or None
 
     @property
     def plan(self) -> SplitPlan:
@@ -268,15 +296,15 @@ class Cluster:
 
     def lost(self, exc: BaseException) -> ClusterError:
         """The one line for a group that broke: which spawned rank exited, if one did."""
-        deadline = time.monotonic() + 2.0
-        dead = _exited(self.procs)
-        while not dead and time.monotonic() < deadline and self.procs:
+        deadline = time.monotonic() + 2.0  # a dying rank's exit is seen a moment later
+        who = self.missing()
+        while not who and time.monotonic() < deadline:
             time.sleep(0.05)
-            dead = _exited(self.procs)
-        who = dead or "a rank was lost"
+            who = self.missing()
         root = exc.__cause__ if isinstance(exc, ClusterError) and exc.__cause__ else exc
-        line = (f"the reply stopped after {self.split.decode_steps} decode steps: {who}; "
-                f"{root}")
+        tail = f"; {root}" if isinstance(root, RuntimeError) else ""  # MLX's own reason
+        line = (f"the reply stopped after {self.split.decode_steps} decode steps: "
+                f"{who or 'a rank was lost'}{tail}")
         self.split.broken = line
         return ClusterError(line)
 
@@ -309,15 +337,21 @@ class Cluster:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        for f in self.temp_files:
+            f.unlink(missing_ok=True)
+        for line in self.lines:
+            line.close()
 
 
 def start(model: str | Path, hosts: Sequence[str], library: Library | None = None,
           profile: ComputeProfile | None = None, timeline: Timeline | None = None,
           timeout: float = JOIN_TIMEOUT_S, hostfile: Path | None = None,
           procs: list[subprocess.Popen[bytes]] | None = None,
-          cancel: Callable[[], str | None] | None = None) -> Cluster:
+          cancel: Callable[[], str | None] | None = None, control: str | None = None
+          ) -> Cluster:
     """Rank 0: wait for the other ranks, check them, start the group, load rank 0's share and
-    return the Cluster (its `lm` generates as a one-machine model does)."""
+    return the Cluster (its `lm` generates as a one-machine model does). `control`: the
+    control socket's "host:port" (`control_address`)."""
     ensure_mlx_lm()
     timeline = timeline or Timeline()
     profile = profile or compute_profile()
@@ -328,7 +362,7 @@ def start(model: str | Path, hosts: Sequence[str], library: Library | None = Non
     job = {"model": manifest.get("name"), "fingerprint": mine["fingerprint"],
            "plan": plan.as_dict()}
     with timeline.phase("cluster handshake"):
-        peers = _gather(hosts, job, mine, timeout, cancel or (lambda: None))
+        peers = _gather(hosts, job, mine, timeout, cancel or (lambda: None), control)
     with timeline.phase("cluster group"):
         group = _init_group(hosts, 0, hostfile)
     with timeline.phase("tokenizer"):
@@ -374,16 +408,18 @@ def start_local(model: str | Path, n: int, join_command: Sequence[str],
     hostfile = write_hostfile(hosts, Path(name))
     child_env = dict(os.environ if env is None else env)
     child_env.update({"MLX_HOSTFILE": str(hostfile), CONTROL_ENV: f"127.0.0.1:{ports[n]}"})
-    os.environ[CONTROL_ENV] = child_env[CONTROL_ENV]
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for rank in range(1, n):
             procs.append(subprocess.Popen(
                 [*join_command], env={**child_env, "MLX_RANK": str(rank)},
                 stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))  # noqa: PLW1509
-        return start(model, hosts, library, profile, timeline, timeout, hostfile, procs,
-                     cancel=lambda: _exited(procs))
+        cluster = start(model, hosts, library, profile, timeline, timeout, hostfile, procs,
+                        cancel=lambda: _exited(procs), control=child_env[CONTROL_ENV])
+        cluster.temp_files.append(hostfile)
+        return cluster
     except BaseException:
+        hostfile.unlink(missing_ok=True)
         for p in procs:
             if p.poll() is None:
                 p.terminate()
@@ -437,9 +473,11 @@ def join(hostfile: str | Path | None = None, rank: int | None = None,
             manifest, folder = None, None
         line.send(identity(manifest, profile))
         verdict = line.recv(time.monotonic() + timeout, "rank 0's go")
-    finally:
+    except BaseException:
         line.close()
+        raise
     if "refused" in verdict or folder is None:
+        line.close()
         raise ClusterError(str(verdict.get("refused") or "no copy of the model here"))
     plan = SplitPlan.from_dict(verdict["go"])
     say(f"rank {rank}: joining a {plan.mode} split of {job['model']} over {plan.ranks} ranks")
@@ -454,9 +492,11 @@ def join(hostfile: str | Path | None = None, rank: int | None = None,
     share, config = load_share(folder, plan, group, profile)
     follower = Follower(share, config, plan, group, getattr(mx, profile.dtype))
     try:
-        return follower.serve()
+        return follower.serve()  # the control line stays open: rank 0 watches it
     except RuntimeError as exc:
         raise ClusterError(f"rank {rank}: the group was lost ({exc})") from exc
+    finally:
+        line.close()
 
 
 def _connect(host: str, port: int, deadline: float, timeout: float) -> _Line:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,6 +208,8 @@ class SplitModel:
         self.steps = 0
         self.decode_steps = 0
         self.broken: str | None = None
+        # Asked before each step: why a rank is gone (None: all there).
+        self.check: Callable[[], str | None] = lambda: None
         self._next_id = 0
         self._freed: list[int] = []
 
@@ -233,6 +236,13 @@ class SplitModel:
     def __call__(self, x: Any, cache: list[Any] | None = None) -> Any:
         if self.broken:
             raise ClusterError(self.broken)
+        # The last step's work done first: a rank lost during it has failed its collectives,
+        # and a header posted after that would wait forever.
+        mx.synchronize()
+        gone = self.check()
+        if gone:
+            self.broken = gone
+            raise ClusterError(gone)
         if x.ndim != 2 or x.shape[0] != 1:
             raise ClusterError(f"a split model runs one sequence at a time (got {x.shape})")
         cid = 0

@@ -31,8 +31,9 @@ from engine.runtime.cluster_split import choose_split, share_bytes, split_layers
 from engine.runtime.model import read_config
 
 REPO = Path(__file__).resolve().parents[3]
-# Tokens compared per split: CI's 2 cores run 3 ranks slowly (every layer is 2 all_sums).
-TOKENS = int(os.environ.get("STRATA_CLUSTER_TEST_TOKENS", "16"))
+# Tokens compared per split: CI's 2 cores run 3 ranks slowly (every layer is 2 all_sums);
+# docs/cluster.md has 64 (STRATA_CLUSTER_TEST_TOKENS=64).
+TOKENS = int(os.environ.get("STRATA_CLUSTER_TEST_TOKENS", "8"))
 PROMPT = "Write a short poem about the sea."
 JOIN = [sys.executable, "-m", "app", "join"]
 
@@ -159,16 +160,14 @@ def test_a_rank_with_another_model_fingerprint_is_refused_before_loading(
     assert read_hostfile(hostfile) == hosts
     env = _env(other)
     env["STRATA_CLUSTER_CONTROL"] = f"127.0.0.1:{ports[2]}"
-    os.environ["STRATA_CLUSTER_CONTROL"] = env["STRATA_CLUSTER_CONTROL"]
     joiner = subprocess.Popen([*JOIN, "--hostfile", str(hostfile), "--rank", "1",
                                "--timeout", "30"], env=env, cwd=REPO, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         with pytest.raises(ClusterError) as err:
-            start(starter["path"], hosts, timeout=30)
+            start(starter["path"], hosts, timeout=30, control=env["STRATA_CLUSTER_CONTROL"])
         _, stderr = joiner.communicate(timeout=30)
     finally:
-        os.environ.pop("STRATA_CLUSTER_CONTROL", None)
         if joiner.poll() is None:
             joiner.kill()
             joiner.wait()
@@ -182,14 +181,10 @@ def test_a_rank_with_another_model_fingerprint_is_refused_before_loading(
 
 def test_a_rank_that_never_comes_times_out(starter: Any, tmp_path: Path) -> None:
     ports = free_ports(2)
-    env = {"STRATA_CLUSTER_CONTROL": f"127.0.0.1:{ports[1]}"}
-    os.environ.update(env)
     t0 = time.perf_counter()
-    try:
-        with pytest.raises(ClusterError, match=r"rank 1 did not join within 1 s"):
-            start(starter["path"], [f"127.0.0.1:{ports[0]}", "127.0.0.1:9"], timeout=1)
-    finally:
-        os.environ.pop("STRATA_CLUSTER_CONTROL", None)
+    with pytest.raises(ClusterError, match=r"rank 1 did not join within 1 s"):
+        start(starter["path"], [f"127.0.0.1:{ports[0]}", "127.0.0.1:9"], timeout=1,
+              control=f"127.0.0.1:{ports[1]}")
     assert time.perf_counter() - t0 < 5
 
 
@@ -220,8 +215,8 @@ def test_a_rank_killed_mid_reply_ends_it_with_one_line_and_no_orphans(
     # Rank 0's one line (a surviving rank, sharing this stderr, would say it lost the group).
     errors = [ln for ln in stderr.splitlines() if ln.startswith("strata: error: the reply")]
     assert len(errors) == 1, stderr
-    assert "decode steps: rank 1 exited (code -9); [ring] connection to a peer was lost" \
-        in errors[0], errors[0]
+    # Seen before the next step, or as MLX's ring failing the step under way.
+    assert "decode steps: rank 1 exited (code -9)" in errors[0], errors[0]
     assert elapsed < 10, elapsed
     for r in ranks:
         assert not r.is_running() or r.status() == psutil.STATUS_ZOMBIE
