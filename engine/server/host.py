@@ -181,8 +181,26 @@ def _cache(models: Models, lm: LoadedModel, ids: list[int]) -> PromptCache:
     return pc
 
 
+class _Cancellable:
+    """What every job shares: a cancel flag the host reads between steps, and failing by an
+    event to its emitter (both are dataclass fields of the job)."""
+
+    _flag: threading.Event
+    emit: Callable[[JobEvent], None]
+
+    def cancel(self) -> None:
+        self._flag.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._flag.is_set()
+
+    def fail(self, error: RequestError) -> None:
+        self.emit(error)
+
+
 @dataclass(eq=False)
-class GenerationJob:
+class GenerationJob(_Cancellable):
     """One completion request. `prompt` turns the model's tokenizer into token ids (it runs on
     the engine thread, after the model is loaded); `emit` receives, in order, a `Started`, then
     `GenerationEvent`s up to one with a finish_reason, or a single `RequestError`."""
@@ -200,16 +218,6 @@ class GenerationJob:
     chars: int = 0  # characters of prompt text, for the refusal before tokenizing
     finished: bool = False  # a batched request: its last event is out
     _flag: threading.Event = field(default_factory=threading.Event)
-
-    def cancel(self) -> None:
-        self._flag.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._flag.is_set()
-
-    def fail(self, error: RequestError) -> None:
-        self.emit(error)
 
     def _prepare(self, lm: LoadedModel) -> tuple[list[int], int, list[Any], _Logprobs | None]:
         """The prompt's ids, max_tokens and logits processors, or the RequestError refusing
@@ -307,7 +315,7 @@ class GenerationJob:
 
 
 @dataclass(eq=False)
-class CallJob:
+class CallJob(_Cancellable):
     """Other work on a loaded model: `call(lm)` on the engine thread, its value emitted as a
     `Result` (or a `RequestError`)."""
 
@@ -315,16 +323,6 @@ class CallJob:
     call: Callable[[LoadedModel], Any]
     emit: Callable[[JobEvent], None]
     _flag: threading.Event = field(default_factory=threading.Event)
-
-    def cancel(self) -> None:
-        self._flag.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._flag.is_set()
-
-    def fail(self, error: RequestError) -> None:
-        self.emit(error)
 
     def run(self, models: Models) -> None:
         if self.cancelled:
