@@ -23,7 +23,6 @@ import json
 import math
 import re
 import shutil
-import struct
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from engine.importers.hf import (
     check_config,
     read_folder,
 )
+from engine.library.found import safetensors_headers
 from engine.library.store import MANIFEST, Library, clean_name
 from engine.platform import ComputeProfile
 from engine.runtime.fit import Fit, WeightSizes, estimate
@@ -249,24 +249,9 @@ def open_source(where: str | Path, library: Library | None = None) -> Source:
 
 def _safetensors_items(folder: Path) -> dict[str, tuple[int, int, str]]:
     """name -> (elements, bytes, dtype) of every tensor of a folder's *.safetensors, from their
-    JSON headers (8 bytes of length, then the header); ImportFailed for one that has none."""
-    items: dict[str, tuple[int, int, str]] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        try:
-            with open(f, "rb") as fh:
-                (size,) = struct.unpack("<Q", fh.read(8))
-                if size > 100 << 20:
-                    raise ValueError(f"header of {size} bytes")
-                header = json.loads(fh.read(size))
-            for name, info in header.items():
-                if name == "__metadata__":
-                    continue
-                start, end = info["data_offsets"]
-                items[name] = (math.prod(int(x) for x in info["shape"]), int(end) - int(start),
-                               str(info["dtype"]))
-        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-            raise ImportFailed(f"{f}: unreadable safetensors header ({exc})") from exc
-    return items
+    JSON headers; ImportFailed for one that has none."""
+    return {name: (h.size, h.nbytes, h.dtype) for name, h in
+            safetensors_headers(sorted(folder.glob("*.safetensors"))).items()}
 
 
 def tokenizer_info(folder: Path) -> dict[str, Any]:
