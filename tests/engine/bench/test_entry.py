@@ -25,7 +25,8 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 
 def test_every_suite_and_its_options_parse() -> None:
-    assert SUITES == ("quick", "full", "kv", "prefix", "kvbits", "import")
+    assert SUITES == ("quick", "full", "kv", "prefix", "kvbits", "import", "stored", "needle",
+                      "serve", "spec")
     assert _parse().suite == "quick"
     assert _parse("full", "--peers", "none", "--kv-modes", "exact").kv_modes == "exact"
     kv = _parse("kv", "--contexts", "512", "--synthetic-fill", "256", "--passkey")
@@ -34,6 +35,10 @@ def test_every_suite_and_its_options_parse() -> None:
     assert (prefix.prefix_parts, prefix.turns, prefix.system_tokens) == ("chat", 3, 1500)
     kvbits = _parse("kvbits", "--bits", "16,4", "--text", "t.txt")
     assert (kvbits.bits, kvbits.text, kvbits.prefill_tokens) == ("16,4", "t.txt", 4096)
+    stored = _parse("stored", "--context", "1024", "--fill-doc", "256")
+    assert (stored.context, stored.fill_doc) == (1024, 256)
+    for suite in ("needle", "serve", "spec"):
+        assert _parse(suite).suite == suite
     with pytest.raises(SystemExit):
         _parse("nosuch")
 
