@@ -377,8 +377,11 @@ class PrefixCache:
                 return
             labels[self.key.hex()] = name
             tmp = self.folder / f".tmp-{os.getpid()}-labels"
-            tmp.write_text(json.dumps(labels, indent=1, sort_keys=True))
-            os.replace(tmp, path)
+            try:
+                tmp.write_text(json.dumps(labels, indent=1, sort_keys=True))
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)  # gone after the rename; a failed write's too
 
     @classmethod
     def for_geometry(cls, geometry: KVGeometry, key: bytes,
@@ -997,10 +1000,16 @@ class PrefixCache:
         with sliding layers, `window`: their `snapshot` at the last full page, if it is
         that depth; else `tail`, the prompt's `tail_snapshot`); returns pages queued. Runs
         on the generating thread (MLX arrays belong to it): copies them out."""
+        queued = self._store_pages(caches, prompt, plan, window)
         if tail is not None and not self._closed:
+            # After the pages: on a disk with room for one of them, the pages matter more.
             job = self._tail_job(caches, plan, tail)
             if job is not None:
                 self._q.put(_Job([], [], [], 0, tail=job))
+        return queued
+
+    def _store_pages(self, caches: list[Any], prompt: Sequence[int], plan: Plan,
+                     window: Window | None) -> int:
         full = [caches[i] for i in self.full]
         paged = _paged(caches, self.full)
         if paged:

@@ -240,8 +240,18 @@ class KVStore:
     def commit(self, layer: int, k: Any, v: Any) -> int:
         """Store a full page (k, v: (kv_heads, P, head_dim) MLX arrays); returns its index."""
         # Summaries from the keys as computed: quantization error stays out of the bounds.
-        return self.commit_parts(layer, self.codec.encode(k), self.codec.encode(v),
-                                 k.min(axis=1), k.max(axis=1))
+        kp = self.codec.encode(k)
+        page = self.commit_parts(layer, kp, self.codec.encode(v), k.min(axis=1), k.max(axis=1))
+        table = self.tables[layer]
+        if table.block_pages == page:
+            # Sparse selection's block summaries, from the keys as stored (so a process that
+            # restores this page selects alike), for every way a page arrives (a prefill, a
+            # benchmark's fill): none has to be read back later to catch up.
+            kept = self.codec.decode(kp) if self.codec.quantized else k.astype(self.dtype)
+            h, p, d = kept.shape
+            kb = kept.reshape(h, p // table.block_tokens, table.block_tokens, d)
+            table.add_blocks(kb.min(axis=2)[None], kb.max(axis=2)[None])
+        return page
 
     def commit_parts(self, layer: int, kp: Parts, vp: Parts, kmin: Any, kmax: Any) -> int:
         """Store a full page already encoded by this store's codec (each part (kv_heads, P,

@@ -92,11 +92,16 @@ def write_tail(folder: Path, name: str, tail: Tail, parent: bytes, layout: TailL
                     vocab, layout.n_layers, layout.kv_heads, layout.head_dim,
                     layout.dtype_code, parent, x.intdigest())
     tmp = folder / f".tmp-{os.getpid()}-{name[:16]}t"
-    with open(tmp, "wb") as f:
-        f.write(body + _CRC.pack(zlib.crc32(body)))
-        for s in segs:
-            f.write(s)
-    os.replace(tmp, folder / name)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(body + _CRC.pack(zlib.crc32(body)))
+            for s in segs:
+                f.write(s)
+        os.replace(tmp, folder / name)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # a full disk leaves nothing half-written behind
+        raise
     return _TL.size + _CRC.size + sum(len(s) for s in segs)
 
 

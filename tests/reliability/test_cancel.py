@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.runtime.generate import PromptCache, generate
 from engine.runtime.sampling import SamplingParams
+from engine.runtime.speculative import K_MAX
 
 STEP = 256
 GREEDY = SamplingParams(temperature=0.0)
@@ -83,7 +84,8 @@ def test_cancel_in_prefill_and_decode_returns_kv_memory(starter_lm: Any) -> None
                        prefix_cache=False):
         seen[0] = ev.generated_tokens
     assert ev.finish_reason == "cancelled"
-    assert len(pc.tokens) <= 200 + 3
+    # At most the step that was running: a speculative verify pass keeps its accepted drafts.
+    assert len(pc.tokens) <= 200 + 3 + K_MAX
     check_holds_only_its_tokens(pc, per_token)
     del pc, ev
     assert active_after_cleanup() <= before + (1 << 20)
