@@ -11,6 +11,7 @@ import selectors
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +23,14 @@ from tests.helpers import REPO
 KEY = "sk-test-" + secrets.token_hex(8)
 
 
-@pytest.fixture(scope="package")
-def server(starter: Any, strata_home: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[str]:
-    """The base URL (…/v1) of a server started as users start it; stopped after these tests."""
-    log = tmp_path_factory.mktemp("serve") / "stderr.log"
+@contextmanager
+def serving(strata_home: Path, log: Path, *extra: str) -> Iterator[str]:
+    """`strata serve` started as users start it (plus `extra` options): its base URL (…/v1);
+    stopped by SIGTERM after, which must end it cleanly (the CLI's exit status for Ctrl-C)."""
     env = dict(os.environ, STRATA_HOME=str(strata_home))
     with open(log, "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "app", "serve", "--port", "0", "--api-key", KEY],
+            [sys.executable, "-m", "app", "serve", "--port", "0", "--api-key", KEY, *extra],
             stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=REPO)
     assert proc.stdout is not None
     try:
@@ -48,9 +48,16 @@ def server(starter: Any, strata_home: Path, tmp_path_factory: pytest.TempPathFac
             proc.kill()
             proc.wait()
         proc.stdout.close()
-    # SIGTERM stops it as Ctrl-C does: cleanly, with the CLI's exit status for an interrupt.
     assert proc.returncode == 130, log.read_text()[-2000:]
     assert "Traceback" not in log.read_text() and "terminate called" not in log.read_text()
+
+
+@pytest.fixture(scope="package")
+def server(starter: Any, strata_home: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[str]:
+    """The base URL (…/v1) of a server started as users start it; stopped after these tests."""
+    with serving(strata_home, tmp_path_factory.mktemp("serve") / "stderr.log") as url:
+        yield url
 
 
 @pytest.fixture(scope="package")

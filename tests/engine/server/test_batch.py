@@ -8,11 +8,6 @@ still complete."""
 from __future__ import annotations
 
 import json
-import os
-import re
-import selectors
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -23,8 +18,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.engine.server.conftest import KEY
-from tests.helpers import REPO
+from tests.engine.server.conftest import KEY, serving
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.",
              "Name three fruits.", "Explain gravity in one sentence.", "What is 2+2?",
@@ -108,30 +102,8 @@ def test_a_client_that_hangs_up_frees_its_slot(server: str, client: openai.OpenA
 def small_server(starter: Any, strata_home: Path, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[str]:
     log = tmp_path_factory.mktemp("serve-small") / "stderr.log"
-    env = dict(os.environ, STRATA_HOME=str(strata_home))
-    with open(log, "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "app", "serve", "--port", "0", "--api-key", KEY,
-             "--max-batch", "1", "--max-queue", "1"],
-            stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=REPO)
-    assert proc.stdout is not None
-    try:
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        line = proc.stdout.readline() if sel.select(timeout=180) else ""
-        match = re.search(r"http://\S+/v1", line)
-        assert match, f"no address announced ({line!r}); stderr: {log.read_text()[-2000:]}"
-        yield match.group(0)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-    assert proc.returncode == 130, log.read_text()[-2000:]
-    assert "Traceback" not in log.read_text()
+    with serving(strata_home, log, "--max-batch", "1", "--max-queue", "1") as url:
+        yield url
 
 
 def test_past_the_queue_bound_a_429_with_retry_after(small_server: str) -> None:
