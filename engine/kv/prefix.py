@@ -224,7 +224,6 @@ class Plan:
     runs: list[_Run] = field(default_factory=list)
     # Pages stored in a row (>= hit_pages: a sliding model's hit ends at its deepest window).
     stored_pages: int | None = None
-    tail_tokens: int = 0  # tokens a restore took from the stored tail (engine.kv.tail)
     # The next-token logits (MLX, (1, vocab)) when the whole prompt came from the store.
     logits: Any = None
 
@@ -530,7 +529,6 @@ class PrefixCache:
             else:
                 c.update_and_fetch(k, v)
         mx.eval([c.state for c in full])
-        plan.tail_tokens = m
         if whole:
             assert tail.logits is not None
             plan.logits = mx.array(tail.logits)[None]

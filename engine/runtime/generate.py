@@ -293,8 +293,8 @@ def _forward(lm: LoadedModel, x: Any, cache: list[LayerCache], pc: PromptCache,
         except MappedPageCorrupt as exc:
             if repair is None:
                 raise
-            log.warning("%s: recomputing from token %d", exc, exc.page * cache_page(cache))
             start = exc.page * cache_page(cache)
+            log.warning("%s: recomputing from token %d", exc, start)
             repair(exc.page)
             for c in cache:
                 c.trim(c.offset - start)
