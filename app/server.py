@@ -72,8 +72,9 @@ class AppHost(QObject):
                                    kind="server_error")
             self._waiting.append(job)
             depth = self._depth()
-        self.engine.run_server_job(self, job)
+        # Emitted before the engine thread can finish the job, so its "0" arrives last.
         self.queue_depth_changed.emit(depth)
+        self.engine.run_server_job(self, job)
         return depth
 
     def cancel(self, job: Job) -> None:

@@ -51,9 +51,11 @@ def test_the_local_server_shares_the_apps_engine(
     assert usage is not None and usage.prompt_tokens_details is not None
     # The app's chat warmed this system prompt; the server's first request restores it.
     assert (usage.prompt_tokens_details.cached_tokens or 0) >= 128
+    host = window.server.host
+    assert host is not None
+    # The reply reaches the client before the engine thread books the job as finished.
+    qtbot.waitUntil(lambda: host.status()["completed"] == 1, timeout=10_000)
     qtbot.waitUntil(lambda: "queue 0" in window.server_label.text(), timeout=10_000)
-    assert window.server.host is not None
-    assert window.server.host.status()["completed"] == 1
 
     with qtbot.waitSignal(window.server.stopped, timeout=10_000):
         window.server_action.setChecked(False)
