@@ -8,9 +8,10 @@ depth, fact, seed)` builds a chat prompt of about n_tokens with `fact` (a `Fact`
 sentence, the question, the start of the answer, the answer) a paragraph of its own at
 `depth` (0..1) of the prose, returning its ids and the fact's first token index.
 `run_needle(lm, lengths, depths, modes, budgets)` prefills each prompt once through the
-paged cache (all but its last token) and lets every mode answer from those same pages, each
-answer token a decode step, so sparse selection is what finds the fact; a cell is found when
-the answer appears in the greedy reply. `run(args)` is the suite: a table per (length, RoPE,
+paged cache (all but its last token; the depths of one length share one prose, and a prompt
+keeps the pages it shares with the deeper one before it) and lets every mode answer from
+those same pages, each answer token a decode step, so sparse selection is what finds the
+fact; a cell is found when the answer appears in the greedy reply. `run(args)` is the suite: a table per (length, RoPE,
 mode, budget), prefill and decode speed per cell, JSON with --json.
 """
 
@@ -163,6 +164,7 @@ class NeedleCell:
     found: bool
     prefill_tok_s: float
     decode_tok_s: float
+    shared_tokens: int = 0  # prompt tokens reused from the previous depth's prefill
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -204,45 +206,66 @@ def run_needle(lm: Any, lengths: Sequence[int], depths: Sequence[float],
 
     model = model if model is not None else lm.model
     tok = lm.tokenizer
+    least = sink_tokens + window_tokens + page_tokens
+    base = KVSettings(mode="exact", page_tokens=page_tokens, sink_tokens=sink_tokens,
+                      window_tokens=window_tokens, budget_tokens=max([least, *budgets]),
+                      ssd=ssd_dir is not None, ssd_dir=ssd_dir).validate()
+    runs = [("exact", 0)] if "exact" in modes else []
+    runs += [("sparse", b) for b in budgets if "sparse" in modes]
     cells: list[NeedleCell] = []
     for length in lengths:
-        for di, depth in enumerate(depths):
-            for kind in kinds:
-                if cancel is not None and cancel():
-                    return cells
-                cell_seed = seed * 1000 + di
-                fact = facts(cell_seed)[KINDS.index(kind)]
-                ids, _ = needle_prompt(tok, length, depth, fact, cell_seed, text)
-                least = sink_tokens + window_tokens + page_tokens
-                base = KVSettings(mode="exact", page_tokens=page_tokens,
-                                  sink_tokens=sink_tokens, window_tokens=window_tokens,
-                                  budget_tokens=max([least, *budgets]), ssd=ssd_dir is not None,
-                                  ssd_dir=ssd_dir).validate()
-                cache, store = paged_cache(model, base)
-                try:
+        for kind in kinds:
+            # One prose per (length, kind) and one cache: the depths run deepest first, and
+            # each prompt keeps the pages it shares with the one before (the prose up to its
+            # own fact), so only the rest is prefilled again (about half the prefill work of
+            # ten depths). Facts differ per depth, so no answer carries over.
+            order = sorted(enumerate(depths), key=lambda x: -x[1])
+            cache, store = paged_cache(model, base)
+            held: list[int] = []
+            try:
+                for di, depth in order:
+                    if cancel is not None and cancel():
+                        return cells
+                    fact = facts(seed * 1000 + di)[KINDS.index(kind)]
+                    ids, _ = needle_prompt(tok, length, depth, fact, seed, text)
+                    keep = _common(held, ids[:-1])
+                    for c in cache:
+                        c.trim(c.offset - keep)
                     t = time.perf_counter()
-                    for i in range(0, len(ids) - 1, 512):
+                    for i in range(keep, len(ids) - 1, 512):
                         model(mx.array(ids[i:min(i + 512, len(ids) - 1)])[None], cache=cache)
                         mx.eval([c.state for c in cache])
-                    prefill = (len(ids) - 1) / max(1e-9, time.perf_counter() - t)
-                    runs = [("exact", len(ids))] if "exact" in modes else []
-                    runs += [("sparse", b) for b in budgets if "sparse" in modes]
+                    prefill = (len(ids) - 1 - keep) / max(1e-9, time.perf_counter() - t)
+                    held = ids[:-1]
                     for mode, budget in runs:
                         for c in cache:
-                            c.trim(c.offset - (len(ids) - 1))  # back to the shared pages
-                        store.settings = base.with_(mode=mode, budget_tokens=max(least, budget)
-                                                    if mode == "sparse" else base.budget_tokens)
+                            c.trim(c.offset - len(held))  # back to the prompt's pages
+                        store.settings = base.with_(
+                            mode=mode, budget_tokens=max(least, budget) if mode == "sparse"
+                            else base.budget_tokens)
                         out, tps = _answer(model, lm.eos_ids, cache, ids[-1], MAX_ANSWER_TOKENS)
                         reply = tok.decode(out).strip()
-                        cell = NeedleCell(len(ids), length, depth, kind, mode, budget, rope,
+                        cell = NeedleCell(len(ids), length, depth, kind, mode,
+                                          budget if mode == "sparse" else len(ids), rope,
                                           fact.answer, reply, _found(fact.answer, reply),
-                                          round(prefill, 2), round(tps, 2))
+                                          round(prefill, 2), round(tps, 2), keep)
                         cells.append(cell)
                         if on_cell is not None:
                             on_cell(cell)
-                finally:
-                    close_caches(cache)
+                    for c in cache:
+                        c.trim(c.offset - len(held))
+            finally:
+                close_caches(cache)
     return cells
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two id lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def _found(answer: str, reply: str) -> bool:
