@@ -11,8 +11,9 @@ sentence, the question, the start of the answer, the answer) a paragraph of its 
 paged cache (all but its last token; the depths of one length share one prose, and a prompt
 keeps the pages it shares with the deeper one before it) and lets every mode answer from
 those same pages, each answer token a decode step, so sparse selection is what finds the
-fact; a cell is found when the answer appears in the greedy reply. `run(args)` is the suite: a table per (length, RoPE,
-mode, budget), prefill and decode speed per cell, JSON with --json.
+fact; a cell is found when the answer appears in the greedy reply. `run(args)` is the
+suite: a table per (length, RoPE, mode, budget), prefill and decode speed per cell, JSON
+with --json.
 """
 
 from __future__ import annotations
