@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 
 SUITES = ("quick", "full", "kv", "prefix", "kvbits", "import", "stored", "needle", "serve",
-          "spec")
+          "spec", "restart")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "decode), prefix (the SSD prefix cache), kvbits (KV precision) or "
                         "import (import time and peak memory of --files), needle (a fact in "
                         "natural text, exact and sparse), spec (speculative decoding against "
-                        "plain)")
+                        "plain), restart (a real --context document prefilled, the process "
+                        "restarted, the same answer)")
     p.add_argument("--model", default="starter",
                    help="library name or alias; comma-separated for several (e.g. recipes)")
     p.add_argument("--depths", help="context depths, comma-separated (quick: 0,512)")
@@ -198,6 +199,10 @@ def run_cli(args: argparse.Namespace) -> int:
         from engine.bench import needle  # the suite's modules load when it runs
 
         return needle.run(args)
+    if args.suite == "restart":
+        from engine.bench import restart  # the suite's modules load when it runs
+
+        return restart.run(args)
     if args.suite == "serve":
         from engine.bench import serve  # the suite's modules load when it runs
 
