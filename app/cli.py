@@ -300,12 +300,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _start_cluster(args: argparse.Namespace, timeline: Any) -> Any:
     """`generate --ranks N`: rank 0 here, N-1 local `strata join` ranks on loopback."""
-    from engine.runtime.cluster import ClusterError, start_local  # start-up: only when split
+    from engine.runtime.cluster import start_local  # start-up: only when split
 
-    if args.kv_mode not in (None, "mlx"):
-        raise ClusterError(f"--kv-mode {args.kv_mode}: a split model keeps mlx-lm's KV cache")
     return start_local(args.model, args.ranks, [sys.executable, "-m", "app", "join"],
-                       library=_library(), timeline=timeline)
+                       library=_library(), timeline=timeline, kv=_kv_settings(args))
 
 
 def cmd_join(args: argparse.Namespace) -> int:

@@ -8,16 +8,20 @@ Strata, MLX and mlx-lm versions, compute profile and model fingerprint (the libr
 manifest's), and refuses in one line naming what differs; only then does every rank call
 `mx.distributed.init(backend="ring", strict=True)` (MLX_HOSTFILE: a JSON list of
 ["ip:port"], MLX_RANK), load its share (engine.runtime.cluster_split) and, on rank 0, become a
-`LoadedModel` whose forward drives every rank. Tensors travel only over MLX's transport. A
+`LoadedModel` whose forward drives every rank (`kv`: engine.kv's paged settings, which every
+rank's caches then use over its own heads or layers). Each rank reports its share's weight
+bytes and memory once loaded (`Cluster.ranks`). Tensors travel only over MLX's transport. A
 rank that dies mid-reply ends the reply on rank 0 with one line (`Cluster` as a context
 manager turns MLX's RuntimeError into `ClusterError`); `Cluster.close()` stops the others and
-reaps the processes it started.
+reaps the processes it started. `python -m engine.runtime.cluster` is `join()` from the
+environment (MLX_HOSTFILE, MLX_RANK), for callers below the command.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import faulthandler
 import json
 import os
@@ -36,6 +40,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine import __version__ as STRATA_VERSION
+from engine.kv import KVGeometry, KVSettings
 from engine.library import Library, Manifest
 from engine.platform import ComputeProfile, compute_profile, memory_facts
 from engine.runtime.cluster_split import (
@@ -45,20 +50,24 @@ from engine.runtime.cluster_split import (
     SplitPlan,
     choose_split,
     load_share,
+    share_bytes,
+    share_geometry,
 )
 from engine.runtime.generate import LoadedModel
 from engine.runtime.model import ensure_mlx_lm, mlx_lm_version, read_config, weights_fingerprint
 from engine.runtime.tokenizer import Tokenizer
 from engine.telemetry import Timeline
 
-__all__ = ["Cluster", "ClusterError", "identity", "join", "read_hostfile", "start",
-           "start_local", "write_hostfile"]
+__all__ = ["JOIN_COMMAND", "Cluster", "ClusterError", "SplitLoadedModel", "identity", "join",
+           "read_hostfile", "start", "start_local", "write_hostfile"]
 
 JOIN_TIMEOUT_S = 60.0
 # STRATA_CLUSTER_CONTROL: the control socket's address (default: rank 0's host, port + 1).
 CONTROL_ENV = "STRATA_CLUSTER_CONTROL"
 # STRATA_CLUSTER_SPLIT: 'tensor' or 'pipeline' forces the split (default: tensor where it can).
 SPLIT_ENV = "STRATA_CLUSTER_SPLIT"
+# A joining rank started from the engine (the command has its own `strata join`).
+JOIN_COMMAND = (sys.executable, "-m", "engine.runtime.cluster")
 
 
 # -- hostfile and control socket --------------------------------------------------------------
@@ -265,6 +274,34 @@ def _init_group(hosts: Sequence[str], rank: int, hostfile: Path | None) -> Any:
     return group
 
 
+def _kv_to_json(kv: KVSettings | None) -> dict[str, Any] | None:
+    if kv is None:
+        return None
+    d = dataclasses.asdict(kv)
+    d["ssd_dir"] = None if kv.ssd_dir is None else str(kv.ssd_dir)
+    return d
+
+
+def _kv_from_json(d: dict[str, Any] | None) -> KVSettings | None:
+    if not d:
+        return None
+    d = dict(d)
+    d["ssd_dir"] = None if d.get("ssd_dir") is None else Path(d["ssd_dir"])
+    return KVSettings(**d).validate()
+
+
+class SplitLoadedModel(LoadedModel):
+    """A LoadedModel over a SplitModel: the KV geometry is rank 0's share's (its KV heads or
+    its layers), read without running a step on the other ranks."""
+
+    @property
+    def kv_geometry(self) -> KVGeometry:
+        split = self.model
+        if self._geometry is None:
+            self._geometry = share_geometry(split.inner, split.plan, self.profile.dtype)
+        return self._geometry
+
+
 class Cluster:
     """Rank 0's view: the group, the split, the LoadedModel and the ranks it spawned."""
 
@@ -276,6 +313,8 @@ class Cluster:
         self.lines = [line for line, _ in peers]
         self.peers = [ident for _, ident in peers]
         self.procs = procs or []
+        # Per rank (0 first) once loaded: weight bytes of its share, its memory; see start.
+        self.ranks: list[dict[str, Any]] = []
         # MLX's ring fails the collectives pending when a peer goes, but one posted after
         # that waits forever: every step first looks for a rank gone (process, control line).
         split.check = self.missing
@@ -343,37 +382,66 @@ class Cluster:
             line.close()
 
 
+def _loaded(rank: int, share: Any) -> dict[str, Any]:
+    facts = memory_facts()
+    return {"rank": rank, "weights_bytes": share_bytes(share), "rss_bytes": facts.process_rss_bytes,
+            "total_bytes": facts.total_bytes, "available_bytes": facts.available_bytes,
+            "host": socket.gethostname(), "mlx": str(getattr(mx, "__version__", None))}
+
+
 def start(model: str | Path, hosts: Sequence[str], library: Library | None = None,
           profile: ComputeProfile | None = None, timeline: Timeline | None = None,
           timeout: float = JOIN_TIMEOUT_S, hostfile: Path | None = None,
           procs: list[subprocess.Popen[bytes]] | None = None,
-          cancel: Callable[[], str | None] | None = None, control: str | None = None
-          ) -> Cluster:
+          cancel: Callable[[], str | None] | None = None, control: str | None = None,
+          kv: KVSettings | None = None) -> Cluster:
     """Rank 0: wait for the other ranks, check them, start the group, load rank 0's share and
     return the Cluster (its `lm` generates as a one-machine model does). `control`: the
-    control socket's "host:port" (`control_address`)."""
+    control socket's "host:port" (`control_address`). `kv`: paged KV settings (None or mode
+    'mlx': mlx-lm's cache), set on `lm` and sent to every rank."""
     ensure_mlx_lm()
     timeline = timeline or Timeline()
     profile = profile or compute_profile()
+    kv = None if kv is None or kv.mode == "mlx" else kv.validate()
     manifest, folder = _resolve(model, library)
     config = read_config(folder)
     plan = choose_split(config, len(hosts), os.environ.get(SPLIT_ENV) or None)
     mine = identity(manifest, profile)
     job = {"model": manifest.get("name"), "fingerprint": mine["fingerprint"],
-           "plan": plan.as_dict()}
+           "plan": plan.as_dict(), "kv": _kv_to_json(kv)}
     with timeline.phase("cluster handshake"):
         peers = _gather(hosts, job, mine, timeout, cancel or (lambda: None), control)
-    with timeline.phase("cluster group"):
-        group = _init_group(hosts, 0, hostfile)
-    with timeline.phase("tokenizer"):
-        tokenizer = Tokenizer.load(folder)
-    with timeline.phase("weights"):
-        share, config = load_share(folder, plan, group, profile)
+    try:
+        with timeline.phase("cluster group"):
+            group = _init_group(hosts, 0, hostfile)
+        with timeline.phase("tokenizer"):
+            tokenizer = Tokenizer.load(folder)
+        with timeline.phase("weights"):
+            share, config = load_share(folder, plan, group, profile)
+    except BaseException:
+        for line, _ in peers:
+            line.close()
+        raise
     split = SplitModel(share, config, plan, group)
-    lm = LoadedModel(split, config, tokenizer, manifest, profile, timeline)
+    lm = SplitLoadedModel(split, config, tokenizer, manifest, profile, timeline)
     cluster = Cluster(lm, split, peers, procs)
-    with cluster_errors(cluster), timeline.phase("warm-up"):
-        lm.warm_up()
+    try:
+        with timeline.phase("cluster shares"):
+            # Each rank says what its share holds once loaded (its last word on the line:
+            # after it, data on the line means nothing and a close means the rank is gone).
+            deadline = time.monotonic() + timeout
+            try:
+                cluster.ranks = [_loaded(0, share)] + [
+                    line.recv(deadline, "its share loaded") for line in cluster.lines]
+            except ClusterError as exc:
+                split.broken = str(exc)  # a rank that never loaded cannot take a quit step
+                raise
+        with cluster_errors(cluster), timeline.phase("warm-up"):
+            lm.warm_up()
+    except BaseException:
+        cluster.close()
+        raise
+    lm.kv_settings = kv
     return cluster
 
 
@@ -393,12 +461,13 @@ def _die_with_parent() -> None:
             ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def start_local(model: str | Path, n: int, join_command: Sequence[str],
+def start_local(model: str | Path, n: int, join_command: Sequence[str] = JOIN_COMMAND,
                 library: Library | None = None, profile: ComputeProfile | None = None,
                 timeline: Timeline | None = None, timeout: float = JOIN_TIMEOUT_S,
-                env: dict[str, str] | None = None) -> Cluster:
-    """Rank 0 with n-1 local ranks: `join_command` (the `join` subcommand) run n-1 times on
-    loopback with MLX_HOSTFILE, MLX_RANK and the control address in the environment."""
+                env: dict[str, str] | None = None, kv: KVSettings | None = None) -> Cluster:
+    """Rank 0 with n-1 local ranks: `join_command` (the `join` subcommand, or JOIN_COMMAND)
+    run n-1 times on loopback with MLX_HOSTFILE, MLX_RANK and the control address in the
+    environment."""
     if n < 2:
         raise ClusterError(f"--ranks {n}: a split needs at least 2 ranks")
     ports = free_ports(n + 1)
@@ -415,7 +484,7 @@ def start_local(model: str | Path, n: int, join_command: Sequence[str],
                 [*join_command], env={**child_env, "MLX_RANK": str(rank)},
                 stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent))  # noqa: PLW1509
         cluster = start(model, hosts, library, profile, timeline, timeout, hostfile, procs,
-                        cancel=lambda: _exited(procs), control=child_env[CONTROL_ENV])
+                        cancel=lambda: _exited(procs), control=child_env[CONTROL_ENV], kv=kv)
         cluster.temp_files.append(hostfile)
         return cluster
     except BaseException:
@@ -490,9 +559,13 @@ def join(hostfile: str | Path | None = None, rank: int | None = None,
         finally:
             faulthandler.cancel_dump_traceback_later()
     share, config = load_share(folder, plan, group, profile)
-    follower = Follower(share, config, plan, group, getattr(mx, profile.dtype))
+    follower = Follower(share, config, plan, group, getattr(mx, profile.dtype),
+                        _kv_from_json(job.get("kv")))
     try:
+        line.send(_loaded(rank, share))
         return follower.serve()  # the control line stays open: rank 0 watches it
+    except OSError as exc:
+        raise ClusterError(f"rank {rank}: rank 0 closed the connection ({exc})") from exc
     except RuntimeError as exc:
         raise ClusterError(f"rank {rank}: the group was lost ({exc})") from exc
     finally:
@@ -509,3 +582,11 @@ def _connect(host: str, port: int, deadline: float, timeout: float) -> _Line:
                 raise ClusterError(f"rank 0 did not answer at {host}:{port} within "
                                    f"{timeout:g} s") from None
             time.sleep(0.1)
+
+
+if __name__ == "__main__":  # JOIN_COMMAND: a rank started by start_local below the command
+    try:
+        join(say=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except ClusterError as exc:
+        print(f"strata: error: {exc}", file=sys.stderr)
+        sys.exit(1)

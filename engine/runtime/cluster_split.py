@@ -7,11 +7,13 @@ transport is MLX's `send`/`recv`). `load_share(folder, plan, group, profile)` bu
 applies the compute profile lazily and keeps (evaluates) only this rank's share. On rank 0
 `SplitModel` has the model's call signature, `model(x, cache=cache)` -> logits, and drives the
 other ranks step by step: each call first broadcasts a small int32 header (op, cache id, cache
-offset, tokens, caches freed) with `all_sum`, so every rank runs the same forward calls on the
-same cache; `Follower.serve()` is that loop on the other ranks. Caches come from
-`SplitModel.make_cache()` (mlx-lm's `make_prompt_cache` asks for it), each tagged with an id
-the followers key their own caches by; a trim on rank 0 reaches them as a lower offset. A
-broken group (a rank died) raises from MLX as RuntimeError; `SplitModel.broken` then says why.
+offset, tokens, cache kind, caches freed) with `all_sum`, so every rank runs the same forward
+calls on the same cache; `Follower.serve()` is that loop on the other ranks. Caches come from
+`SplitModel.make_cache()` (mlx-lm's `make_prompt_cache` asks for it) or are engine.kv's paged
+caches over rank 0's share; each is tagged with an id the followers key their own caches by
+(a paged one on rank 0 makes a paged one, over the rank's own heads or layers, on every rank);
+a trim on rank 0 reaches them as a lower offset. A broken group (a rank died) raises from MLX
+as RuntimeError; `SplitModel.broken` then says why. `step_bytes` counts what a rank sends.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.errors import StrataError
+from engine.kv import KVSettings, close_caches, geometry_of, make_paged_cache
 from engine.platform import ComputeProfile
 from engine.runtime.model import (
     apply_profile,
@@ -42,10 +45,12 @@ class ClusterError(StrataError):
     """A split model's group could not start, was refused, or lost a rank."""
 
 
-# The step header: op, cache id, cache offset before the step, tokens, then caches freed.
+# The step header: op, cache id, cache offset before the step, tokens, cache kind, then
+# caches freed.
 HEADER = 8
-FREED_SLOTS = HEADER - 4
+FREED_SLOTS = HEADER - 5
 OP_STEP, OP_QUIT = 1, 2
+KIND_MLX, KIND_PAGED = 0, 1
 
 
 @dataclass(frozen=True)
@@ -197,6 +202,27 @@ def _stage_caches(model: Any, plan: SplitPlan) -> list[Any]:
     return [kv_cache() for _ in model.model.layers]
 
 
+def share_geometry(model: Any, plan: SplitPlan, dtype: str) -> Any:
+    """The KV geometry of this rank's share (its KV heads, or its layers): read from one lazy
+    step that is never evaluated, so no collective runs (engine.kv.geometry_of)."""
+    return geometry_of(model, dtype, _stage_caches(model, plan))
+
+
+def step_bytes(plan: SplitPlan, config: dict[str, Any], tokens: int, itemsize: int) -> int:
+    """Bytes one rank sends for a step of `tokens` tokens, counted from the tensors: the
+    header and, tensor: the token ids and two all_sums of the hidden state per layer; a ring
+    all_sum of S bytes sends 2 (N - 1) / N * S from each rank (reduce-scatter, all-gather).
+    Pipeline: one hidden state per stage."""
+    n = plan.ranks
+    hidden = int(config["hidden_size"]) * tokens * itemsize
+    ring = 2 * (n - 1) / n
+    header = ring * HEADER * 4
+    if plan.mode == "tensor":
+        layers = int(config["num_hidden_layers"])
+        return int(header + ring * (tokens * 4 + 2 * layers * hidden))
+    return int(header + hidden)
+
+
 class SplitModel:
     """Rank 0's model: same call as an mlx-lm model, each call run on every rank."""
 
@@ -207,6 +233,7 @@ class SplitModel:
         self.group = group
         self.steps = 0
         self.decode_steps = 0
+        self.sent_bytes = 0  # what rank 0 sent (step_bytes), every step so far
         self.broken: str | None = None
         # Asked before each step: why a rank is gone (None: all there).
         self.check: Callable[[], str | None] = lambda: None
@@ -219,18 +246,24 @@ class SplitModel:
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    def make_cache(self) -> list[Any]:
-        """This rank's caches (its heads, or its layers), tagged with an id for the others."""
-        caches = _stage_caches(self.inner, self.plan)
+    def _tag(self, caches: list[Any]) -> int:
+        """A new id for a cache list; the others free theirs once rank 0's is collected."""
         self._next_id += 1
         caches[0].cluster_id = self._next_id
         weakref.finalize(caches[0], self._freed.append, self._next_id)
+        return self._next_id
+
+    def make_cache(self) -> list[Any]:
+        """This rank's caches (its heads, or its layers), tagged with an id for the others."""
+        caches = _stage_caches(self.inner, self.plan)
+        self._tag(caches)
         return caches
 
-    def _header(self, op: int, cid: int = 0, offset: int = 0, n: int = 0) -> None:
+    def _header(self, op: int, cid: int = 0, offset: int = 0, n: int = 0,
+                kind: int = KIND_MLX) -> None:
         freed = self._freed[:FREED_SLOTS]
         del self._freed[:len(freed)]
-        row = [op, cid, offset, n, *freed] + [0] * (FREED_SLOTS - len(freed))
+        row = [op, cid, offset, n, kind, *freed] + [0] * (FREED_SLOTS - len(freed))
         mx.eval(mx.distributed.all_sum(mx.array(row, dtype=mx.int32), group=self.group))
 
     def __call__(self, x: Any, cache: list[Any] | None = None) -> Any:
@@ -245,16 +278,19 @@ class SplitModel:
             raise ClusterError(gone)
         if x.ndim != 2 or x.shape[0] != 1:
             raise ClusterError(f"a split model runs one sequence at a time (got {x.shape})")
-        cid = 0
-        offset = 0
+        cid = offset = 0
+        kind = KIND_MLX
         if cache is not None:
+            kind = KIND_PAGED if hasattr(cache[0], "store") else KIND_MLX
             cid = int(getattr(cache[0], "cluster_id", 0))
+            if not cid and kind == KIND_PAGED:
+                cid = self._tag(cache)  # engine.kv's paged caches over rank 0's share
             if not cid:
                 raise ClusterError("this cache was not made by the split model (make_cache)")
             offset = int(cache[0].offset)
         n = int(x.shape[1])
         try:
-            self._header(OP_STEP, cid, offset, n)
+            self._header(OP_STEP, cid, offset, n, kind)
         except RuntimeError as exc:
             self.broken = f"a rank of the cluster was lost ({exc})"
             raise ClusterError(self.broken) from exc
@@ -271,10 +307,13 @@ class SplitModel:
             sent = mx.distributed.send(h, 1, group=self.group)
             mx.async_eval(sent)  # queued before the recv below, on the same stream
             out = inner.norm(mx.distributed.recv_like(h, self.plan.ranks - 1, group=self.group))
-        if cache is not None and cache[-1].keys is not None:
+        self.sent_bytes += step_bytes(self.plan, self.config, n, out.dtype.size)
+        if cache is not None and kind == KIND_MLX and cache[-1].keys is not None:
             # A caller that evaluates only the cache (a prefill chunk) still runs the step's
             # last collectives, which the other ranks wait on (as mlx-lm's pipelines do).
             cache[-1].keys = mx.depends(cache[-1].keys, out)
+        elif cache is not None:
+            mx.async_eval(out)  # a paged cache's state is its pools: the same, by evaluating
         if getattr(self.inner.args, "tie_word_embeddings", False):
             return inner.embed_tokens.as_linear(out)
         return self.inner.lm_head(out)
@@ -292,24 +331,38 @@ class SplitModel:
 
 
 class Follower:
-    """A rank > 0: runs every step rank 0 broadcasts, on its own caches, until told to quit."""
+    """A rank > 0: runs every step rank 0 broadcasts, on its own caches, until told to quit.
+    `kv`: the paged KV settings for the caches rank 0 makes paged (None: none are)."""
 
     def __init__(self, model: Any, config: dict[str, Any], plan: SplitPlan, group: Any,
-                 dtype: Any) -> None:
+                 dtype: Any, kv: KVSettings | None = None) -> None:
         self.model = model
         self.plan = plan
         self.group = group
         self.hidden = int(config["hidden_size"])
         self.dtype = dtype
+        self.kv = kv
+        self._geometry: Any = None
         self.caches: dict[int, list[Any]] = {}
         self.steps = 0
 
-    def _caches(self, cid: int, offset: int) -> list[Any] | None:
+    def _new(self, kind: int) -> list[Any]:
+        if kind != KIND_PAGED:
+            return _stage_caches(self.model, self.plan)
+        if self.kv is None:
+            raise ClusterError(f"rank {self.group.rank()}: rank 0 made a paged KV cache but "
+                               "sent no KV settings")
+        if self._geometry is None:
+            name = {mx.float16: "float16", mx.bfloat16: "bfloat16"}.get(self.dtype, "float32")
+            self._geometry = share_geometry(self.model, self.plan, name)
+        return list(make_paged_cache(self.model, self.kv, self._geometry))
+
+    def _caches(self, cid: int, offset: int, kind: int) -> list[Any] | None:
         if cid == 0:
             return None
         caches = self.caches.get(cid)
         if caches is None:
-            caches = self.caches[cid] = _stage_caches(self.model, self.plan)
+            caches = self.caches[cid] = self._new(kind)
         have = int(caches[0].offset)
         if have > offset:
             for c in caches:
@@ -319,30 +372,40 @@ class Follower:
                                f"rank 0 {offset}: out of step")
         return caches
 
+    def close(self) -> None:
+        """Release the paged caches' threads and session files."""
+        for caches in self.caches.values():
+            close_caches(caches)
+        self.caches.clear()
+
     def serve(self) -> int:
         """Run steps until rank 0 says quit; returns the steps run. A lost rank raises
         RuntimeError from MLX."""
         g = self.group
         rank, size = g.rank(), g.size()
         zeros = mx.zeros((HEADER,), dtype=mx.int32)
-        while True:
-            hdr = mx.distributed.all_sum(zeros, group=g)
-            mx.eval(hdr)
-            row: list[Any] = list(hdr.tolist())  # type: ignore[arg-type]  # a 1-d int array
-            op, cid, offset, n, *freed = (int(v) for v in row)
-            for f in freed:
-                self.caches.pop(f, None)
-            if op == OP_QUIT:
-                return self.steps
-            if op != OP_STEP:
-                raise ClusterError(f"rank {rank}: unknown step {op} from rank 0")
-            caches = self._caches(cid, offset)
-            self.steps += 1
-            if self.plan.mode == "tensor":
-                x = mx.distributed.all_sum(mx.zeros((1, n), dtype=mx.int32), group=g)
-                out = self.model.model(x, cache=caches)  # no head: rank 0 makes the logits
-            else:
-                h = mx.distributed.recv((1, n, self.hidden), self.dtype, rank - 1, group=g)
-                h = _run_layers(self.model.model.layers, h, caches)
-                out = mx.distributed.send(h, (rank + 1) % size, group=g)
-            mx.eval(out, [c.state for c in caches or []])
+        try:
+            while True:
+                hdr = mx.distributed.all_sum(zeros, group=g)
+                mx.eval(hdr)
+                row: list[Any] = list(hdr.tolist())  # type: ignore[arg-type]  # a 1-d array
+                op, cid, offset, n, kind, *freed = (int(v) for v in row)
+                for f in freed:
+                    if f in self.caches:
+                        close_caches(self.caches.pop(f))
+                if op == OP_QUIT:
+                    return self.steps
+                if op != OP_STEP:
+                    raise ClusterError(f"rank {rank}: unknown step {op} from rank 0")
+                caches = self._caches(cid, offset, kind)
+                self.steps += 1
+                if self.plan.mode == "tensor":
+                    x = mx.distributed.all_sum(mx.zeros((1, n), dtype=mx.int32), group=g)
+                    out = self.model.model(x, cache=caches)  # no head: rank 0 makes the logits
+                else:
+                    h = mx.distributed.recv((1, n, self.hidden), self.dtype, rank - 1, group=g)
+                    h = _run_layers(self.model.model.layers, h, caches)
+                    out = mx.distributed.send(h, (rank + 1) % size, group=g)
+                mx.eval(out, [c.state for c in caches or []])
+        finally:
+            self.close()
