@@ -9,6 +9,7 @@ prefix.py (the SSD prefix cache and multi-turn reuse, each figure from a prefix_
 process); importing.py (import time and peak memory per file, llama.cpp's load as the
 peer); needle.py (a fact hidden in natural text, exact and sparse, RoPE past the trained
 length); spec.py (speculative decoding against plain decoding: edit, summary, open chat);
+cluster.py (a model split across 1, 2, 3 local ranks: speed, memory, bytes sent per token);
 smoke.py (the engine's half of `strata --smoke`); and what they share: stats.py
 (statistics, ratios, the result schema), system.py (RSS, I/O counters, dropping files from
 the page cache), common.py (prompt ids, machine facts). Modules here may import every floor
@@ -28,7 +29,7 @@ from __future__ import annotations
 import argparse
 
 SUITES = ("quick", "full", "kv", "prefix", "kvbits", "import", "stored", "needle", "serve",
-          "spec", "restart")
+          "spec", "restart", "cluster")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "import (import time and peak memory of --files), needle (a fact in "
                         "natural text, exact and sparse), spec (speculative decoding against "
                         "plain), restart (a real --context document prefilled, the process "
-                        "restarted, the same answer)")
+                        "restarted, the same answer), cluster (a model split across 1, 2, 3 "
+                        "local ranks)")
     p.add_argument("--model", default="starter",
                    help="library name or alias; comma-separated for several (e.g. recipes)")
     p.add_argument("--depths", help="context depths, comma-separated (quick: 0,512)")
@@ -64,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _add_needle(p)
     _add_spec(p)
     _add_serve(p)
+    _add_cluster(p)
 
 
 def _add_kv(p: argparse.ArgumentParser) -> None:
@@ -168,6 +171,14 @@ def _add_spec(p: argparse.ArgumentParser) -> None:
                    help="spec: tasks, comma-separated (edit, summary, chat1, chat2)")
 
 
+def _add_cluster(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster suite")
+    g.add_argument("--cluster-ranks", default="1,2,3",
+                   help="cluster: rank counts, comma-separated (each a fresh group)")
+    g.add_argument("--cluster-split", choices=("tensor", "pipeline"),
+                   help="cluster: force the split (default: tensor where it divides)")
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """Run `args.suite` (parsed by a parser `add_arguments` set up); its exit code."""
     # Each import below is the chosen suite's alone (see the module docstring).
@@ -203,6 +214,10 @@ def run_cli(args: argparse.Namespace) -> int:
         from engine.bench import restart  # the suite's modules load when it runs
 
         return restart.run(args)
+    if args.suite == "cluster":
+        from engine.bench import cluster  # the suite's modules load when it runs
+
+        return cluster.run(args)
     if args.suite == "serve":
         from engine.bench import serve  # the suite's modules load when it runs
 
