@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -307,11 +308,30 @@ def _start_cluster(args: argparse.Namespace, timeline: Any) -> Any:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
-    """`strata join`: a rank > 0 of a split model; runs rank 0's steps until it quits."""
+    """`strata join`: a rank > 0 of a split model; runs rank 0's steps until it quits. With
+    no hostfile: wait on --listen, advertised by mDNS, and run each rank rank 0 invites."""
     from engine.runtime.cluster import join  # start-up: MLX loads only when joining
 
-    join(args.hostfile, args.rank, library=_library(), timeout=args.timeout,
-         say=lambda msg: print(msg, file=sys.stderr, flush=True))
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    if args.hostfile or os.environ.get("MLX_HOSTFILE"):
+        join(args.hostfile, args.rank, library=_library(), timeout=args.timeout, say=say)
+        return 0
+    from engine.runtime.cluster_find import Waiter  # start-up: as above
+
+    waiter = Waiter(args.listen, join_command=[sys.executable, "-m", "app", "join"],
+                    advertise=not args.no_advertise, say=say)
+    say(f"waiting for rank 0 on port {waiter.port}"
+        f"{'' if args.no_advertise else ' (advertised on the local network)'}")
+    # SIGTERM (a service manager, a test) stops it as Ctrl-C does: the invited rank with it.
+    signal.signal(signal.SIGTERM, lambda *_: waiter.stop())
+    try:
+        waiter.serve()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        waiter.stop()
     return 0
 
 
@@ -513,6 +533,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, help="this machine's rank (default: $MLX_RANK)")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds to wait for rank 0 and the other ranks (default: 60)")
+    p.add_argument("--listen", type=int, default=5170, metavar="PORT",
+                   help="with no hostfile: wait for rank 0 on this port (default: 5170)")
+    p.add_argument("--no-advertise", action="store_true",
+                   help="with no hostfile: do not announce this machine by mDNS")
     p.set_defaults(func=cmd_join)
 
     p = sub.add_parser("chat", help="chat in the terminal")

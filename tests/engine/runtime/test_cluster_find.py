@@ -1,0 +1,86 @@
+"""Macs waiting to join, found by mDNS on loopback or typed by address, then run as a split.
+
+Real parts: `strata join` with no hostfile (a waiter, its own process) advertising itself
+with the real zeroconf on the loopback interface (multicast works there in this container;
+STRATA_MDNS_INTERFACE keeps the test off the real network), this process browsing for it, a
+typed address asked over TCP, and a bad address refused in one line.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlx.core as mx
+import psutil
+import pytest
+
+from engine.runtime.cluster import free_ports
+from engine.runtime.cluster_find import ClusterError, browse, probe
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def waiter_env(home: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"STRATA_HOME": str(home), "STRATA_MDNS_INTERFACE": "127.0.0.1",
+                "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", "")})
+    env.pop("MLX_HOSTFILE", None)
+    return env
+
+
+def wait_for(address: str, proc: subprocess.Popen[bytes], seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            probe(address)
+            return
+        except ClusterError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def waiter(strata_home: Path) -> Iterator[str]:
+    """A real `strata join` waiting on a free port, advertised on loopback."""
+    port = free_ports(1)[0]
+    with subprocess.Popen([sys.executable, "-m", "app", "join", "--listen", str(port)],
+                          env=waiter_env(strata_home), cwd=REPO,
+                          stdin=subprocess.DEVNULL) as proc:
+        try:
+            wait_for(f"127.0.0.1:{port}", proc)
+            yield f"127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            assert proc.wait(10) == 0  # SIGTERM: it left the network and stopped
+
+
+def test_a_typed_address_says_its_memory_and_mlx_version(waiter: str) -> None:
+    peer = probe(waiter)
+    assert peer.address == waiter
+    assert peer.mlx == mx.__version__ and peer.strata and peer.mlx_lm
+    assert peer.total_bytes == psutil.virtual_memory().total
+    assert 0 < peer.available_bytes <= peer.total_bytes
+    assert not peer.busy
+
+
+def test_a_waiter_is_found_by_mdns(waiter: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STRATA_MDNS_INTERFACE", "127.0.0.1")
+    found = {p.address: p for p in browse(2.0)}
+    assert waiter in found, found
+    peer = found[waiter]
+    assert peer.mlx == mx.__version__
+    assert peer.total_bytes == psutil.virtual_memory().total
+
+
+def test_an_address_with_no_waiter_is_one_line() -> None:
+    port = free_ports(1)[0]
+    with pytest.raises(ClusterError, match=rf"^127.0.0.1:{port}: no Strata waiting there"):
+        probe(f"127.0.0.1:{port}")
+    with pytest.raises(ClusterError, match="not a host:port address"):
+        probe("mac-mini.local")
