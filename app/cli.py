@@ -88,7 +88,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    """`strata cache`: where the prefix cache is and what it holds; --clear empties it."""
+    """`strata cache`: where the page store is and what it holds (stored runs, live sessions);
+    --clear removes the stored runs (a live session's pages stay)."""
     from engine.kv.prefix import clear_folder, folder_summary, settings_from_env  # start-up
 
     s = settings_from_env()
@@ -105,9 +106,12 @@ def cmd_cache(args: argparse.Namespace) -> int:
         print(f"removed {info['removed_runs']} runs ({info['removed_bytes'] / 2**20:.1f} MB) "
               f"from {folder}")
     else:  # MB as the budget setting counts them (2^20 bytes)
-        print(f"prefix cache: {folder}: {runs} runs, {summary['pages']} pages, "
-              f"{summary['tails']} prompt tails, {size / 2**20:.1f} MB of a "
-              f"{s.budget_mb:g} MB budget (STRATA_PREFIX_MB)")
+        live = summary["session_bytes"]
+        print(f"page store: {folder}: {runs} runs, {summary['pages']} pages, "
+              f"{summary['tails']} prompt tails, {size / 2**20:.1f} MB stored + "
+              f"{live / 2**20:.1f} MB in {summary['sessions']} live sessions of a "
+              f"{s.budget_mb:g} MB budget (STRATA_PREFIX_MB; stored runs make room for "
+              "sessions)")
         for m in summary["models"]:
             print(f"  {m['name'] or 'unnamed model'}: {m['pages']} pages in {m['runs']} runs, "
                   f"{m['bytes'] / 2**20:.1f} MB")
@@ -489,7 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_models)
 
-    p = sub.add_parser("cache", help="show the prompt-prefix cache on the SSD, or --clear it")
+    p = sub.add_parser("cache", help="show the page store on the SSD (stored prefixes, live "
+                                     "sessions), or --clear it")
     p.add_argument("--clear", action="store_true", help="remove every stored prefix")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_cache)

@@ -96,11 +96,11 @@ from engine.kv.pagefile import (
     MAGIC,
     PageHeader,
 )
-from engine.kv.settings import KVGeometry
+from engine.kv.settings import SESSION_NAME, SESSIONS_DIR, KVGeometry, store_root
 from engine.kv.table import BLOCK_TOKENS, SUMMARY_DTYPE
 from engine.kv.tail import SUFFIX as TAIL_SUFFIX
 from engine.kv.tail import Tail, TailLayout, common_prefix, read_tail, tail_name, write_tail
-from engine.platform import default_home, pid_alive
+from engine.platform import pid_alive
 
 PREFIX_MAGIC = b"STRATAPX"
 RUN_MAGIC = b"STRATARN"
@@ -134,7 +134,9 @@ class PrefixCacheError(StrataError):
 
 @dataclass(frozen=True)
 class PrefixSettings:
-    """Where and how much: folder (None: STRATA_HOME/prefix), disk budget, page size."""
+    """Where and how much: folder (None: the page store, engine.kv.settings.store_root), the
+    store's disk budget (live sessions' tiers inside the folder count against it: stored
+    runs make room for them), page size."""
 
     folder: Path | None = None
     budget_mb: float = 4096
@@ -145,7 +147,7 @@ class PrefixSettings:
     def root(self) -> Path:
         if self.folder is not None:
             return Path(self.folder)
-        return default_home() / "prefix"
+        return store_root()
 
 
 def settings_from_env(**overrides: Any) -> PrefixSettings:
@@ -1364,7 +1366,8 @@ class PrefixCache:
     def _evict(self) -> None:
         """Over budget: remove files this layout cannot use, then least recently used runs,
         each with the runs that continue it (their parent page is gone: unreachable)."""
-        budget = int(self.settings.budget_mb * (1 << 20))
+        # One budget for the store: live sessions' tiers in it are never evicted, runs make room.
+        budget = int(self.settings.budget_mb * (1 << 20)) - sessions_bytes(self.folder)[1]
         entries = _scan(self.folder)
         total = sum(size for _, size, _ in entries)
         if total <= budget:
@@ -1436,10 +1439,28 @@ def _scan(folder: Path) -> list[tuple[int, int, Path]]:
 LABELS = "labels.json"  # model key (hex) -> the model's name, written by `label`
 
 
+def sessions_bytes(folder: Path) -> tuple[int, int]:
+    """Live sessions' SSD tiers inside a store folder (engine.kv.store): (sessions, bytes).
+    A dead process's tier (swept by the next store that opens) does not count."""
+    n = total = 0
+    with contextlib.suppress(OSError):
+        for e in os.scandir(folder / SESSIONS_DIR):
+            m = SESSION_NAME.match(e.name)
+            if not e.is_dir(follow_symlinks=False) or (m and not pid_alive(int(m.group(1)))):
+                continue
+            n += 1
+            with contextlib.suppress(OSError):
+                for f in os.scandir(e.path):
+                    with contextlib.suppress(OSError):
+                        total += f.stat(follow_symlinks=False).st_size
+    return n, total
+
+
 def folder_summary(folder: Path) -> dict[str, Any]:
-    """What a prefix folder holds, for `strata cache` and the memory panel: runs, full
+    """What a page store folder holds, for `strata cache` and the memory panel: runs, full
     pages, tails, window files and bytes, in all and per model (keyed by the runs' model
-    key, named from the labels file); files of another format count as `stale`."""
+    key, named from the labels file), and the live sessions' tiers (`sessions`,
+    `session_bytes`, not in `bytes`); files of another format count as `stale`."""
     try:
         labels = json.loads((folder / LABELS).read_text())
     except (OSError, ValueError):
@@ -1473,6 +1494,7 @@ def folder_summary(folder: Path) -> dict[str, Any]:
         total["runs"] += 1
         total["pages"] += pages
     total["models"] = sorted(models.values(), key=lambda m: -m["bytes"])
+    total["sessions"], total["session_bytes"] = sessions_bytes(folder)
     return total
 
 

@@ -1,20 +1,65 @@
 """How the KV cache is kept, and the shape of what it keeps: `KVSettings` and `KVGeometry`.
 
 Contract: `KVSettings` (mode, budgets, page size, bits) is validated by `validate()` with one
-line naming the bad value; `settings_from_env(**overrides)` reads STRATA_KV_*. `KVGeometry` is
+line naming the bad value; `settings_from_env(**overrides)` reads STRATA_KV_*. `store_root(home)`
+is the one page store's folder: stored runs (engine.kv.prefix) at its top, live sessions' SSD
+tiers in its `sessions` folder (engine.kv.store); the first call renames the prefix folder
+of earlier versions to it. `KVGeometry` is
 all the KV layer knows of a model: layers, KV heads, head dim and the dtype keys and values are
 computed in; the runtime derives it from the loaded model, so kv never sees a LoadedModel.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from engine.errors import StrataError
-from engine.platform import default_home
+from engine.platform import default_home, pid_alive
+
+STORE_DIR = "pages"
+SESSIONS_DIR = "sessions"
+LEGACY_DIRS = ("prefix", "kv")  # earlier versions: stored runs, sessions' tiers
+SESSION_NAME = re.compile(r"^(\d+)-[0-9a-f]{8}$")  # a session folder's default name: pid-hex
+
+
+def store_root(home: Path | None = None) -> Path:
+    """The page store under `home` (None: Strata's home). One-time migration: the stored
+    runs of earlier versions' `prefix` folder move here by a rename (no copy)."""
+    home = Path(home) if home is not None else default_home()
+    root = home / STORE_DIR
+    old = home / LEGACY_DIRS[0]
+    if not root.exists() and old.is_dir():
+        try:
+            old.rename(root)
+        except OSError:
+            pass  # another process moved it first, or a read-only home: the runs are rebuilt
+    kv = home / LEGACY_DIRS[1]
+    if kv.is_dir():  # earlier versions' session tiers: only dead ones are left to sweep
+        sweep_dead_sessions(kv)
+        with contextlib.suppress(OSError):
+            kv.rmdir()  # empty now, unless a session of an older process still runs
+    return root
+
+
+def sweep_dead_sessions(root: Path) -> None:
+    """Remove the page files of sessions whose process died without closing (kill -9, crash):
+    nothing reads them again (named sessions, kept on purpose, are left alone)."""
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return
+    for e in entries:
+        m = SESSION_NAME.match(e.name)
+        if m and e.is_dir(follow_symlinks=False):
+            pid = int(m.group(1))
+            if pid != os.getpid() and not pid_alive(pid):
+                shutil.rmtree(e.path, ignore_errors=True)
 
 
 class KVUnpageable(StrataError):
@@ -156,7 +201,7 @@ class KVSettings:
     def folder(self) -> Path:
         if self.ssd_dir is not None:
             return Path(self.ssd_dir)
-        return default_home() / "kv"
+        return store_root() / SESSIONS_DIR
 
 
 def settings_from_env(**overrides: Any) -> KVSettings:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import heapq
 import json
 import os
-import re
 import shutil
 import time
 import uuid
@@ -41,11 +40,8 @@ from engine.kv.pagefile import (
     check_writable,
     codec_record_size,
 )
-from engine.kv.settings import KVSettings
+from engine.kv.settings import KVSettings, sweep_dead_sessions
 from engine.kv.table import LayerTable
-from engine.platform import pid_alive
-
-_SESSION_RE = re.compile(r"^(\d+)-[0-9a-f]{8}$")  # the default session folder name
 
 
 class KVRamFull(KVStoreError):
@@ -98,7 +94,7 @@ class KVStore:
         if settings.ssd:
             root = settings.folder()
             check_writable(root)
-            _sweep_dead_sessions(root)
+            sweep_dead_sessions(root)
             self.folder = root / (session or f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
             check_writable(self.folder)
             self.writer = PageWriter(self._file, settings.ssd_mb << 20, settings.writer_queue,
@@ -478,18 +474,3 @@ class KVStore:
                 "kv_bits": self.codec.bits, "ssd_full": self.ssd_full_reason,
                 "pages_mapped": self.mapped_pages,
                 **self.counters}
-
-
-def _sweep_dead_sessions(root: Path) -> None:
-    """Remove the page files of sessions whose process died without closing (kill -9, crash):
-    nothing reads them again (named sessions, kept on purpose, are left alone)."""
-    try:
-        entries = list(os.scandir(root))
-    except OSError:
-        return
-    for e in entries:
-        m = _SESSION_RE.match(e.name)
-        if m and e.is_dir(follow_symlinks=False):
-            pid = int(m.group(1))
-            if pid != os.getpid() and not pid_alive(pid):
-                shutil.rmtree(e.path, ignore_errors=True)

@@ -34,6 +34,7 @@ from engine.kv import KVSettings, shared_bytes, ssd_bytes
 from engine.kv import settings_from_env as kv_settings_from_env
 from engine.kv.prefix import PrefixSettings, clear_folder, prefix_folder_bytes
 from engine.kv.prefix import settings_from_env as prefix_settings_from_env
+from engine.kv.settings import SESSIONS_DIR, store_root
 from engine.library import Library, Manifest
 from engine.platform import (
     MemorySnapshot,
@@ -66,7 +67,7 @@ def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class PoolSettings:
     """How the pool's models keep their KV. kv None: mlx-lm's in-memory KVCache. prefix_mb
     None: the environment's budget (STRATA_PREFIX_MB); prefix_dir None: STRATA_PREFIX_DIR, else
-    the library's home/prefix."""
+    the page store under the library's home (engine.kv.settings.store_root)."""
 
     kv: KVSettings | None = None
     prefix_cache: bool = True
@@ -77,14 +78,15 @@ class PoolSettings:
 def settings_from_options(options: Mapping[str, Any], home: Path) -> PoolSettings:
     """The window's engine settings (kv_mode, kv_ram_mb, kv_bits, kv_budget_tokens,
     prefix_cache, prefix_mb; missing keys: defaults and STRATA_KV_*) as PoolSettings, the
-    paged KV's session files under `home`/kv. Raises StrataError or ValueError on bad values."""
+    paged KV's session files in the page store under `home` (engine.kv.settings.store_root).
+    Raises StrataError or ValueError on bad values."""
     ram = int(options.get("kv_ram_mb") or 0)
     mode = str(options.get("kv_mode") or "mlx")
     # KV bits apply to the paged cache only; mlx-lm's in-memory cache stays 16-bit.
     bits = int(options.get("kv_bits") or 16) if mode != "mlx" else 16
     kv = kv_settings_from_env(mode=mode, bits=bits, ram_mb=ram if ram > 0 else None,
                               budget_tokens=int(options.get("kv_budget_tokens") or 2048),
-                              ssd_dir=home / "kv")
+                              ssd_dir=store_root(home) / SESSIONS_DIR)
     mb = options.get("prefix_mb")
     return PoolSettings(kv=kv, prefix_cache=bool(options.get("prefix_cache", True)),
                         prefix_mb=None if mb is None else max(0.0, float(mb)))
@@ -115,7 +117,7 @@ class ModelPool:
         s = self.settings
         folder = s.prefix_dir
         if folder is None and not os.environ.get("STRATA_PREFIX_DIR"):
-            folder = Path(self.library.home) / "prefix"
+            folder = store_root(Path(self.library.home))
         return prefix_settings_from_env(folder=folder, budget_mb=s.prefix_mb)
 
     def configure(self, settings: PoolSettings) -> None:

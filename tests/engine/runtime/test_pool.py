@@ -106,7 +106,7 @@ def test_configure_applies_kv_settings_and_drops_old_caches(pool: ModelPool,
         assert not pool.sessions  # made under the old settings: gone
         assert lm.kv_settings is not None and (lm.kv_settings.mode, lm.kv_settings.bits) == (
             "exact", 8)
-        assert lm.kv_settings.ssd_dir == tmp_path / "kv"
+        assert lm.kv_settings.ssd_dir == tmp_path / "pages" / "sessions"
         session = pool.session(1)
         for _ in session.send("Hi", SamplingParams(temperature=0.0), 2):
             pass
