@@ -340,6 +340,7 @@ class EngineWorker(QObject):
             "cached_tokens": last.cached_tokens, "generated_tokens": last.generated_tokens,
             "peak_memory_bytes": last.peak_memory_bytes,
             "finish_reason": last.finish_reason or "stop", "phases": phases,
+            "drafted_tokens": last.drafted_tokens, "accepted_tokens": last.accepted_tokens,
         }
         yield self.reply_finished, (job, stats)
 
@@ -360,7 +361,8 @@ class EngineWorker(QObject):
         reply: list[str] = []
         try:
             for ev in generate(lm, prompt, params, req.max_tokens, cancel=cancel,
-                               prompt_cache=session.cache, timeline=timeline):
+                               prompt_cache=session.cache, timeline=timeline,
+                               drafter=self.pool.drafts.drafter(lm, self.pool.settings.draft)):
                 reply.append(ev.text)
                 yield ev
         finally:

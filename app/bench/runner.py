@@ -35,7 +35,9 @@ def history(home: Path) -> list[tuple[Path, dict[str, Any]]]:
             doc = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(doc, dict) and str(doc.get("schema", "")).startswith("strata-bench/2"):
+        schema = str(doc.get("schema", "")) if isinstance(doc, dict) else ""
+        # strata-bench/2: the quick and full suites; strata-bench-spec/1: bench spec's.
+        if schema.startswith(("strata-bench/2", "strata-bench-spec/1")):
             out.append((path, doc))
     return out
 

@@ -4,11 +4,14 @@ Contract: `BenchmarkView(home)` lists earlier results from STRATA_HOME/bench (ne
 selected), runs a new one through `BenchRunner` with a progress bar and Cancel, and shows the
 selected results side by side: a table (figures as rows; each subject of each result a
 column, then Strata / peer ratios) and charts. Export writes the selected result's JSON or
-CSV, the same files as `strata bench --json/--csv`. Nothing here measures anything itself.
+CSV, the same files as `strata bench --json/--csv`. A spec result (`strata bench spec`,
+speculative decoding) shows per task and drafter the median tok/s, its ratio to plain
+decoding and the drafted tokens kept (`spec_cells`). Nothing here measures anything itself.
 """
 
 from __future__ import annotations
 
+import csv
 import shutil
 from pathlib import Path
 from typing import Any
@@ -63,10 +66,50 @@ def _sort_key(key: str) -> tuple[int, int]:
             int(key.split("@")[1]) if "@" in key else -1)
 
 
+def spec_cells(doc: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """A spec result's table cells: {"task · drafter": (text, tooltip)}, plain decoding's
+    row first per task: '21.3 tok/s · ×1.85 · 120/160 kept', tooltip naming the trials and
+    whether the text was the plain decode's."""
+    out: dict[str, tuple[str, str]] = {}
+    for r in doc.get("results", []):
+        for d in doc.get("drafters") or list(r.get("median_tps", {})):
+            tps = (r.get("median_tps") or {}).get(d)
+            if tps is None:
+                continue
+            text = f"{tps:.1f} tok/s"
+            if d != "off":
+                drafted = int((r.get("drafted") or {}).get(d, 0))
+                kept = int((r.get("accepted") or {}).get(d, 0))
+                text += f" · ×{(r.get('ratio') or {}).get(d, 0.0):.2f} · {kept}/{drafted} kept"
+            runs = ", ".join(f"{v:.1f}" for v in (r.get("tps") or {}).get(d, []))
+            tip = (f"{r.get('prompt_tokens', 0)} prompt tokens; runs {runs} tok/s; text "
+                   + ("identical to plain decoding" if r.get("identical") else
+                      "NOT identical to plain decoding"))
+            out[f"{r['task']} · {'plain' if d == 'off' else d}"] = (text, tip)
+    return out
+
+
+def write_spec_csv(doc: dict[str, Any], target: Path) -> None:
+    """A spec result as CSV: one row per task and drafter."""
+    with open(target, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["task", "drafter", "prompt_tokens", "median_tps", "ratio_vs_off",
+                    "drafted_tokens", "accepted_tokens", "generated_tokens", "identical"])
+        for r in doc.get("results", []):
+            for d, tps in (r.get("median_tps") or {}).items():
+                w.writerow([r["task"], d, r.get("prompt_tokens", 0), f"{tps:.3f}",
+                            f"{(r.get('ratio') or {}).get(d, 0.0):.3f}",
+                            (r.get("drafted") or {}).get(d, 0),
+                            (r.get("accepted") or {}).get(d, 0),
+                            (r.get("generated") or {}).get(d, 0), bool(r.get("identical"))])
+
+
 def run_title(path: Path, result: dict[str, Any]) -> str:
     date = str(result.get("machine", {}).get("date", ""))[:16].replace("T", " ")
     models = ", ".join(m["name"] for m in result.get("models", []))
     state = "" if result.get("complete") else " (partial)"
+    if result.get("suite") == "spec":
+        state += f" · {result.get('max_tokens', '?')} tokens"
     return f"{date} · {result.get('suite', '?')} · {models}{state}"
 
 
@@ -89,6 +132,7 @@ class BenchmarkView(QWidget):
         self.suite.setAccessibleName("Suite")
         self.suite.addItem("quick (about 2 minutes)", "quick")
         self.suite.addItem("full (depth sweep to 16k, KV modes)", "full")
+        self.suite.addItem("spec (speculative decoding: edit, summary, open chat)", "spec")
         self.trials = QSpinBox()
         self.trials.setAccessibleName("Trials")
         self.trials.setRange(0, 20)
@@ -246,6 +290,11 @@ class BenchmarkView(QWidget):
 
     def show_results(self, paths: list[str]) -> None:
         """Fill the table and the charts with the runs of these result files."""
+        spec = [p for p in paths if (self.results.get(p) or {}).get("suite") == "spec"]
+        if spec and spec[0] == paths[0]:
+            self._show_spec(spec)
+            return
+        paths = [p for p in paths if p not in spec]  # another table: the first's kind shows
         columns: list[tuple[str, dict[str, dict[str, float]]]] = []
         ratio_cols: list[tuple[str, dict[str, float]]] = []
         series = []
@@ -294,6 +343,30 @@ class BenchmarkView(QWidget):
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
         self.chart.set_series(series)
 
+    def _show_spec(self, paths: list[str]) -> None:
+        """Spec results: a row per task and drafter, a column per result (no charts)."""
+        columns = []
+        for path in paths:
+            doc = self.results.get(path) or {}
+            when = str(doc.get("machine", {}).get("date", ""))[5:16].replace("T", " ")
+            columns.append((f"{doc.get('model', '?')} · {when}", spec_cells(doc)))
+        keys = list(dict.fromkeys(k for _, cells in columns for k in cells))
+        self.table.clear()
+        self.table.setRowCount(len(keys))
+        self.table.setColumnCount(len(columns))
+        self.table.setHorizontalHeaderLabels([c for c, _ in columns])
+        self.table.setVerticalHeaderLabels(keys)
+        for row, key in enumerate(keys):
+            for col, (_, cells) in enumerate(columns):
+                if key in cells:
+                    item = QTableWidgetItem(cells[key][0])
+                    item.setToolTip(cells[key][1])
+                    item.setTextAlignment(Qt.AlignmentFlag.AlignRight
+                                          | Qt.AlignmentFlag.AlignVCenter)
+                    self.table.setItem(row, col, item)
+        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+        self.chart.set_series([])
+
     def export_json(self, target: Path) -> None:
         paths = self.selected_paths()
         if paths:
@@ -301,7 +374,9 @@ class BenchmarkView(QWidget):
 
     def export_csv(self, target: Path) -> None:
         paths = self.selected_paths()
-        if paths:
+        if paths and self.results[paths[0]].get("suite") == "spec":
+            write_spec_csv(self.results[paths[0]], target)
+        elif paths:
             write_csv(self.results[paths[0]], target)
 
     def shutdown(self) -> None:

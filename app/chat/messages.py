@@ -10,6 +10,9 @@ click becomes a request signal (`regenerate_requested`, ...) or a clipboard copy
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from PySide6.QtCore import QEvent, QUrl, Signal, Slot
 from PySide6.QtGui import (
     QDesktopServices,
@@ -26,6 +29,15 @@ from app.chat.store import Attachment, Message
 from app.format import reply_stats_line
 
 ROLE_NAMES = {"user": "You", "assistant": "Assistant", "system": "System"}
+
+
+def draft_stats(stats: Mapping[str, Any]) -> str:
+    """'12/20 drafted tokens kept' for a reply that drafted (speculative decoding), else ''."""
+    drafted = int(stats.get("drafted_tokens") or 0)
+    if drafted <= 0:
+        return ""
+    accepted = int(stats.get("accepted_tokens") or 0)
+    return f"{accepted}/{drafted} drafted tokens kept"
 
 
 def cut_short(message: Message) -> bool:
@@ -195,6 +207,9 @@ class MessageView(QTextBrowser):
             footer = ""
             if msg.role == "assistant":
                 footer = reply_stats_line(msg.stats, msg.status)
+                drafts = draft_stats(msg.stats)
+                if drafts:
+                    footer = f"{footer} · {drafts}" if footer else drafts
                 if msg.status == "interrupted" and not footer:
                     footer = "interrupted"
             self._insert_footer(cursor, msg, footer)

@@ -129,6 +129,8 @@ class EngineSettings:
     kv_budget_tokens: sparse attention's budget per query. prefix_cache: keep prompt prefixes'
     KV on disk (STRATA_HOME/prefix) so system prompts stay warm across restarts. prefix_mb: that
     folder's disk budget in MB (2^20 bytes); least recently used prefixes leave past it.
+    draft: speculative decoding (engine.runtime.speculative): 'auto' (prompt lookup when it
+    pays), 'off', 'lookup' (always) or a library model's name (a draft model).
     """
 
     kv_mode: str = "mlx"
@@ -137,6 +139,7 @@ class EngineSettings:
     kv_budget_tokens: int = 2048
     prefix_cache: bool = True
     prefix_mb: int = 4096
+    draft: str = "auto"
 
     @classmethod
     def load(cls, store: ChatStore) -> EngineSettings:
@@ -152,7 +155,8 @@ class EngineSettings:
                        or base.kv_budget_tokens,
                        prefix_cache=store.setting("prefix_cache", "1") != "0",
                        prefix_mb=max(0, int(store.setting("prefix_mb")
-                                            or str(base.prefix_mb))))
+                                            or str(base.prefix_mb))),
+                       draft=store.setting("draft", base.draft) or base.draft)
         except ValueError:
             return base
 
@@ -163,11 +167,12 @@ class EngineSettings:
         store.set_setting("kv_budget_tokens", str(self.kv_budget_tokens))
         store.set_setting("prefix_cache", "1" if self.prefix_cache else "0")
         store.set_setting("prefix_mb", str(self.prefix_mb))
+        store.set_setting("draft", self.draft)
 
     def as_dict(self) -> dict[str, Any]:
         return {"kv_mode": self.kv_mode, "kv_bits": self.kv_bits, "kv_ram_mb": self.kv_ram_mb,
                 "kv_budget_tokens": self.kv_budget_tokens, "prefix_cache": self.prefix_cache,
-                "prefix_mb": self.prefix_mb}
+                "prefix_mb": self.prefix_mb, "draft": self.draft}
 
 
 @dataclass(frozen=True)

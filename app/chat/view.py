@@ -77,6 +77,8 @@ def document_paths(urls: list[QUrl]) -> list[str]:
 KV_MODE_LABELS = (("mlx", "In RAM (mlx-lm)"), ("exact", "Paged, exact"),
                   ("sparse", "Paged, sparse"))
 KV_BITS_LABELS = ((16, "16-bit (as computed)"), (8, "8-bit"), (4, "4-bit"))
+# Speculative decoding: the settings, then each library model as a draft model.
+DRAFT_LABELS = (("auto", "Auto (when it pays)"), ("off", "Off"), ("lookup", "Prompt lookup"))
 
 
 # -- the chat screen ----------------------------------------------------------------------
@@ -319,6 +321,7 @@ class ChatView(QWidget):
         self.prefix_cache.toggled.connect(self._on_engine_setting_changed)
         self.prefix_mb.editingFinished.connect(self._on_engine_setting_changed)
         self.prefix_clear.clicked.connect(self.prefix_clear_requested)
+        self.draft.activated.connect(self._on_engine_setting_changed)
         self.search.textChanged.connect(self.search_edited)
         self.export_button.clicked.connect(self._on_export_clicked)
         self.import_button.clicked.connect(self._on_import_clicked)
@@ -416,6 +419,12 @@ class ChatView(QWidget):
         self.prefix_mb.setSuffix(" MB")
         self.prefix_mb.setToolTip("Disk space for stored prefixes; the least recently used "
                                   "leave past it")
+        self.draft = QComboBox()
+        self.draft.setAccessibleName("Drafting")
+        self.draft.setToolTip("Speculative decoding: drafted tokens checked in one pass, the "
+                              "same text faster. Auto drafts from the prompt and the reply "
+                              "when it pays; a draft model needs the same vocabulary")
+        self._fill_draft([], "auto")
         self.prefix_clear = QPushButton("Clear")
         self.prefix_clear.setAccessibleName("Clear prefix cache")
         self.prefix_clear.setToolTip("Remove every stored prefix from the disk")
@@ -433,6 +442,7 @@ class ChatView(QWidget):
         form.addRow("Sparse", self.kv_budget)
         form.addRow(self.prefix_cache)
         form.addRow("Prefix disk", prefix_row)
+        form.addRow("Drafting", self.draft)
         self.engine_box = box
         return box
 
@@ -449,6 +459,7 @@ class ChatView(QWidget):
             self.kv_budget.setValue(settings.kv_budget_tokens)
             self.prefix_cache.setChecked(settings.prefix_cache)
             self.prefix_mb.setValue(settings.prefix_mb)
+            self._fill_draft(self._draft_models, settings.draft)
             self._enable_engine_fields()
         finally:
             self._loading_settings = False
@@ -459,7 +470,23 @@ class ChatView(QWidget):
                               kv_ram_mb=self.kv_ram_mb.value(),
                               kv_budget_tokens=self.kv_budget.value(),
                               prefix_cache=self.prefix_cache.isChecked(),
-                              prefix_mb=self.prefix_mb.value())
+                              prefix_mb=self.prefix_mb.value(),
+                              draft=str(self.draft.currentData() or "auto"))
+
+    def _fill_draft(self, models: list[str], current: str) -> None:
+        """The drafting choices: the settings, then `models` as draft models; `current`
+        selected (a model no longer listed stays, named, until another is chosen)."""
+        self._draft_models = list(models)
+        self.draft.blockSignals(True)
+        self.draft.clear()
+        for value, label in DRAFT_LABELS:
+            self.draft.addItem(label, value)
+        names = list(models) + ([current] if current not in models and current not in
+                                dict(DRAFT_LABELS) else [])
+        for name in names:
+            self.draft.addItem(f"Draft model: {name}", name)
+        self.draft.setCurrentIndex(max(self.draft.findData(current), 0))
+        self.draft.blockSignals(False)
 
     def _enable_engine_fields(self) -> None:
         mode = str(self.kv_mode.currentData())
@@ -520,6 +547,7 @@ class ChatView(QWidget):
         if current in names:
             self.model_picker.setCurrentIndex(names.index(current))
         self.model_picker.blockSignals(False)
+        self._fill_draft(names, str(self.draft.currentData() or "auto"))
 
     def show_settings(self, system_prompt: str, sampling: Sampling) -> None:
         self._loading_settings = True

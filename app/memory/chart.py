@@ -1,5 +1,6 @@
-"""Painted charts: first-token latency per reply split into engine phases, tokens/s, and a
-bar of where the system's memory is.
+"""Painted charts: first-token latency per reply split into engine phases, tokens/s (the
+share of each reply's tokens that came from accepted drafts shaded), and a bar of where the
+system's memory is.
 
 Contract: widgets that draw what they are given (`set_replies`, `set_parts`) with QPainter
 in the palette's colours; nothing here reads the engine.
@@ -23,6 +24,7 @@ PHASE_COLOURS = {
     "other": QColor("#9a9a9a"),
 }
 TPS_COLOUR = QColor("#4fa84f")
+DRAFT_COLOUR = QColor("#a5d89f")  # the tokens speculative decoding's drafts gave
 PHASE_ORDER = ("load", "cache lookup", "prefill", "first decode")
 
 
@@ -36,6 +38,23 @@ def split_phases(stats: dict[str, Any]) -> list[tuple[str, float]]:
     if not parts and "ttft_s" in stats:
         parts.append(("other", float(stats["ttft_s"])))
     return parts
+
+
+def draft_share(stats: dict[str, Any]) -> float:
+    """The fraction of a reply's tokens that were accepted drafts (0 without drafting)."""
+    n = int(stats.get("generated_tokens") or 0)
+    return min(int(stats.get("accepted_tokens") or 0) / n, 1.0) if n > 0 else 0.0
+
+
+def speed_title(replies: list[dict[str, Any]]) -> str:
+    """The speed plot's title; with drafting, the accepted and drafted tokens of the
+    replies shown: 'tokens per second while generating · drafts: 120/200 kept'."""
+    title = "tokens per second while generating"
+    drafted = sum(int(r.get("drafted_tokens") or 0) for r in replies)
+    if drafted:
+        accepted = sum(int(r.get("accepted_tokens") or 0) for r in replies)
+        title += f" · drafts: {accepted}/{drafted} kept (light: tokens from drafts)"
+    return title
 
 
 class LatencyChart(QWidget):
@@ -119,12 +138,15 @@ class LatencyChart(QWidget):
         peak_tps = max(max(tps), 1e-3) * 1.2
         p.setPen(muted)
         p.drawText(QRectF(bottom.left() + 4, bottom.top() - line - 2, bottom.width(), line),
-                   Qt.AlignmentFlag.AlignLeft, "tokens per second while generating")
+                   Qt.AlignmentFlag.AlignLeft, speed_title(self.replies))
         self._axis(p, bottom, peak_tps, "", axis_w, muted)
         for i, v in enumerate(tps):
             x0 = top.left() + i * slot + (slot - bar_w) / 2
             h = bottom.height() * v / peak_tps
             p.fillRect(QRectF(x0, bottom.bottom() - h, bar_w, h), TPS_COLOUR)
+            share = draft_share(self.replies[i])
+            if share > 0:  # the top of the bar: the tokens accepted drafts gave
+                p.fillRect(QRectF(x0, bottom.bottom() - h, bar_w, h * share), DRAFT_COLOUR)
             if show_values:
                 p.setPen(text)
                 p.drawText(QRectF(x0 - 10, bottom.bottom() - h - line - 1, bar_w + 20, line),

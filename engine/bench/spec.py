@@ -9,7 +9,10 @@ draft model's name in `models`), greedily, the drafters in turn (their order rot
 trial) over one prompt cache (the prompt is prefilled once); it returns the generated
 tokens per second of every run, the drafted and accepted counts, and whether every run's
 text is the plain decode's. `run(args)` prints a table (median tok/s per drafter and the
-ratio to plain decoding) and writes JSON with --json.
+ratio to plain decoding) and writes JSON with --json (`SCHEMA_ID`: per task the tok/s of
+every run per drafter, their medians and ratios to "off", the drafted and accepted tokens
+and the generated ones summed over the trials, and whether the text was identical), and says
+`bench: N% ...` progress lines on stderr for the benchmark tab.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ CHAT = (
     "Explain to a child why the sky changes colour at sunset.",
 )
 GREEDY = SamplingParams(temperature=0.0)
+SCHEMA_ID = "strata-bench-spec/1"
 
 
 @dataclass
@@ -147,7 +151,9 @@ def run(args: argparse.Namespace) -> int:
     results: list[Result] = []
     try:
         chosen = [t for t in args.spec_tasks.split(",") if t]
-        for task in [t for t in tasks(lm.tokenizer) if t.name in chosen]:
+        todo = [t for t in tasks(lm.tokenizer) if t.name in chosen]
+        for i, task in enumerate(todo):
+            say(f"bench: {100 * i // max(len(todo), 1)}% {task.name}")
             say(f"{task.name}: {len(task.ids)} prompt tokens")
             results.append(measure(lm, task, drafters, max_tokens, trials, models))
     finally:
@@ -161,7 +167,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r.task:10} {r.prompt_tokens:6d} {r.median('off'):10.2f}  {cells}  "
               f"{r.identical}")
     if args.json_out:
-        out = {"suite": "spec", "model": lm.manifest["name"], "profile": lm.profile.name,
+        out = {"schema": SCHEMA_ID, "suite": "spec", "complete": True,
+               "model": lm.manifest["name"], "models": [{"name": lm.manifest["name"]}],
+               "drafters": drafters, "profile": lm.profile.name,
                "max_tokens": max_tokens, "trials": trials, "machine": machine_facts(),
                "results": [{**asdict(r), "median_tps": {d: r.median(d) for d in drafters},
                             "ratio": {d: r.ratio(d) for d in drafters}} for r in results]}

@@ -44,6 +44,7 @@ from engine.platform import (
 )
 from engine.runtime.generate import ChatSession, LoadedModel, PromptCache, generate
 from engine.runtime.sampling import SamplingParams
+from engine.runtime.speculative import DraftModels
 from engine.telemetry import CancelFlag, GenerationEvent, Timeline
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class PoolSettings:
     prefix_cache: bool = True
     prefix_mb: float | None = None
     prefix_dir: Path | None = None
+    draft: str = "auto"  # speculative decoding: auto, off, lookup or a draft model's name
 
 
 def settings_from_options(options: Mapping[str, Any], home: Path) -> PoolSettings:
@@ -89,7 +91,8 @@ def settings_from_options(options: Mapping[str, Any], home: Path) -> PoolSetting
                               ssd_dir=store_root(home) / SESSIONS_DIR)
     mb = options.get("prefix_mb")
     return PoolSettings(kv=kv, prefix_cache=bool(options.get("prefix_cache", True)),
-                        prefix_mb=None if mb is None else max(0.0, float(mb)))
+                        prefix_mb=None if mb is None else max(0.0, float(mb)),
+                        draft=str(options.get("draft") or "auto"))
 
 
 class ModelPool:
@@ -110,6 +113,8 @@ class ModelPool:
         self.on_loaded: Callable[[dict[str, Any]], None] | None = None
         self._prefix_reason = ("no model loaded" if self.settings.prefix_cache
                                else "prefix cache off in the settings")
+        # The draft setting's model, loaded once (engine.runtime.speculative).
+        self.drafts = DraftModels(lambda name: LoadedModel.load(name, library=self.library))
 
     # -- settings -------------------------------------------------------------------------
     def prefix_settings(self) -> PrefixSettings:
@@ -222,7 +227,9 @@ class ModelPool:
         session = self.session(key)
         session.messages = ([{"role": "system", "content": system}] if system else [])
         session.messages += [dict(m) for m in history]
-        yield from session.send(text, params, max_tokens, cancel=cancel, timeline=timeline)
+        drafter = self.drafts.drafter(session.lm, self.settings.draft)
+        yield from session.send(text, params, max_tokens, cancel=cancel, timeline=timeline,
+                                drafter=drafter)
 
     def forget(self, key: int | None = None) -> None:
         """Drop chat `key`'s session (None: every session and every server cache), with what

@@ -14,6 +14,8 @@ repetition penalty: never), and the speculator decides per step how many tokens 
 from the acceptance rate it has seen and the measured cost of a verify pass of each length
 against a plain step (per model), resting (plain, pipelined decode) when drafting would be
 slower. Counts go to the reply's stats (`drafted_tokens`, `accepted_tokens`).
+`DraftModels` turns a setting ("auto", "off", "lookup" or a library model's name) into what
+`generate` takes, loading a draft model once and keeping it while the target stays.
 """
 
 from __future__ import annotations
@@ -197,6 +199,35 @@ class ModelDrafter:
 
     def close(self) -> None:
         self.pc.close()
+
+
+class DraftModels:
+    """A draft setting resolved for a target: "auto", "off" and "lookup" pass through; a
+    library model's name becomes a ModelDrafter, loaded by `load` once and kept while the
+    target and the name stay (another target or name closes it)."""
+
+    def __init__(self, load: Callable[[str], LoadedModel]) -> None:
+        self._load = load
+        self._held: tuple[weakref.ref[Any], str, ModelDrafter] | None = None
+
+    def drafter(self, target: LoadedModel, setting: str) -> str | Drafter:
+        """What `generate(drafter=...)` takes for `setting`; DraftRefused (one line) for a
+        draft model of another vocabulary, the library's error for an unknown name."""
+        if setting in DRAFT_SETTINGS:
+            return setting
+        held = self._held
+        if held is not None and held[0]() is target and held[1] == setting:
+            return held[2]
+        self.close()
+        d = ModelDrafter(target, self._load(setting))
+        self._held = (weakref.ref(target), setting, d)
+        return d
+
+    def close(self) -> None:
+        """Drop the draft model held (its prompt cache with it)."""
+        if self._held is not None:
+            self._held[2].close()
+            self._held = None
 
 
 # -- costs and policy --------------------------------------------------------------------
