@@ -111,6 +111,38 @@ def release_freed_memory() -> bool:
     return freed
 
 
+def _openblas() -> Any:
+    """The OpenBLAS `preload_blas()` loaded (the same handle: dlopen counts), else None."""
+    if _blas_path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(_blas_path, mode=os.RTLD_GLOBAL)
+    except OSError:
+        return None
+    return lib if hasattr(lib, "openblas_set_num_threads") else None
+
+
+def blas_threads() -> int | None:
+    """Threads OpenBLAS uses for one call now (None: not OpenBLAS, or not loaded by us)."""
+    lib = _openblas()
+    return int(lib.openblas_get_num_threads()) if lib is not None and hasattr(
+        lib, "openblas_get_num_threads") else None
+
+
+def set_blas_threads(n: int) -> bool:
+    """Make OpenBLAS use `n` threads (at least 1) for its calls from now on, for the process.
+
+    For batched decode on a few cores: a matmul of a few rows is too small to split, and
+    OpenBLAS's spinning workers then cost more than they give (docs/benchmarks.md, concurrent
+    requests). False where MLX does not run on the OpenBLAS `preload_blas()` loaded.
+    """
+    lib = _openblas()
+    if lib is None:
+        return False
+    lib.openblas_set_num_threads(ctypes.c_int(max(1, int(n))))
+    return True
+
+
 def blas_status() -> str:
     """Which BLAS MLX's CPU path uses: 'openblas (path)', 'reference' or 'accelerate'."""
     if sys.platform == "darwin":

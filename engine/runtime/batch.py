@@ -10,14 +10,18 @@ to the decode batch at the next step boundary. `step()` runs one forward pass fo
 emits each row's `GenerationEvent` through its `emit`, and drops the rows that finished (EOS,
 a stop string, max_tokens) or whose `cancel()` is true, checked before the step: a client that
 hangs up frees its slot at the next step. Each row keeps its own sampling params (seeded rows
-their own random key), stop strings and max_tokens; the events are those `generate` yields
-(text deltas that never split a UTF-8 character, the same finish reasons and figures). Rows
-with logits processors or a repetition penalty are not batched (they need each step's token
-before the next is queued). Engine thread only, like all MLX work. No HTTP here.
+their own random key), stop strings, max_tokens, logits processors (a grammar's mask, a
+logprobs recorder: called as `generate` calls them, with every token so far) and repetition
+penalty (applied to its raw logits, as `generate`'s sampler does); the events are those
+`generate` yields (text deltas that never split a UTF-8 character, the same finish reasons and
+figures). A processor that raises fails its row alone (`Row.fail`, after the token already
+sampled is out); the other rows decode on. While two rows or more decode, OpenBLAS runs one
+thread (DECODE_BLAS_THREADS). Engine thread only, like all MLX work. No HTTP here.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,14 +29,20 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.platform import blas_threads, set_blas_threads
 from engine.runtime.generate import LoadedModel, PromptCache, _stop_split, generate
 from engine.runtime.model import ensure_mlx_lm
-from engine.runtime.sampling import Sampler, SamplingParams
+from engine.runtime.sampling import LogitsProcessor, Sampler, SamplingParams
 from engine.runtime.tokenizer import StreamingDetokenizer
 from engine.telemetry import GenerationEvent
 
 MAX_ROWS = 8  # rows decoding together; past this a request waits for a slot
 _PREFILL = SamplingParams(temperature=0.0)  # the prefill's own token is not used: cheapest
+# OpenBLAS threads while two rows or more decode (0: leave OpenBLAS as it is). A matmul of a few
+# rows split over OpenBLAS's workers waits for them to be scheduled; on a busy 2-core machine
+# that costs 2-2.5x per matmul (docs/benchmarks.md, concurrent requests, BLAS threads).
+DECODE_BLAS_THREADS = int(os.environ.get("STRATA_BATCH_BLAS_THREADS", "1"))
+_PROCESS_BLAS: list[int | None] = []  # the process's own count, before any batch changed it
 
 
 def mergeable(lm: LoadedModel) -> bool:
@@ -58,6 +68,10 @@ class Row:
     stop: tuple[str, ...] = ()
     cancel: Callable[[], bool] = lambda: False
     prompt_cache: PromptCache | None = None  # None: a fresh one, dropped after the prefill
+    processors: Sequence[LogitsProcessor] = ()  # `generate`'s logits processors, in order
+    # A processor raised mid-reply (after the row's last token was emitted); None: the row
+    # ends with an event whose finish_reason is "error".
+    fail: Callable[[Exception], None] | None = None
 
 
 def _greedy(logprobs: Any) -> Any:
@@ -89,6 +103,46 @@ class _Live:
     pending: str = ""
     done: bool = False
     history: list[int] = field(default_factory=list)
+    error: Exception | None = None  # a processor raised in the last step
+
+
+class _RowLogits:
+    """A row's logits processors and repetition penalty as one mlx-lm batch processor.
+
+    mlx-lm passes the row's tokens so far (prompt and reply, the one being fed included) as
+    an MLX array; ours take a list, as in `generate`. Whatever raises is kept for the batch
+    to fail this row alone after the step (the logits pass unchanged meanwhile).
+    """
+
+    def __init__(self, live: _Live, params: SamplingParams) -> None:
+        self.live = live
+        self.procs = list(live.row.processors)
+        self.params = params
+
+    def __call__(self, context: Any, logits: Any) -> Any:
+        if self.live.error is not None:
+            return logits
+        try:
+            history = [int(t) for t in context.tolist()]
+            out = logits.astype(mx.float32)  # what generate's Sampler does first
+            for proc in self.procs:
+                out = proc(history, out)
+            return _penalize(out, history, self.params)
+        except Exception as exc:  # noqa: BLE001  (this row fails, not the batch)
+            self.live.error = exc
+            return logits
+
+
+def _penalize(logits: Any, history: list[int], p: SamplingParams) -> Any:
+    """engine.runtime.sampling.Sampler's repetition penalty, the same arithmetic."""
+    if p.repetition_penalty == 1.0 or not history:
+        return logits
+    recent = mx.array(sorted(set(history[-p.repetition_window :])))
+    picked = logits[:, recent]
+    picked = mx.where(picked < 0, picked * p.repetition_penalty,
+                      picked / p.repetition_penalty)
+    logits[:, recent] = picked
+    return logits
 
 
 class Batch:
@@ -105,33 +159,50 @@ class Batch:
         self.rows_stepped = 0  # tokens those steps made, all rows together
         self.peak_rows = 0  # the most rows one step has run
         self._mergeable: bool | None = None
+        if not _PROCESS_BLAS:  # read once: a batch may have lowered it since
+            _PROCESS_BLAS.append(blas_threads())
+        self._blas_default = _PROCESS_BLAS[0]  # None: not OpenBLAS (macOS, no shim)
+        self._blas_now = self._blas_default
 
     def __len__(self) -> int:
         return len(self._rows)
 
-    def accepts(self, params: SamplingParams, processors: Sequence[Any] = ()) -> bool:
-        """Whether a request with these settings can decode in this batch: the model's caches
-        merge, no logits processors, no repetition penalty."""
+    def accepts(self) -> bool:
+        """Whether requests can decode in this batch: the model's caches merge (any sampling,
+        processors and penalty batch)."""
         if self._mergeable is None:
             self._mergeable = mergeable(self.lm)
-        return self._mergeable and not processors and params.repetition_penalty == 1.0
+        return self._mergeable
 
     @property
     def full(self) -> bool:
         return len(self._rows) >= self.max_rows
+
+    def _blas(self, rows: int) -> None:
+        """One OpenBLAS thread while `rows` >= 2 decode (the matmuls are a few rows), the
+        process's own count otherwise (a lone row's decode, a prefill of many rows)."""
+        if self._blas_default is None or DECODE_BLAS_THREADS < 1:
+            return
+        want = DECODE_BLAS_THREADS if rows >= 2 else self._blas_default
+        if want != self._blas_now:
+            mx.synchronize()  # the step in flight finishes with the count it started with
+            set_blas_threads(want)
+            self._blas_now = want
 
     # -- joining ----------------------------------------------------------------------------
     def join(self, row: Row) -> bool:
         """Prefill `row` and emit its first token; True if it decodes on in the batch, False
         if it finished already (cancelled during prefill, EOS, a stop string, max_tokens 1)."""
         lm = self.lm
+        self._blas(len(self._rows))  # a busy batch: its prefill shares the cores too
         start = time.perf_counter()
         capture = _Capture()
         pc = row.prompt_cache if row.prompt_cache is not None else lm.new_cache()
         last = None
         try:
+            # The row's processors see the prompt and mask the first token, as in generate.
             for ev in generate(lm, row.prompt, _PREFILL, 1, cancel=row.cancel, prompt_cache=pc,
-                               logits_processors=[capture]):
+                               logits_processors=[*row.processors, capture]):
                 last = ev
             assert last is not None
             live = _Live(row, self._uid, StreamingDetokenizer(lm.tokenizer), start,
@@ -162,20 +233,28 @@ class Batch:
         from mlx_lm.generate import GenerationBatch, StopSequences  # mlx-lm: load on use
 
         params = live.row.params
+        # The sampler sees log-softmaxed logits: temperature, top-k/p and min-p do not move
+        # under that shift, the repetition penalty does (it runs in _RowLogits, on logits).
         sample = _greedy if params.temperature == 0 else (
             lambda logprobs: sampler(logprobs, []))
+        procs: list[Any] = ([_RowLogits(live, params)]
+                 if live.row.processors or params.repetition_penalty != 1.0 else [])
         layers: list[Any] = list(pc.cache)  # mlx-lm's caches here (batchable checked)
         caches = [c.merge([c]) for c in layers]
-        joined = GenerationBatch(
-            self.lm.model, [live.uid], mx.array([tok], dtype=mx.uint32), caches,
-            [list(pc.tokens)], [sample], _greedy, [[]],
-            [StopSequences([(t,) for t in self.lm.eos_ids])],
-            [max(1, live.row.max_tokens - 1)])
+        self._rows[live.uid] = live  # before the first step: a processor may fail it
+        try:
+            joined = GenerationBatch(
+                self.lm.model, [live.uid], mx.array([tok], dtype=mx.uint32), caches,
+                [list(pc.tokens)], [sample], _greedy, [procs],
+                [StopSequences([(t,) for t in self.lm.eos_ids])],
+                [max(1, live.row.max_tokens - 1)])
+        except BaseException:
+            del self._rows[live.uid]
+            raise
         if self._gen is None:
             self._gen = joined
         else:
             self._gen.extend(joined)
-        self._rows[live.uid] = live
 
     # -- decoding ---------------------------------------------------------------------------
     def step(self) -> None:
@@ -186,10 +265,14 @@ class Batch:
             tail, _, _ = _stop_split(live.pending + live.detok.flush(), live.row.stop)
             live.row.emit(self._event(live, tail, None, "cancelled"))
             live.done = True
+        for live in self._rows.values():
+            if live.error is not None and not live.done:  # raised in the joining step
+                self._failed(live)
         self._drop()
         if self._gen is None:
             return
         self.peak_rows = max(self.peak_rows, len(self._gen.uids))
+        self._blas(len(self._gen.uids))
         responses = self._gen.next()
         self.steps += 1
         self.rows_stepped += len(responses)
@@ -197,7 +280,19 @@ class Batch:
             got = self._rows.get(r.uid)
             if got is not None and not got.done:
                 got.done = not self._take(got, int(r.token))
+        for live in self._rows.values():
+            if live.error is not None and not live.done:
+                self._failed(live)
         self._drop()
+
+    def _failed(self, live: _Live) -> None:
+        """End a row whose processor raised: its `fail`, else an event ending with 'error'."""
+        live.done = True
+        assert live.error is not None
+        if live.row.fail is not None:
+            live.row.fail(live.error)
+        else:
+            live.row.emit(self._event(live, "", None, "error"))
 
     def cancel_all(self) -> None:
         """Finish every row as cancelled (the server stopping)."""
@@ -210,6 +305,7 @@ class Batch:
         """Forget every row without a word (their requests were told otherwise)."""
         self._rows.clear()
         self._gen = None
+        self._blas(0)
 
     def _drop(self) -> None:
         """Remove finished rows from mlx-lm's batch (which drops its own finished ones)."""
@@ -224,6 +320,7 @@ class Batch:
                 self._gen.filter(keep)
         if not self._rows:
             self._gen = None
+            self._blas(0)  # what runs alone next gets the process's own count
 
     def _take(self, live: _Live, tok: int) -> bool:
         """Emit `tok`'s event(s) as `generate` does; False when the row finished."""

@@ -3,11 +3,11 @@
 Contract: `EngineHost.run(preload=model)` makes the calling thread the engine thread (MLX
 state belongs to the thread that made it): it loads `model`, then serves queued jobs until
 `stop()`. `submit(job)` queues a job from any thread (FIFO); past `max_queue` jobs waiting
-it raises a 429 RequestError with `retry_after`. Generations that can share a forward pass
-(engine.runtime.batch: no grammar, no logprobs, no repetition penalty, the loaded model)
+it raises a 429 RequestError with `retry_after`. Generations on the loaded model (any
+sampling, grammar, logprobs or repetition penalty: engine.runtime.batch keeps each row's own)
 join one decode batch of up to `max_batch` rows at step boundaries, each prefilled alone
 first, and leave it when they finish or are cancelled; a `CallJob` on the loaded model runs
-between two steps; any other job (a grammar or logprobs request, another model) runs alone
+between two steps; any other job (another model, a model whose KV cannot batch) runs alone
 once the batch has drained, FIFO order kept (nothing behind it joins meanwhile).
 `cancel(job)` drops a queued job or sets a running job's flag, which prefill checks between
 chunks and decoding before each step (a batched row then leaves at the next step). A
@@ -294,24 +294,32 @@ class GenerationJob(_Cancellable):
         lm = batch.lm
         if self.model != lm.manifest["name"]:
             return "alone"
+        if not batch.accepts():
+            return "alone"
         pc = None
         try:
-            ids, max_tokens, procs, _ = self._prepare(lm)
-            if not batch.accepts(self.params, procs):
-                return "alone"
+            ids, max_tokens, procs, scores = self._prepare(lm)
             pc = _cache(models, lm, ids)
             self.emit(Started(lm.manifest["name"], len(ids), max_tokens))
-            row = Row(ids, self.params, max_tokens, self._on_event, self.stop,
-                      self._flag.is_set, pc)
+            tok = lm.tokenizer
+
+            def on_event(ev: GenerationEvent) -> None:
+                if scores is not None and ev.token is not None:
+                    self.emit(scores.take(ev.token, tok))
+                if ev.finish_reason is not None:
+                    self.finished = True
+                self.emit(ev)
+
+            def on_fail(exc: Exception) -> None:  # a grammar refusing mid-reply
+                self.finished = True
+                self._failed(exc, models, None)
+
+            row = Row(ids, self.params, max_tokens, on_event, self.stop, self._flag.is_set,
+                      pc, procs, on_fail)
             return "joined" if batch.join(row) else "done"
         except Exception as exc:
             self._failed(exc, models, pc)
             return "done"
-
-    def _on_event(self, ev: GenerationEvent) -> None:
-        if ev.finish_reason is not None:
-            self.finished = True
-        self.emit(ev)
 
 
 @dataclass(eq=False)

@@ -12,6 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -39,6 +40,15 @@ def claude(server: str) -> Iterator[anthropic.Anthropic]:
     with anthropic.Anthropic(base_url=server.removesuffix("/v1"), api_key=KEY, max_retries=0,
                              timeout=120) as c:
         yield c
+
+
+def _batch(server: str) -> dict[str, Any]:
+    """The server's batch counters (/strata/status)."""
+    req = urllib.request.Request(server + "/strata/status",
+                                 headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        batch: dict[str, Any] = json.loads(resp.read())["batch"]
+        return batch
 
 
 def _post(url: str, body: bytes) -> tuple[int, Any]:
@@ -146,18 +156,34 @@ ANSWER = {"type": "object", "properties": {
         "required": ["name"], "additionalProperties": False}}},
     "required": ["answer", "confidence", "topics"], "additionalProperties": False}
 QUESTIONS = ["Is the sky blue?", "Is fire cold?", "Do fish swim?", "Is Paris in Spain?",
-             "Can birds fly?", "Do cats bark?"]
+             "Can birds fly?", "Do cats bark?", "Is ice hot?", "Is the sun a star?",
+             "Do trees walk?", "Is water wet?", "Can dogs read?", "Is the moon cheese?",
+             "Do bees make honey?", "Is snow black?", "Are roses red?", "Can fish climb?",
+             "Is gold a metal?", "Do cows fly?", "Is Rome in Italy?", "Are bananas blue?"]
 
 
-def test_strict_json_schema_output_validates(client: openai.OpenAI) -> None:
+def test_strict_json_schema_output_validates(client: openai.OpenAI, server: str) -> None:
+    """20 prompts, sent together so they decode in one batch (each with its own mask and
+    seed): every reply parses and validates."""
     fmt: Any = {"type": "json_schema",
                 "json_schema": {"name": "answer", "strict": True, "schema": ANSWER}}
-    for i, q in enumerate(QUESTIONS):
-        r = client.chat.completions.create(
-            model="starter", messages=[{"role": "user", "content": q + " Answer in JSON."}],
+
+    def ask(i: int) -> Any:
+        return client.chat.completions.create(
+            model="starter", messages=[{"role": "user", "content": QUESTIONS[i] +
+                                        " Answer in JSON."}],
             response_format=fmt, max_tokens=60, temperature=0.8, seed=i)
+
+    assert len(QUESTIONS) == 20
+    before = _batch(server)
+    with ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        replies = list(pool.map(ask, range(len(QUESTIONS))))
+    for r in replies:
         assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
         jsonschema.validate(json.loads(r.choices[0].message.content or ""), ANSWER)
+    after = _batch(server)
+    steps, tokens = after["steps"] - before["steps"], after["tokens"] - before["tokens"]
+    assert tokens > 3 * steps > 0, (before, after)  # they decoded together
 
     # json_object on the legacy endpoint too, and logprobs of what the mask allowed.
     r2 = client.completions.create(model="starter", prompt="A JSON object about a dog:",

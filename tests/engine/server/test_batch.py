@@ -77,6 +77,153 @@ def test_eight_streams_equal_their_sequential_runs(server: str, client: openai.O
     assert after["peak_rows"] >= 4
 
 
+# Each with its own sampling: a schema, logprobs, a repetition penalty, a required tool call.
+NAMED = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                          "age": {"type": "integer", "minimum": 0}},
+         "required": ["name", "age"], "additionalProperties": False}
+WEATHER: Any = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
+        "required": ["city"], "additionalProperties": False}}}]
+MIXED: list[dict[str, Any]] = [
+    {"q": "Describe a person as JSON.", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "p", "strict": True, "schema": NAMED}}},
+    {"q": "Give me a user record.", "logprobs": True, "top_logprobs": 2, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "p", "strict": True, "schema": NAMED}}},
+    {"q": "Name three fruits.", "extra_body": {"repetition_penalty": 1.3}},
+    {"q": "What is the weather in Oslo right now?", "tools": WEATHER, "tool_choice": "required",
+     "max_tokens": 40},
+    {"q": "Name three fruits.", "logprobs": True},
+    {"q": "Tell me a joke.", "temperature": 0.9, "seed": 3,
+     "extra_body": {"repetition_penalty": 1.2}},
+]
+
+
+def _mixed(client: openai.OpenAI, case: dict[str, Any]) -> tuple[Any, ...]:
+    """One streamed reply for a MIXED case: (text, tool call deltas, logprobs, finish)."""
+    opts = {k: v for k, v in case.items() if k != "q"}
+    opts.setdefault("temperature", 0)
+    opts.setdefault("max_tokens", 24)
+    text, calls, probs, finish = [], [], [], None
+    for c in client.chat.completions.create(
+            model="starter", messages=[{"role": "user", "content": case["q"]}],
+            stream=True, **opts):
+        if not c.choices:
+            continue
+        choice = c.choices[0]
+        text.append(choice.delta.content or "")
+        calls += [(t.function.name, t.function.arguments) for t in choice.delta.tool_calls or []
+                  if t.function is not None]
+        if choice.logprobs is not None and choice.logprobs.content:
+            probs += [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
+                      for t in choice.logprobs.content]
+        finish = choice.finish_reason or finish
+    return "".join(text), calls, probs, finish
+
+
+def test_streams_with_their_own_sampling_batch_and_equal_their_runs(
+        server: str, client: openai.OpenAI) -> None:
+    alone = [_mixed(client, case) for case in MIXED]
+    before = _status(server)["batch"]
+    got: dict[int, tuple[Any, ...]] = {}
+    gate = threading.Barrier(len(MIXED))
+
+    def one(i: int) -> None:
+        gate.wait()
+        got[i] = _mixed(client, MIXED[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(MIXED))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i, want in enumerate(alone):
+        text, calls, probs, finish = got[i]
+        assert (text, calls, finish) == want[:2] + want[3:]
+        # The same tokens; their log-probabilities within float error (a batch's matmuls
+        # block, and so round, by its row count).
+        assert [(t, [a for a, _ in top]) for t, _, top in probs] == \
+            [(t, [a for a, _ in top]) for t, _, top in want[2]]
+        assert [v for _, v, _ in probs] == pytest.approx([v for _, v, _ in want[2]], abs=2e-3)
+    for i in (0, 1):  # the schema held, batched or not
+        assert alone[i][3] == "stop"
+        assert set(json.loads(alone[i][0])) == {"name", "age"}
+    assert alone[1][2] and alone[4][2]  # logprobs came, and equal the sequential ones
+    assert alone[3][1] and alone[3][1][0][0] == "get_weather" and alone[3][3] == "tool_calls"
+    after = _status(server)["batch"]
+    steps, tokens = after["steps"] - before["steps"], after["tokens"] - before["tokens"]
+    assert tokens > 2 * steps > 0, (before, after)  # they decoded together, not alone
+
+
+class _Record:
+    """A logits processor that records each call's history length (and may fail)."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.seen: list[int] = []
+        self.fail_at = fail_at
+
+    def __call__(self, history: list[int], logits: Any) -> Any:
+        self.seen.append(len(history))
+        if self.fail_at is not None and len(self.seen) > self.fail_at:
+            raise ValueError("refused")
+        return logits
+
+
+def test_batch_rows_with_processors_equal_generate(starter_lm: Any) -> None:
+    """In the engine, no server: each row's grammar, penalty, seed and processors in one
+    batch give the tokens `generate` gives alone; a processor that raises fails its row only,
+    after the tokens already sampled."""
+    from engine.runtime.batch import Batch, Row
+    from engine.runtime.generate import generate
+    from engine.runtime.grammar import GrammarProcessor, json_grammar
+    from engine.runtime.sampling import SamplingParams
+
+    tok = starter_lm.tokenizer
+    grammar = json_grammar(NAMED)
+    cases: list[tuple[str, SamplingParams, Callable[[], list[Any]]]] = [
+        ("Describe a person as JSON.", SamplingParams(temperature=0),
+         lambda: [GrammarProcessor(tok, grammar)]),
+        ("Name three fruits.", SamplingParams(temperature=0, repetition_penalty=1.3), list),
+        ("Tell me a joke.", SamplingParams(temperature=0.9, seed=5, repetition_penalty=1.2),
+         lambda: [_Record()]),
+        ("What is 2+2?", SamplingParams(temperature=0), list),
+    ]
+    n = 16
+
+    def ids(q: str) -> list[int]:
+        return list(tok.encode_chat([{"role": "user", "content": q}]))
+
+    alone = [[ev.token for ev in generate(starter_lm, ids(q), p, n, logits_processors=procs(),
+                                          prefix_cache=False) if ev.token is not None]
+             for q, p, procs in cases]
+    batch = Batch(starter_lm, 8)
+    got: list[list[int]] = [[] for _ in cases]
+    failed: list[Exception] = []
+    records = []
+
+    def sink(i: int) -> Callable[[Any], None]:
+        return lambda ev: got[i].append(ev.token) if ev.token is not None else None
+
+    for i, (q, p, procs) in enumerate(cases):
+        made = procs()
+        records += [r for r in made if isinstance(r, _Record)]
+        batch.join(Row(ids(q), p, n, sink(i), processors=made, fail=failed.append))
+    breaking = _Record(fail_at=3)  # masks 3 tokens, then raises computing the 4th
+    broken: list[int] = []
+    batch.join(Row(ids("Who wrote Hamlet?"), SamplingParams(temperature=0), n,
+                   lambda ev: broken.append(ev.token) if ev.token is not None else None,
+                   processors=[breaking], fail=failed.append))
+    assert batch.peak_rows == 0 and len(batch) == len(cases) + 1
+    while len(batch):
+        batch.step()
+    assert got == alone and all(alone)
+    assert batch.peak_rows == len(cases) + 1
+    assert [str(e) for e in failed] == ["refused"] and len(broken) == 3
+    # Processors see the prompt, then one more token a call: as generate calls them.
+    for r in records:
+        assert r.seen == list(range(r.seen[0], r.seen[0] + len(r.seen)))
+
+
 def test_a_client_that_hangs_up_frees_its_slot(server: str, client: openai.OpenAI) -> None:
     base = _status(server)
     streams = [client.completions.create(model="starter", prompt=COUNTING, max_tokens=400,
