@@ -526,7 +526,10 @@ class PrefixCache:
             v = mx.array(tail.v[layer][None, :, :m])
             if self.dtype_name == "bfloat16":
                 k, v = k.view(mx.bfloat16), v.view(mx.bfloat16)
-            if paged:
+            if paged and m == self.P:  # a whole page (a prompt ending on its boundary)
+                c.store.commit(c.layer, k[0], v[0])
+                c.offset = got + m
+            elif paged:
                 c.tail_k, c.tail_v, c.offset = k, v, got + m
             else:
                 c.update_and_fetch(k, v)
@@ -549,10 +552,19 @@ class PrefixCache:
         full = [caches[i] for i in self.full]
         ks = vs = None
         if _paged(caches, self.full):
-            if any(c.offset != b or c.tail_k is None or c.tail_k.shape[2] != b - a
-                   for c in full):
-                return None  # the tail filled a page (committed, maybe quantized): skip
-            ks, vs = [c.tail_k for c in full], [c.tail_v for c in full]
+            if b - a == self.P and all(c.offset == b and c.tail_k is None for c in full):
+                # A prompt ending on a page boundary: its tail filled the page, committed
+                # during the prefill; kept as the session holds it (decoded if quantized).
+                try:
+                    kv = [c.store.page_np(c.layer, a // self.P) for c in full]
+                except StrataError:
+                    return None  # its page does not verify on the SSD tier: never stored
+                ks, vs = [k[None] for k, _ in kv], [v[None] for _, v in kv]
+            elif any(c.offset != b or c.tail_k is None or c.tail_k.shape[2] != b - a
+                     for c in full):
+                return None  # a tail past a page the prefill committed: skip
+            else:
+                ks, vs = [c.tail_k for c in full], [c.tail_v for c in full]
         elif not all(_is_kvcache(c) and c.keys is not None and c.offset == b for c in full):
             return None
         return TailSnapshot(a, np.asarray(prompt[a:b], "<u4"), ks, vs, logits)

@@ -86,6 +86,22 @@ def test_a_stored_prompt_restores_whole_and_answers_alike(
         assert got == plain
 
 
+@pytest.mark.parametrize("bits", [16, 8])
+def test_a_prompt_ending_on_a_page_boundary_restores_whole(
+        bits: int, starter_lm: LoadedModel, tmp_path: Path) -> None:
+    # The prefill commits the prompt's last page (quantized at 8 bits): it is the tail.
+    ids = _ids(starter_lm, "What did you write down last night?")
+    ids = (ids * 3)[:3 * PAGE]
+    settings = KVSettings(mode="exact", bits=bits, ssd_dir=tmp_path / "kv")
+    with _mode(starter_lm, settings, tmp_path / "px") as pc:
+        want, first = _reply(starter_lm, ids)
+        assert first.cached_tokens == 0
+        pc.flush()
+        got, ev = _reply(starter_lm, ids)
+        assert ev.cached_tokens == len(ids) and ev.prefill_tps == 0.0
+        assert got == want
+
+
 def test_a_damaged_tail_is_not_used(starter_lm: LoadedModel, tmp_path: Path) -> None:
     ids = _ids(starter_lm, "Was the lamp lit?")
     folder = tmp_path / "px"
