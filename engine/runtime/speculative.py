@@ -38,7 +38,7 @@ from engine.runtime.tokenizer import Tokenizer
 if TYPE_CHECKING:  # generate.py imports this module: the types only, for the checker
     from engine.runtime.generate import LoadedModel, PromptCache
 
-K_MAX = 8  # draft tokens per verify pass, at most
+K_MAX = 16  # draft tokens per verify pass, at most
 # A verify pass of L tokens is assumed to cost 1 + SLOPE * (L - 1) plain steps until measured.
 PRIOR_SLOPE = 0.25
 PRIOR_ACCEPT = (1.0, 2.0)  # (accepted, reached) before any draft: acceptance 0.5
@@ -73,12 +73,15 @@ class Drafter(Protocol):
 # -- drafters ----------------------------------------------------------------------------
 
 class LookupDrafter:
-    """Prompt lookup: the tokens that followed the latest earlier occurrence of the last n
-    tokens (n from max_n down to min_n), from the prompt or the reply itself."""
+    """Prompt lookup: the tokens that followed an earlier occurrence of the last n tokens
+    (the latest one, n from max_n down to min_n), from the prompt or the reply itself. Once
+    a draft is found, the copy it came from is followed: while the reply keeps matching the
+    source, the next draft continues there without a new search (a copy stays on its line
+    instead of jumping to the latest place a short n-gram occurs)."""
 
     name = "lookup"
 
-    def __init__(self, min_n: int = 3, max_n: int = 5) -> None:
+    def __init__(self, min_n: int = 3, max_n: int = 8) -> None:
         self.min_n, self.max_n = min_n, max_n
         # n -> n-gram -> end (exclusive) of its latest occurrence indexed so far; the
         # (min_n - 1)-grams tell whether the next token may complete a match.
@@ -86,13 +89,16 @@ class LookupDrafter:
                                                               range(min_n - 1, max_n + 1)}
         self._done = 0  # n-grams ending before this position are indexed
         self._seq: list[int] = []
+        # The copy followed: seq[src] was predicted to be the token at position at.
+        self._src: int | None = None
+        self._at = 0
 
     def _extend(self, history: Sequence[int]) -> None:
         seq = self._seq
         if len(seq) > len(history) or seq != list(history[:len(seq)]):
             # Another history (a new prompt): index again from the start.
             self._index = {n: {} for n in self._index}
-            self._done, seq = 0, []
+            self._done, seq, self._src = 0, [], None
         seq.extend(history[len(seq):])
         self._seq = seq
         # Index every n-gram that ends before the last position (the query's own end).
@@ -102,18 +108,34 @@ class LookupDrafter:
                     table[tuple(seq[end - n:end])] = end
         self._done = max(self._done, len(seq) - 1 if seq else 0)
 
+    def _aligned(self) -> int | None:
+        """Where the followed copy continues, if every token since it was picked matched."""
+        src, at, seq = self._src, self._at, self._seq
+        if src is None:
+            return None
+        n = len(seq) - at
+        if n < 0 or src + n >= at or seq[src:src + n] != seq[at:]:
+            return None
+        return src + n
+
     def propose(self, history: Sequence[int], k: int) -> list[int]:
         if k <= 0 or len(history) <= self.min_n:
             return []
         self._extend(history)
         seq, h = self._seq, len(self._seq)
-        for n in range(self.max_n, self.min_n - 1, -1):
-            if h < n:
-                continue
-            end = self._index[n].get(tuple(seq[h - n:]))
-            if end is not None:
-                return seq[end:min(end + k, h)]
-        return []
+        src = self._aligned()
+        if src is None:
+            for n in range(self.max_n, self.min_n - 1, -1):
+                if h < n:
+                    continue
+                src = self._index[n].get(tuple(seq[h - n:]))
+                if src is not None:
+                    break
+        if src is None:
+            self._src = None
+            return []
+        self._src, self._at = src, h
+        return seq[src:min(src + k, h)]
 
     def may_propose(self, history: Sequence[int]) -> bool:
         m = self.min_n - 1
@@ -122,7 +144,7 @@ class LookupDrafter:
         if m == 0:
             return True
         self._extend(history)
-        return tuple(self._seq[-m:]) in self._index[m]
+        return self._aligned() is not None or tuple(self._seq[-m:]) in self._index[m]
 
     def cost_per_token(self) -> float:
         return 0.0
@@ -243,12 +265,18 @@ class StepCosts:
         self.seconds[length] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
     def ratio(self, length: int) -> float:
-        """Cost of a pass of `length` tokens in plain steps."""
-        prior = 1 + PRIOR_SLOPE * (length - 1)
+        """Cost of a pass of `length` tokens in plain steps: measured, else on the line
+        through the lengths measured so far (the prior slope before any)."""
         one, this = self.seconds.get(1), self.seconds.get(length)
-        if one is None or this is None:
-            return prior
-        return this / one
+        if one is not None and this is not None:
+            return this / one
+        slope = PRIOR_SLOPE
+        if one is not None:
+            # Least squares through (1, 1): a length never tried is priced by the others.
+            pts = [(n - 1, t / one - 1) for n, t in self.seconds.items() if n > 1]
+            if pts:
+                slope = max(sum(x * y for x, y in pts) / sum(x * x for x, _ in pts), 0.0)
+        return 1 + slope * (length - 1)
 
 
 _COSTS: weakref.WeakKeyDictionary[Any, StepCosts] = weakref.WeakKeyDictionary()

@@ -67,6 +67,17 @@ def test_lookup_proposes_what_followed_the_last_match() -> None:
     assert d.may_propose([7, 8, 9, 1, 9])
 
 
+def test_lookup_follows_the_copy_it_drafted_from() -> None:
+    # The 2-gram (4, 5) last occurs before 7, but the copy being followed (the first line,
+    # picked by its 2-gram (1, 2)) goes on with 6.
+    d = LookupDrafter(min_n=2, max_n=2)
+    src = [1, 2, 3, 4, 5, 6, 9, 4, 5, 7, 9]
+    assert d.propose([*src, 1, 2], 2) == [3, 4]
+    assert d.propose([*src, 1, 2, 3, 4, 5], 3) == [6, 9, 4]
+    # The reply left the copy (8 instead of 6): a fresh search, the latest match (the reply).
+    assert d.propose([*src, 1, 2, 3, 4, 5, 8, 4, 5], 1) == [8]
+
+
 @pytest.mark.parametrize("mode", ["mlx", "exact"])
 def test_lookup_greedy_matches_plain_decoding(starter_lm: LoadedModel, copy_ids: list[int],
                                               mode: str, request: pytest.FixtureRequest
