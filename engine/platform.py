@@ -250,6 +250,8 @@ class MemorySnapshot:
     kv_shared_bytes: int | None = None  # pages a paged cache maps from the prefix cache
     prefix_hits: int | None = None  # prompts that restored stored pages, of prefix_lookups
     prefix_lookups: int | None = None
+    # The page store's one SSD budget (stored prefixes; live sessions' tiers count in it).
+    store_budget_bytes: int | None = None
 
 
 def memory_snapshot(weights_bytes: int | None = None,
@@ -260,7 +262,8 @@ def memory_snapshot(weights_bytes: int | None = None,
                     prefix_disk_reason: str | None = None,
                     kv_shared_bytes: int | None = None,
                     prefix_hits: int | None = None,
-                    prefix_lookups: int | None = None) -> MemorySnapshot:
+                    prefix_lookups: int | None = None,
+                    store_budget_bytes: int | None = None) -> MemorySnapshot:
     """psutil's system and process figures plus MLX's counters (only if MLX is loaded).
 
     The caller supplies what only the runtime knows: weights and KV bytes in RAM, the paged
@@ -308,6 +311,7 @@ def memory_snapshot(weights_bytes: int | None = None,
         kv_shared_bytes=kv_shared_bytes,
         prefix_hits=prefix_hits,
         prefix_lookups=prefix_lookups,
+        store_budget_bytes=store_budget_bytes,
     )
 
 

@@ -36,7 +36,8 @@ PROCESS_ROWS = (
     ("weights", "Model weights", "parameters of the loaded model"),
     ("kv_ram", "KV cache in RAM", "keys and values of the open chats"),
     ("kv_ssd", "KV cache on SSD", "pages of the paged KV cache spilled to the SSD"),
-    ("prefix_disk", "Prefix cache on disk", "prompt prefixes kept warm across restarts"),
+    ("prefix_disk", "Prefix cache on disk", "prompt prefixes kept warm across restarts; "
+     "the budget is the page store's, which the KV on SSD shares"),
     ("kv_shared", "KV shared with the prefix cache",
      "stored pages a chat reads in place, not copied"),
     ("prefix_hits", "Prefix cache hits", "prompts that found stored pages, this session"),
@@ -76,7 +77,9 @@ def snapshot_figures(s: MemorySnapshot) -> dict[str, str]:
         "kv_ram": human_bytes(s.kv_ram_bytes) if s.kv_ram_bytes is not None
         else "no model loaded",
         "kv_ssd": human_bytes(s.kv_ssd_bytes),
-        "prefix_disk": human_bytes(s.prefix_disk_bytes),
+        "prefix_disk": human_bytes(s.prefix_disk_bytes) if s.store_budget_bytes is None
+        else f"{human_bytes(s.prefix_disk_bytes)} of a {human_bytes(s.store_budget_bytes)} "
+             "budget",
         "kv_shared": human_bytes(s.kv_shared_bytes) if s.kv_shared_bytes is not None
         else "paged KV off",
         "prefix_hits": _hit_rate(s.prefix_hits, s.prefix_lookups),

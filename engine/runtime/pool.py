@@ -20,6 +20,7 @@ command, the server host and the window's worker all use it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -346,8 +347,12 @@ class ModelPool:
                 prefix = prefix_folder_bytes(self.prefix_settings())  # earlier runs' pages
             except StrataError as exc:  # a bad STRATA_PREFIX_* value
                 prefix_reason = f"prefix cache unavailable: {exc}"
+        budget = None
+        if prefix is not None:
+            with contextlib.suppress(StrataError):
+                budget = int(self.prefix_settings().budget_mb * (1 << 20))
         return memory_snapshot(self.weights_bytes, kv, kv_ssd, prefix, kv_reason,
-                               prefix_reason, shared, hits, lookups)
+                               prefix_reason, shared, hits, lookups, budget)
 
     def status(self) -> dict[str, Any]:
         """The loaded model and the server's prompt caches (most recent first)."""
