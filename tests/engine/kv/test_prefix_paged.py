@@ -4,7 +4,8 @@ into a fresh paged store, in this process and after a restart (the real command 
 exactly the pages (and key summaries) the prefilling store held, in either paged mode, and
 the greedy reply is the prefilling process's; a prompt that diverges reuses the pages before
 the divergence; a corrupt or truncated record is refused and the answer stays the same; a
-sliding-window model restores its windows into the paged mode's window caches."""
+sliding-window model restores its windows into the paged mode's window caches; two processes
+storing one prefix at once leave a store a third process restores from."""
 
 from __future__ import annotations
 
@@ -310,3 +311,32 @@ def test_the_key_separates_encodings_not_modes(stored: Stored, starter_lm: Loade
         assert ev.cached_tokens == stored.pages * PAGE and pc.stats.hits == 1
     finally:
         starter_lm.disable_prefix_cache()
+
+
+def test_two_processes_storing_one_prefix_at_once_leave_one_usable_store(
+        starter: Any, strata_home: Path, tmp_path: Path) -> None:
+    # Two real sessions in sparse mode, started together over one empty folder, each
+    # prefilling the same system prompt; a third process then finds those pages.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.kv.prefix import folder_summary
+
+    folder = tmp_path / "px"
+    system = _system(12)  # ~500 tokens: 3 full pages
+
+    def ask(question: str) -> dict[str, Any]:
+        r = run_strata("generate", "--model", starter["name"], "--kv-mode", "sparse",
+                       "--kv-budget", str(BUDGET), "--system", system, "--prompt", question,
+                       "--temp", "0", "--max-tokens", "4", "--json", home=strata_home,
+                       timeout=300, env={"STRATA_PREFIX_DIR": str(folder)})
+        assert r.returncode == 0, r.stderr[-2000:]
+        return dict(json.loads(r.stdout))
+
+    with ThreadPoolExecutor(2) as pool:
+        first = list(pool.map(ask, [QUESTION, "Who paid the pilot?"]))
+    assert all(out["cached_tokens"] == 0 for out in first)
+    assert not list(folder.glob(".tmp-*"))  # every write finished or was cleaned up
+    summary = folder_summary(folder)
+    assert summary["runs"] >= 1 and summary["stale_files"] == 0
+    third = ask("What did the Osprey land?")
+    assert third["cached_tokens"] >= 3 * PAGE
