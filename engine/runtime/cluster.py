@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -319,6 +320,27 @@ class Cluster:
         # that waits forever: every step first looks for a rank gone (process, control line).
         split.check = self.missing
         self.temp_files: list[Path] = []  # a hostfile written for local ranks
+        self._closing = threading.Event()
+        self.first_gone: str | None = None  # the rank the watch saw go first
+
+    def watch(self) -> None:
+        """Watch the control lines from a thread: when a rank goes (its line closes) the others
+        are told to stop. With three ranks or more, a rank that loses a neighbour may be left
+        waiting in a collective MLX posted after the failure, and rank 0 waiting on it; a
+        survivor that ends closes its sockets, so MLX fails rank 0's pending step too."""
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._closing.wait(0.1):
+            gone = [r for r, line in enumerate(self.lines, start=1) if line.gone()]
+            if not gone or self._closing.is_set():
+                continue
+            self.first_gone = "; ".join(f"rank {r} closed its connection" for r in gone)
+            for r, line in enumerate(self.lines, start=1):
+                if r not in gone:
+                    with contextlib.suppress(OSError):
+                        line.send({"abort": f"rank {gone[0]} is gone"})
+            return
 
     def missing(self) -> str | None:
         """Which ranks are gone (a spawned process exited, a control line closed), or None."""
@@ -336,10 +358,10 @@ class Cluster:
     def lost(self, exc: BaseException) -> ClusterError:
         """The one line for a group that broke: which spawned rank exited, if one did."""
         deadline = time.monotonic() + 2.0  # a dying rank's exit is seen a moment later
-        who = self.missing()
+        who = _exited(self.procs) or self.first_gone or self.missing()
         while not who and time.monotonic() < deadline:
             time.sleep(0.05)
-            who = self.missing()
+            who = _exited(self.procs) or self.first_gone or self.missing()
         root = exc.__cause__ if isinstance(exc, ClusterError) and exc.__cause__ else exc
         tail = f"; {root}" if isinstance(root, RuntimeError) else ""  # MLX's own reason
         line = (f"the reply stopped after {self.split.decode_steps} decode steps: "
@@ -363,6 +385,7 @@ class Cluster:
     def close(self, wait_s: float = 5.0) -> None:
         """Stop every rank (a quit step) and reap the processes started here: terminated,
         then killed, if they have not exited within `wait_s`."""
+        self._closing.set()  # the lines close from here on: no aborts
         self.split.quit()
         deadline = time.monotonic() + wait_s
         for p in self.procs:
@@ -436,6 +459,7 @@ def start(model: str | Path, hosts: Sequence[str], library: Library | None = Non
             except ClusterError as exc:
                 split.broken = str(exc)  # a rank that never loaded cannot take a quit step
                 raise
+        cluster.watch()
         with cluster_errors(cluster), timeline.phase("warm-up"):
             lm.warm_up()
     except BaseException:
@@ -561,15 +585,42 @@ def join(hostfile: str | Path | None = None, rank: int | None = None,
     share, config = load_share(folder, plan, group, profile)
     follower = Follower(share, config, plan, group, getattr(mx, profile.dtype),
                         _kv_from_json(job.get("kv")))
+    done = threading.Event()
     try:
         line.send(_loaded(rank, share))
+        threading.Thread(target=_watch_rank0, args=(line, done, rank), daemon=True).start()
         return follower.serve()  # the control line stays open: rank 0 watches it
     except OSError as exc:
         raise ClusterError(f"rank {rank}: rank 0 closed the connection ({exc})") from exc
     except RuntimeError as exc:
         raise ClusterError(f"rank {rank}: the group was lost ({exc})") from exc
     finally:
+        done.set()
         line.close()
+
+
+RANK0_GRACE_S = 3.0
+
+
+def _watch_rank0(line: _Line, done: threading.Event, rank: int) -> None:
+    """Ends this process when rank 0's control line closes and the steps have not ended
+    within RANK0_GRACE_S: after MLX's ring has failed its pending collectives, one posted
+    later waits forever, and a follower that lost a neighbour may be in just that one."""
+    why = "rank 0 closed the connection and the group did not end"
+    with contextlib.suppress(OSError):
+        line.sock.settimeout(None)
+        while chunk := line.sock.recv(4096):
+            if b"abort" in chunk:  # rank 0 saw another rank go: end now (see Cluster.watch)
+                with contextlib.suppress(ValueError):
+                    why = json.loads(chunk.splitlines()[0])["abort"]
+                break
+        else:
+            if done.wait(RANK0_GRACE_S):
+                return
+    if done.is_set():
+        return
+    print(f"strata: error: rank {rank}: {why}; stopping", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def _connect(host: str, port: int, deadline: float, timeout: float) -> _Line:

@@ -62,13 +62,15 @@ class Peer:
     total_bytes: int
     available_bytes: int
     busy: bool = False
+    pid: int | None = None  # the invited rank's process while busy
 
     @classmethod
     def from_facts(cls, address: str, d: dict[str, Any]) -> Peer:
         return cls(address, str(d.get("host", "")), str(d.get("strata", "")),
                    str(d.get("mlx", "")), str(d.get("mlx-lm", "")), str(d.get("profile", "")),
                    int(d.get("total_bytes", 0)), int(d.get("available_bytes", 0)),
-                   str(d.get("busy", "")).lower() in ("1", "true"))
+                   str(d.get("busy", "")).lower() in ("1", "true"),
+                   int(d["pid"]) if d.get("pid") else None)
 
 
 def facts(busy: bool = False) -> dict[str, Any]:
@@ -187,8 +189,9 @@ class Waiter:
 
     def _reply(self, req: dict[str, Any]) -> dict[str, Any]:
         op = req.get("op")
-        if op == "info":
-            return facts(self.busy)
+        if op == "info":  # with the invited rank's process id while one runs
+            pid = self.child.pid if self.busy and self.child is not None else None
+            return {**facts(self.busy), "pid": pid}
         if self.busy:
             return {"refused": "busy: already a rank of a split model"}
         if op == "reserve":  # the ring binds it on whichever address rank 0 reaches us at
