@@ -15,8 +15,9 @@ logprobs recorder: called as `generate` calls them, with every token so far) and
 penalty (applied to its raw logits, as `generate`'s sampler does); the events are those
 `generate` yields (text deltas that never split a UTF-8 character, the same finish reasons and
 figures). A processor that raises fails its row alone (`Row.fail`, after the token already
-sampled is out); the other rows decode on. While two rows or more decode, OpenBLAS runs one
-thread (DECODE_BLAS_THREADS). Engine thread only, like all MLX work. No HTTP here.
+sampled is out); the other rows decode on. While rows decode, OpenBLAS runs one thread
+(DECODE_BLAS_THREADS); a prefill gets the process's own count unless two rows decode. Engine
+thread only, like all MLX work. No HTTP here.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ from engine.telemetry import GenerationEvent
 
 MAX_ROWS = 8  # rows decoding together; past this a request waits for a slot
 _PREFILL = SamplingParams(temperature=0.0)  # the prefill's own token is not used: cheapest
-# OpenBLAS threads while two rows or more decode (0: leave OpenBLAS as it is). A matmul of a few
-# rows split over OpenBLAS's workers waits for them to be scheduled; on a busy 2-core machine
-# that costs 2-2.5x per matmul (docs/benchmarks.md, concurrent requests, BLAS threads).
+# OpenBLAS threads while rows decode (0: leave OpenBLAS as it is). A matmul of a few rows split
+# over OpenBLAS's workers waits for them to be scheduled: on a busy 2-core machine 2-2.5x per
+# matmul, and a lone row's decode gained too (docs/benchmarks.md, concurrent requests).
 DECODE_BLAS_THREADS = int(os.environ.get("STRATA_BATCH_BLAS_THREADS", "1"))
 _PROCESS_BLAS: list[int | None] = []  # the process's own count, before any batch changed it
 
@@ -178,12 +179,11 @@ class Batch:
     def full(self) -> bool:
         return len(self._rows) >= self.max_rows
 
-    def _blas(self, rows: int) -> None:
-        """One OpenBLAS thread while `rows` >= 2 decode (the matmuls are a few rows), the
-        process's own count otherwise (a lone row's decode, a prefill of many rows)."""
+    def _blas(self, threads: int | None) -> None:
+        """Set OpenBLAS's thread count (None: the process's own) between steps."""
         if self._blas_default is None or DECODE_BLAS_THREADS < 1:
             return
-        want = DECODE_BLAS_THREADS if rows >= 2 else self._blas_default
+        want = self._blas_default if threads is None else threads
         if want != self._blas_now:
             mx.synchronize()  # the step in flight finishes with the count it started with
             set_blas_threads(want)
@@ -194,7 +194,9 @@ class Batch:
         """Prefill `row` and emit its first token; True if it decodes on in the batch, False
         if it finished already (cancelled during prefill, EOS, a stop string, max_tokens 1)."""
         lm = self.lm
-        self._blas(len(self._rows))  # a busy batch: its prefill shares the cores too
+        # A prefill's matmuls are many rows: the process's own count, unless two rows or more
+        # decode meanwhile (then the cores are busy with us: one thread gave more).
+        self._blas(DECODE_BLAS_THREADS if len(self._rows) >= 2 else None)
         start = time.perf_counter()
         capture = _Capture()
         pc = row.prompt_cache if row.prompt_cache is not None else lm.new_cache()
@@ -272,7 +274,7 @@ class Batch:
         if self._gen is None:
             return
         self.peak_rows = max(self.peak_rows, len(self._gen.uids))
-        self._blas(len(self._gen.uids))
+        self._blas(DECODE_BLAS_THREADS)
         responses = self._gen.next()
         self.steps += 1
         self.rows_stepped += len(responses)
@@ -305,7 +307,7 @@ class Batch:
         """Forget every row without a word (their requests were told otherwise)."""
         self._rows.clear()
         self._gen = None
-        self._blas(0)
+        self._blas(None)
 
     def _drop(self) -> None:
         """Remove finished rows from mlx-lm's batch (which drops its own finished ones)."""
@@ -320,7 +322,7 @@ class Batch:
                 self._gen.filter(keep)
         if not self._rows:
             self._gen = None
-            self._blas(0)  # what runs alone next gets the process's own count
+            self._blas(None)  # what runs alone next gets the process's own count
 
     def _take(self, live: _Live, tok: int) -> bool:
         """Emit `tok`'s event(s) as `generate` does; False when the row finished."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -98,6 +99,21 @@ def test_openai_streamed_tool_call(client: openai.OpenAI) -> None:
     assert len(deltas) == 1 and deltas[0].function and deltas[0].id
     assert deltas[0].function.name == "get_weather"
     jsonschema.validate(json.loads(deltas[0].function.arguments or ""), WEATHER_SCHEMA)
+
+    # The round trip, streamed: the call goes back with its result, the answer streams.
+    call = {"id": deltas[0].id, "type": "function", "function": {
+        "name": "get_weather", "arguments": deltas[0].function.arguments}}
+    history: Any = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": deltas[0].id, "content": "Sunny, 22 C"}]
+    answer, ends = [], []
+    for chunk in client.chat.completions.create(model="starter", messages=history, tools=TOOLS,
+                                                max_tokens=12, stream=True, **GREEDY):
+        for c in chunk.choices:
+            answer.append(c.delta.content or "")
+            assert not c.delta.tool_calls
+            if c.finish_reason:
+                ends.append(c.finish_reason)
+    assert "".join(answer) and ends in (["stop"], ["length"])
 
 
 def test_anthropic_tool_use_round_trip(claude: anthropic.Anthropic) -> None:
@@ -256,9 +272,20 @@ def _raw_oversized(server: str) -> bytes:
         return s.recv(4096)
 
 
+def _count(client: openai.OpenAI) -> str:
+    """A streamed greedy completion that runs a few seconds (no early end of text)."""
+    chunks = client.completions.create(model="starter", prompt="1, 2, 3, 4, 5, 6, 7,",
+                                       max_tokens=24, temperature=0, stream=True)
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
 def test_hostile_bodies_are_refused_and_the_server_keeps_serving(
         client: openai.OpenAI, server: str) -> None:
     chat = f"{server}/chat/completions"
+    alone = _count(client)
+    beside: dict[str, str] = {}  # a stream decoding while the hostile bodies come in
+    streaming = threading.Thread(target=lambda: beside.update(text=_count(client)))
+    streaming.start()
     assert _raw_oversized(server).startswith(b"HTTP/1.1 413")
 
     code, body = _post(chat, b"[" * 100_000 + b"]" * 100_000)
@@ -295,3 +322,5 @@ def test_hostile_bodies_are_refused_and_the_server_keeps_serving(
 
     r = client.chat.completions.create(model="starter", messages=ASK, max_tokens=4, **GREEDY)
     assert r.choices[0].message.content
+    streaming.join(120)
+    assert beside.get("text") == alone  # undisturbed, token for token
