@@ -7,8 +7,10 @@ group at a time, then waits again, since MLX's group is process-global) and, unl
 not to, advertises itself by mDNS (`_strata._tcp.local.`, through `zeroconf`) with the same
 facts in its TXT record. On rank 0's side, `browse(seconds)` lists the waiters mDNS finds,
 `probe("host:port")` asks one typed by address, and `start_invited(model, waiters)` reserves a
-port on each, invites them and starts the split (engine.runtime.cluster.start). Every wait
-has a deadline; a waiter that cannot be reached or refuses is one ClusterError line.
+port on each, invites them and starts the split (engine.runtime.cluster.start);
+`preflight(model, peers)` says whether the model fits this Mac and across the peers, per Mac.
+Every wait has a deadline; a waiter that cannot be reached or refuses is one ClusterError
+line.
 """
 
 from __future__ import annotations
@@ -36,13 +38,15 @@ from engine.runtime.cluster import (
     CONTROL_ENV,
     JOIN_COMMAND,
     JOIN_TIMEOUT_S,
+    SPLIT_ENV,
     Cluster,
     free_ports,
     start,
     write_hostfile,
 )
-from engine.runtime.cluster_split import ClusterError
-from engine.runtime.model import mlx_lm_version
+from engine.runtime.cluster_split import ClusterError, choose_split
+from engine.runtime.fit import ClusterFit, Fit, WeightSizes, chosen_context, cluster_fit, estimate
+from engine.runtime.model import mlx_lm_version, read_config
 
 SERVICE = "_strata._tcp.local."
 WAIT_PORT = 5170  # `strata join`'s default listening port
@@ -297,3 +301,24 @@ def start_invited(model: str | Path, waiters: Sequence[str], library: Library | 
     for rank, w in enumerate(waiters, start=1):
         ask(w, {"op": "invite", "hosts": hosts, "rank": rank, "control": f"{me}:{control}"})
     return start(model, hosts, library, timeout=timeout, control=f"{me}:{control}", kv=kv)
+
+
+def preflight(model: str | Path, peers: Sequence[Peer], library: Library | None = None,
+              context: int | None = None) -> tuple[Fit, ClusterFit | None]:
+    """Will `model` fit this Mac, and across this Mac and `peers` (None: no peers)? From the
+    library's manifest and config only (nothing loads); the split is the one `start` would
+    choose, pipeline layers shared by each Mac's available memory."""
+    manifest = (library or Library()).get(str(model))
+    folder = Path(manifest["path"])
+    config = read_config(folder)
+    profile = compute_profile()
+    weights = WeightSizes(quant_params=int(manifest.get("params") or 0),
+                          quant_bytes=int(manifest.get("bytes") or 0))
+    one = estimate(config, weights, profile, chosen_context(config, folder, context))
+    if not peers:
+        return one, None
+    available = [("this Mac", one.available_bytes)] + [
+        (p.host or p.address, p.available_bytes) for p in peers]
+    plan = choose_split(config, len(available), os.environ.get(SPLIT_ENV) or None,
+                        shares=[float(a) for _, a in available])
+    return one, cluster_fit(one, config, available, plan.mode, plan.layers)

@@ -416,3 +416,89 @@ def check_memory(folder: Path, config: dict[str, Any], weights: dict[str, Any],
     if not fit.fits:
         raise LoadFailed(fit.refusal(folder.name))
     return fit
+
+
+# -- across several Macs ------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankFit:
+    """One Mac's part of a split model: its weights and KV against its available memory."""
+
+    name: str
+    weights_bytes: int
+    kv_bytes: int
+    available_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.weights_bytes + self.kv_bytes <= self.available_bytes
+
+    def numbers(self) -> str:
+        return (f"{self.name} {(self.weights_bytes + self.kv_bytes) / 1e9:.2f} of "
+                f"{self.available_bytes / 1e9:.2f} GB (weights {self.weights_bytes / 1e9:.2f}, "
+                f"KV {self.kv_bytes / 1e9:.2f})")
+
+
+@dataclass(frozen=True)
+class ClusterFit:
+    """A model split across Macs (`cluster_fit`): each rank's part, rank 0 (this Mac) first."""
+
+    one: Fit  # the same model on this Mac alone
+    mode: str  # 'tensor' or 'pipeline'
+    ranks: tuple[RankFit, ...]
+
+    @property
+    def fits(self) -> bool:
+        return all(r.fits for r in self.ranks)
+
+    def summary(self) -> str:
+        """'run across 3 Macs: this Mac 0.40 of 8.00 GB (...); mac-2 ...' or the refusal."""
+        per = "; ".join(r.numbers() for r in self.ranks)
+        n = len(self.ranks)
+        if self.fits:
+            return f"run across {n} Macs ({self.mode} split): {per}"
+        short = ", ".join(r.name for r in self.ranks if not r.fits)
+        return f"does not fit across {n} Macs either ({short} short): {per}"
+
+
+def cluster_fit(one: Fit, config: Mapping[str, Any], available: list[tuple[str, int]],
+                mode: str, layer_ranges: list[tuple[int, int]] | None = None,
+                replicated_fraction: float | None = None) -> ClusterFit:
+    """The model of `one` (this Mac's Fit) split across `available` ((name, bytes) per Mac,
+    this one first) by `mode`: tensor, every rank holds the whole embedding (and head) plus
+    1/N of each layer and the KV of 1/N of the KV heads; pipeline, rank r holds the layers
+    `layer_ranges[r]` and their KV, rank 0 the embedding and head too. The embedding's share
+    of the weights comes from the config (vocabulary x hidden, twice when the head is not
+    tied) unless `replicated_fraction` says it."""
+    text = _text_config(config)
+    n = len(available)
+    vocab, hidden = int(text.get("vocab_size") or 0), int(text.get("hidden_size") or 0)
+    total_layers = int(text.get("num_hidden_layers") or 1)
+    if replicated_fraction is None:
+        heads_out = 1 if text.get("tie_word_embeddings", config.get("tie_word_embeddings")) else 2
+        per_layer = 12 * hidden * hidden  # attention + MLP, when nothing better is known
+        inter = int(text.get("intermediate_size") or 0)
+        if inter:
+            kvh = int(text.get("num_key_value_heads") or text.get("num_attention_heads") or 1)
+            heads = int(text.get("num_attention_heads") or 1)
+            hd = int(text.get("head_dim") or hidden // max(1, heads))
+            per_layer = hidden * hd * (2 * heads + 2 * kvh) + 3 * hidden * inter
+        emb = heads_out * vocab * hidden
+        replicated_fraction = emb / max(1, emb + total_layers * per_layer)
+    whole = int(one.weights_bytes * replicated_fraction)
+    layers_bytes = one.weights_bytes - whole
+    kv_all = one.kv_bytes
+    ranks = []
+    for r, (name, avail) in enumerate(available):
+        if mode == "tensor":
+            w, kv = whole + layers_bytes // n, kv_all // n
+        else:
+            ranges = layer_ranges or []
+            a, b = ranges[r] if r < len(ranges) else (0, 0)
+            share = (b - a) / total_layers
+            w = int(layers_bytes * share) + (whole if r == 0 else 0)
+            kv = (kv_bytes(list(one.layers)[a:b], one.context, dtype_width(one.dtype),
+                           one.kv_bits, one.kv_group) if one.layers else int(kv_all * share))
+            if one.kv_ram_limit is not None:
+                kv = min(kv, one.kv_ram_limit)
+        ranks.append(RankFit(name, w, kv, int(avail)))
+    return ClusterFit(one, mode, tuple(ranks))
