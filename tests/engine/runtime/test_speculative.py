@@ -14,7 +14,7 @@ import pytest
 from engine.kv import KVSettings
 from engine.runtime.generate import LoadedModel, PromptCache, generate
 from engine.runtime.sampling import SamplingParams
-from engine.runtime.speculative import DraftRefused, LookupDrafter, ModelDrafter
+from engine.runtime.speculative import DraftModels, DraftRefused, LookupDrafter, ModelDrafter
 from engine.telemetry import GenerationEvent
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -111,6 +111,24 @@ def test_draft_model_greedy_matches_plain_and_keeps_its_cache(starter_lm: Loaded
         assert all(c.offset == len(drafter.pc.tokens) for c in drafter.pc.cache)
     finally:
         drafter.close()
+
+
+def test_draft_setting_resolves_to_a_drafter_loaded_once(starter_lm: LoadedModel) -> None:
+    loads: list[str] = []
+
+    def load(name: str) -> LoadedModel:
+        loads.append(name)
+        return starter_lm  # the starter drafting for itself: same vocabulary
+
+    drafts = DraftModels(load)
+    assert [drafts.drafter(starter_lm, s) for s in ("auto", "off", "lookup")] == [
+        "auto", "off", "lookup"]
+    first = drafts.drafter(starter_lm, "starter-copy")
+    assert isinstance(first, ModelDrafter) and first.name == starter_lm.manifest["name"]
+    assert drafts.drafter(starter_lm, "starter-copy") is first and loads == ["starter-copy"]
+    drafts.drafter(starter_lm, "another")  # another name: the first is closed, one more load
+    assert loads == ["starter-copy", "another"]
+    drafts.close()
 
 
 def test_draft_model_of_another_vocabulary_is_refused(starter_lm: LoadedModel, library: Any,
