@@ -56,6 +56,7 @@ import app.compat  # noqa: F401  (PySide6 work-around, see there)
 from app.bench.view import BenchmarkView
 from app.chat.controller import ChatController
 from app.chat.store import ChatStore, Sampling
+from app.cluster.view import ClusterDialog
 from app.discover.controller import DiscoverController
 from app.library.controller import LibraryController
 from app.memory.view import MemoryPanel
@@ -220,6 +221,13 @@ class MainWindow(QMainWindow):
         server_action.setToolTip("Serve the OpenAI API on this computer over Strata's engine")
         server_action.toggled.connect(self._on_server_toggled)
         server_menu.addAction(server_action)
+        engine_menu = self.menuBar().addMenu("&Engine")
+        macs_action = QAction("Run across several Macs…", self)
+        macs_action.setToolTip("Macs running strata join on the local network, found or typed")
+        macs_action.triggered.connect(self._on_macs_triggered)
+        engine_menu.addAction(macs_action)
+        self.macs_action = macs_action
+        self.macs_dialog: ClusterDialog | None = None
         self.new_chat_action, self.import_action = new_chat, import_action
         self.server_action = server_action
 
@@ -274,6 +282,13 @@ class MainWindow(QMainWindow):
     def _on_models_changed(self, names: list[str], default: str) -> None:
         self.chat.set_models(names, default)
         self.bench.set_models(names, default)
+
+    @Slot()
+    def _on_macs_triggered(self) -> None:
+        model = self.chat.loaded_model or self.chat.default_model
+        if self.macs_dialog is None or self.macs_dialog.view.model != model:
+            self.macs_dialog = ClusterDialog(model, self.engine.worker.library, self)
+        self.macs_dialog.show()
 
     @Slot(bool)
     def _on_server_toggled(self, on: bool) -> None:

@@ -1,0 +1,100 @@
+"""The Macs list: a real waiting `strata join` found by mDNS on loopback and typed by address.
+
+Real parts: the waiter is its own process advertising with the real zeroconf on the loopback
+interface (STRATA_MDNS_INTERFACE, so the test stays off the real network); the view browses
+and asks it from its own thread, the rows arrive through the Qt event loop (offscreen); the
+preflight line uses the real library and this machine's memory, capped as a smaller Mac's.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from PySide6.QtCore import Qt
+
+from app.cluster.view import ClusterView
+from engine.runtime.cluster import free_ports
+from tests.engine.runtime.test_cluster_find import REPO, wait_for, waiter_env
+
+
+@pytest.fixture(scope="module")
+def waiter(strata_home: Path) -> Iterator[str]:
+    port = free_ports(1)[0]
+    with subprocess.Popen([sys.executable, "-m", "app", "join", "--listen", str(port)],
+                          env=waiter_env(strata_home), cwd=REPO,
+                          stdin=subprocess.DEVNULL) as proc:
+        try:
+            wait_for(f"127.0.0.1:{port}", proc)
+            yield f"127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
+def test_a_typed_mac_is_listed_with_its_memory_and_mlx_and_offered_to_run_across(
+        qtbot: Any, starter: Any, library: Any, waiter: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STRATA_MAX_MEMORY_MB", "400")  # this Mac too small for the starter
+    monkeypatch.setenv("STRATA_CONTEXT", "2048")
+    view = ClusterView(starter["name"], library)
+    qtbot.addWidget(view)
+    view.address.setText(waiter)
+    with qtbot.wait_signal(view.peers_changed, timeout=20_000):
+        qtbot.mouseClick(view.add_button, Qt.MouseButton.LeftButton)
+    assert view.table.rowCount() == 1
+    row = [view.table.item(0, c).text() for c in range(1, 6)]
+    assert row[1] == waiter and row[3] == mx.__version__
+    assert " GB free of " in row[2]
+    assert view.chosen() == [waiter]
+    text = view.fit_label.text()
+    assert "does not fit this Mac alone" in text
+    # The waiter is this machine: its free memory is far more than the 400 MB cap here.
+    assert "run across 2 Macs (pipeline split)" in text, text
+    assert view.run_button.isEnabled() and view.run_button.text() == "&Run across 2 Macs"
+    with qtbot.wait_signal(view.run_across_requested) as sent:
+        qtbot.mouseClick(view.run_button, Qt.MouseButton.LeftButton)
+    assert sent.args == [starter["name"], [waiter]]
+    # Unchecked: nothing to run across, the button goes off.
+    view.table.item(0, 0).setCheckState(Qt.CheckState.Unchecked)
+    assert not view.run_button.isEnabled()
+
+
+def test_a_waiting_mac_is_found_by_mdns(qtbot: Any, starter: Any, library: Any, waiter: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STRATA_MDNS_INTERFACE", "127.0.0.1")
+    view = ClusterView(starter["name"], library)
+    qtbot.addWidget(view)
+    with qtbot.wait_signal(view.peers_changed, timeout=20_000):
+        qtbot.mouseClick(view.find_button, Qt.MouseButton.LeftButton)
+    assert waiter in view.peers, view.peers
+    assert view.peers[waiter].mlx == mx.__version__
+
+
+def test_a_typed_address_with_nobody_there_is_one_line(qtbot: Any, starter: Any,
+                                                        library: Any) -> None:
+    view = ClusterView(starter["name"], library)
+    qtbot.addWidget(view)
+    port = free_ports(1)[0]
+    with qtbot.wait_signal(view.failed, timeout=20_000) as failed:
+        view.add(f"127.0.0.1:{port}")
+    assert failed.args[0].startswith(f"127.0.0.1:{port}: no Strata waiting there")
+    assert view.status.text() == failed.args[0]
+    assert view.table.rowCount() == 0
+
+
+def test_the_engine_menu_opens_the_macs_list_for_the_default_model(
+        qtbot: Any, make_window: Any, starter: Any) -> None:
+    window = make_window(preload=False, fetch_starter=False)
+    qtbot.wait_until(lambda: window.is_ready, timeout=20_000)
+    window.macs_action.trigger()
+    dialog = window.macs_dialog
+    assert dialog is not None and dialog.isVisible()
+    assert dialog.view.model == starter["name"]
+    assert "Run across several Macs…" in [a.text() for a in window.menuBar().actions()[-1]
+                                         .menu().actions()]
