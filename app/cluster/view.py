@@ -1,14 +1,15 @@
 """The Macs a model can run across: found by mDNS or typed, each with its memory and MLX.
 
 Contract: `ClusterView(model, library)` lists Macs waiting to join (`strata join` on them):
-"Find on network" (`find_macs`) browses mDNS (engine.runtime.cluster_find.browse), "Add" asks one typed
-"host:port" (probe); each row shows the Mac, its address, memory (available of total), its
-MLX and Strata versions and a check box for "run across". The preflight line under the list
-says whether the model fits this Mac alone and, if not, whether it fits across the checked
-Macs, with each Mac's numbers (cluster_find.preflight); "Run across N Macs" is enabled only
-when it does, and emits `run_across_requested(model, addresses)`. Network waits run on a
-thread and arrive as `peers_changed` (the list was updated) or `failed(line)` (one line, shown
-in the status label). Every control has an accessible name; colours come from the palette.
+"Find on network" (`find_macs`) browses mDNS (engine.runtime.cluster_find.browse), "Add"
+asks one typed "host:port" (probe); each row shows the Mac, its address, memory (available
+of total), its MLX and Strata versions and a check box for "run across". The preflight line
+under the list says whether the model fits this Mac alone and, if not, whether it fits
+across the checked Macs, with each Mac's numbers (cluster_find.preflight); "Run across N
+Macs" is enabled only when it does, and emits `run_across_requested(model, addresses)`.
+Network waits run on a thread and arrive as `peers_changed` (the list was updated) or
+`failed(line)` (one line, shown in the status label). Every control has an accessible name;
+colours come from the palette.
 """
 
 from __future__ import annotations
