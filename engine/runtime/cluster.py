@@ -204,11 +204,14 @@ def _resolve(model: str | Path, library: Library | None) -> tuple[Manifest, Path
 
 # -- rank 0 -----------------------------------------------------------------------------------
 def _gather(hosts: Sequence[str], job: dict[str, Any], mine: dict[str, Any], timeout: float,
-            cancel: Callable[[], str | None], control: str | None
+            cancel: Callable[[], str | None], control: str | None,
+            decide: Callable[[dict[int, dict[str, Any]]], dict[str, Any]] | None = None
             ) -> list[tuple[_Line, dict[str, Any]]]:
     """Wait for every other rank on the control socket, check each one's identity, then tell
-    all of them go (with the split) or the refusal line; returns (control line, identity) by
-    rank, the lines left open: a rank's closing its line is how rank 0 sees it gone."""
+    all of them go (with the split: `decide(hellos by rank)`, else the job's) or the refusal
+    line; returns (control line, identity) by rank, the lines left open: a rank's closing its
+    line is how rank 0 sees it gone."""
+    hellos: dict[int, dict[str, Any]] = {}
     host, port = control_address(hosts, control)
     n = len(hosts)
     deadline = time.monotonic() + timeout
@@ -240,15 +243,17 @@ def _gather(hosts: Sequence[str], job: dict[str, Any], mine: dict[str, Any], tim
                     line.close()
                     continue
                 line.peer = f"rank {rank} ({addr[0]})"
+                hellos[rank] = hello
                 line.send(job)
                 peers[rank] = (line, line.recv(deadline, "identity"))
             refusal = None
             for rank in sorted(peers):
                 line, theirs = peers[rank]
                 refusal = refusal or _differs(rank, line.sock.getpeername()[0], mine, theirs)
+            plan = job["plan"] if refusal or decide is None else decide(hellos)
             for line, _ in peers.values():
                 with contextlib.suppress(OSError):
-                    line.send({"refused": refusal} if refusal else {"go": job["plan"]})
+                    line.send({"refused": refusal} if refusal else {"go": plan})
             if refusal:
                 raise ClusterError(refusal)
             return [peers[r] for r in sorted(peers)]
@@ -428,12 +433,26 @@ def start(model: str | Path, hosts: Sequence[str], library: Library | None = Non
     kv = None if kv is None or kv.mode == "mlx" else kv.validate()
     manifest, folder = _resolve(model, library)
     config = read_config(folder)
-    plan = choose_split(config, len(hosts), os.environ.get(SPLIT_ENV) or None)
+    force = os.environ.get(SPLIT_ENV) or None
+    plan = choose_split(config, len(hosts), force)
     mine = identity(manifest, profile)
     job = {"model": manifest.get("name"), "fingerprint": mine["fingerprint"],
            "plan": plan.as_dict(), "kv": _kv_to_json(kv)}
+
+    def decide(hellos: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        # Pipeline layers by each machine's available memory; ranks that share one machine
+        # share its memory too, so there the layers are shared equally.
+        nonlocal plan
+        here = socket.gethostname()
+        if all(h.get("host") == here for h in hellos.values()):
+            return plan.as_dict()
+        memory = [float(memory_facts().available_bytes)] + [
+            float(hellos[r].get("memory") or 0) for r in range(1, len(hosts))]
+        plan = choose_split(config, len(hosts), force, shares=memory)
+        return plan.as_dict()
+
     with timeline.phase("cluster handshake"):
-        peers = _gather(hosts, job, mine, timeout, cancel or (lambda: None), control)
+        peers = _gather(hosts, job, mine, timeout, cancel or (lambda: None), control, decide)
     try:
         with timeline.phase("cluster group"):
             group = _init_group(hosts, 0, hostfile)
@@ -556,7 +575,8 @@ def join(hostfile: str | Path | None = None, rank: int | None = None,
     deadline = time.monotonic() + timeout
     line = _connect(host, port, deadline, timeout)
     try:
-        line.send({"rank": rank, "memory": memory_facts().available_bytes})
+        line.send({"rank": rank, "memory": memory_facts().available_bytes,
+                   "host": socket.gethostname()})
         job = line.recv(deadline, "the model from rank 0")
         if "refused" in job:
             raise ClusterError(str(job["refused"]))
