@@ -5,12 +5,14 @@ any text, repeated), the same ids for every subject of a run; `machine_facts()` 
 the machine, the software and the checkout a result was measured on (the `machine` object
 of every result file); `package_version(name)` is an installed package's version or None;
 `say(line)` prints one progress line on stderr, `tenths(unit)` a progress callback that says
-each tenth done. No MLX, no model: the suites' parent
+each tenth done; `run_child(module, job, path, what)` runs a suite's child process on a JSON
+job and returns the JSON line it prints last. No MLX, no model: the suites' parent
 processes and their tests import this freely.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform as pyplatform
 import subprocess
@@ -28,6 +30,19 @@ FILLER = (
     "and each left something behind: a word, a recipe, a way of building walls. "
 )
 REPO = Path(__file__).resolve().parents[2]
+
+
+def run_child(module: str, job: dict[str, Any], path: Path, what: str, *argv: str
+              ) -> dict[str, Any]:
+    """`python -m module *argv path` with `job` written to `path`; the JSON object it printed
+    last. A child that fails ends the suite (SystemExit) with `what` and its last stderr
+    line."""
+    path.write_text(json.dumps(job))
+    r = subprocess.run([sys.executable, "-m", module, *argv, str(path)], capture_output=True,
+                       text=True, env=dict(os.environ))
+    if r.returncode != 0:
+        raise SystemExit(f"{what} failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    return dict(json.loads(r.stdout.strip().splitlines()[-1]))
 
 
 def prompt_ids(tokenizer: Any, n: int, text: str = FILLER) -> list[int]:

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.bench.common import machine_facts, run_child, say
 from engine.bench.needle import KINDS, facts, needle_prompt
 from engine.kv import KVSettings
 from engine.kv.prefix import PrefixSettings
@@ -68,22 +67,12 @@ def _child(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _spawn(job: dict[str, Any], tmp: Path, name: str, tails: bool = True) -> dict[str, Any]:
-    path = tmp / f"job-{name}.json"
-    path.write_text(json.dumps({**job, "tails": tails}))
-    r = subprocess.run([sys.executable, "-m", "engine.bench.restart", str(path)],
-                       capture_output=True, text=True, env=dict(os.environ))
-    if r.returncode != 0:
-        raise SystemExit(f"bench restart: the {name} child failed: "
-                         f"{(r.stderr.strip().splitlines() or ['?'])[-1]}")
-    return dict(json.loads(r.stdout.strip().splitlines()[-1]))
+    return run_child("engine.bench.restart", {**job, "tails": tails}, tmp / f"job-{name}.json",
+                     f"bench restart: the {name} child")
 
 
 def run(args: argparse.Namespace) -> int:
     """The suite: per mode, prefill once, then two restarts; 1 when an answer differs."""
-    # The bench's shared helpers, loaded when the suite runs (engine.bench's contract).
-    from engine.bench.common import machine_facts, say
-
-    # Not a multiple of the page: a prompt that ends on a page boundary stores no tail.
     context = args.context or 16000
     modes = [m for m in (args.kv_modes or "exact,sparse").split(",") if m]
     kind = (args.needle_kinds or "number").split(",")[0]

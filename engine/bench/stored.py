@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from engine.bench.common import run_child
 from engine.bench.fill import doc_kv
 from engine.kv import KVSettings
 from engine.kv.prefix import PrefixSettings
@@ -93,14 +92,9 @@ def _child(mode: str, job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _spawn(mode: str, job: dict[str, Any], tmp: Path) -> dict[str, Any]:
-    path = tmp / f"job-{mode}-{job.get('kv_mode', '')}.json"
-    path.write_text(json.dumps(job))
-    r = subprocess.run([sys.executable, "-m", "engine.bench.stored", mode, str(path)],
-                       capture_output=True, text=True, env=dict(os.environ))
-    if r.returncode != 0:
-        raise SystemExit(f"bench stored: the {mode} child failed: "
-                         f"{(r.stderr.strip().splitlines() or ['?'])[-1]}")
-    return dict(json.loads(r.stdout.strip().splitlines()[-1]))
+    return run_child("engine.bench.stored", job,
+                     tmp / f"job-{mode}-{job.get('kv_mode', '')}.json",
+                     f"bench stored: the {mode} child", mode)
 
 
 def run(args: argparse.Namespace) -> int:
