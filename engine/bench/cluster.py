@@ -55,10 +55,11 @@ def _child(model: str, ranks: int, prompt_tokens: int, max_tokens: int) -> dict[
     """One reply on `ranks` ranks (rank 0 here); the figures as `measure` returns them."""
     import psutil  # third-party, only in the measuring child
 
+    # The runtime (and MLX) load only in the measuring child: the parent runs no model.
     from engine.runtime.cluster import start_local  # the child's own MLX group
-    from engine.runtime.cluster_split import share_bytes
-    from engine.runtime.generate import LoadedModel, generate
-    from engine.runtime.sampling import SamplingParams
+    from engine.runtime.cluster_split import share_bytes  # as above
+    from engine.runtime.generate import LoadedModel, generate  # as above
+    from engine.runtime.sampling import SamplingParams  # as above
 
     t0 = time.perf_counter()
     cluster = start_local(model, ranks) if ranks > 1 else None
