@@ -8,10 +8,12 @@ still complete."""
 from __future__ import annotations
 
 import json
+import secrets
 import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +221,29 @@ def test_batch_rows_with_processors_equal_generate(starter_lm: Any) -> None:
     # Processors see the prompt, then one more token a call: as generate calls them.
     for r in records:
         assert r.seen == list(range(r.seen[0], r.seen[0] + len(r.seen)))
+
+
+def test_requests_that_arrive_together_share_a_cached_prefix(client: openai.OpenAI) -> None:
+    """Three requests with one (new) system prompt, sent together: the first prefills it, the
+    two that join after it reuse its KV (the prompt cache is the prompt's while it
+    prefills; the batch holds a copy)."""
+    system = (f"Session {secrets.token_hex(4)}. You are a terse assistant for a bakery. "
+              + "Opening hours are nine to five, closed on Sundays. " * 20)
+    asks = ("When do you open?", "Are you open on Sunday?", "Do you sell bread?")
+    gate = threading.Barrier(len(asks))
+
+    def one(question: str) -> Any:
+        gate.wait()
+        return client.chat.completions.create(
+            model="starter", temperature=0, max_tokens=4,
+            messages=[{"role": "system", "content": system},
+                      {"role": "user", "content": question}]).usage
+
+    with ThreadPoolExecutor(len(asks)) as pool:
+        usages = list(pool.map(one, asks))
+    cached = sorted(u.prompt_tokens_details.cached_tokens or 0 for u in usages)
+    assert all(u.prompt_tokens > 200 for u in usages)
+    assert cached[0] < 20 and cached[1] > 200 and cached[2] > 200, cached
 
 
 def test_a_client_that_hangs_up_frees_its_slot(server: str, client: openai.OpenAI) -> None:
