@@ -4,7 +4,7 @@
 Real parts: the starter in a real library, this machine's memory capped with
 STRATA_MAX_MEMORY_MB (as a smaller Mac would have it), the peers' memory as their waiters
 report it (engine.runtime.cluster_find.Peer); the per-Mac weights are checked against what
-real ranks hold (test_cluster_kv.py measures 255 MB per rank for a tensor split of 3).
+real ranks hold (test_cluster.py measures 255 MB per rank for a tensor split of 3).
 """
 
 from __future__ import annotations
