@@ -226,7 +226,7 @@ class ModelDrafter:
 class DraftModels:
     """A draft setting resolved for a target: "auto", "off" and "lookup" pass through; a
     library model's name becomes a ModelDrafter, loaded by `load` once and kept while the
-    target and the name stay (another target or name closes it)."""
+    target and the name stay (another target, name or setting closes it)."""
 
     def __init__(self, load: Callable[[str], LoadedModel]) -> None:
         self._load = load
@@ -236,6 +236,7 @@ class DraftModels:
         """What `generate(drafter=...)` takes for `setting`; DraftRefused (one line) for a
         draft model of another vocabulary, the library's error for an unknown name."""
         if setting in DRAFT_SETTINGS:
+            self.close()  # a draft model no longer chosen gives its memory back
             return setting
         held = self._held
         if held is not None and held[0]() is target and held[1] == setting:

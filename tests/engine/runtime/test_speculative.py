@@ -128,6 +128,9 @@ def test_draft_setting_resolves_to_a_drafter_loaded_once(starter_lm: LoadedModel
     assert drafts.drafter(starter_lm, "starter-copy") is first and loads == ["starter-copy"]
     drafts.drafter(starter_lm, "another")  # another name: the first is closed, one more load
     assert loads == ["starter-copy", "another"]
+    assert drafts.drafter(starter_lm, "off") == "off"  # the draft model goes
+    assert isinstance(drafts.drafter(starter_lm, "another"), ModelDrafter)
+    assert loads == ["starter-copy", "another", "another"]
     drafts.close()
 
 
