@@ -142,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
     facts = machine_facts()
     say(f"bench serve: {args.model}, clients {clients}, {len(questions)} requests of at most "
         f"{max_tokens} tokens, {trials} trials; load {facts['load_average']}; "
-        f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}")
+        f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}, "
+        f"STRATA_BATCH_BLAS_THREADS={os.environ.get('STRATA_BATCH_BLAS_THREADS', 'unset')}")
     log = Path(tempfile.mkdtemp(prefix="strata-bench-serve-")) / "serve.log"
     server = _Server(args.model, max(clients), log)
     rows: dict[int, list[float]] = {c: [] for c in clients}
@@ -167,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
                               "requests": len(questions), "trials": trials,
                               "machine": facts, "load_after": list(os.getloadavg()),
                               "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
+                              # unset: the server's batch decodes on one OpenBLAS thread
+                              "batch_blas_threads": os.environ.get("STRATA_BATCH_BLAS_THREADS"),
                               "figures": {}}
     print(f"\nstrata bench serve: {args.model}, {len(questions)} greedy streamed requests "
           f"of at most {max_tokens} tokens, {trials} trials")
