@@ -184,8 +184,8 @@ class Waiter:
                 try:
                     req = json.loads(f.readline())
                     reply = self._reply(req if isinstance(req, dict) else {})
-                except (ValueError, ClusterError) as exc:
-                    reply = {"refused": str(exc)}
+                except (ValueError, KeyError, TypeError, ClusterError) as exc:
+                    reply = {"refused": f"bad request ({exc})"}
                 f.write(json.dumps(reply).encode() + b"\n")
                 f.flush()
         except OSError:

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from engine.runtime.cluster import free_ports
-from engine.runtime.cluster_find import ClusterError, browse, probe
+from engine.runtime.cluster_find import ClusterError, ask, browse, probe
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -84,3 +84,11 @@ def test_an_address_with_no_waiter_is_one_line() -> None:
         probe(f"127.0.0.1:{port}")
     with pytest.raises(ClusterError, match="not a host:port address"):
         probe("mac-mini.local")
+
+
+def test_a_bad_request_is_refused_and_the_waiter_keeps_waiting(waiter: str) -> None:
+    with pytest.raises(ClusterError, match=rf"^{waiter}: bad request \('hosts'\)"):
+        ask(waiter, {"op": "invite"})
+    with pytest.raises(ClusterError, match=rf"^{waiter}: unknown request 'nosuch'"):
+        ask(waiter, {"op": "nosuch"})
+    assert not probe(waiter).busy  # still there, nothing started
