@@ -24,7 +24,7 @@ import random
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -196,10 +196,13 @@ def run_needle(lm: Any, lengths: Sequence[int], depths: Sequence[float],
                page_tokens: int = 128, sink_tokens: int = 128, window_tokens: int = 512,
                seed: int = 0, text: Path = TEXT, ssd_dir: Path | None = None,
                on_cell: Callable[[NeedleCell], None] | None = None,
-               cancel: Callable[[], bool] | None = None) -> list[NeedleCell]:
+               cancel: Callable[[], bool] | None = None,
+               only: Collection[float] | None = None) -> list[NeedleCell]:
     """Every (length, depth, kind) prompt prefilled once, every (mode, budget) answering
     from the same pages (see the module docstring). `model` replaces lm.model (a model
-    built at another context, e.g. with RoPE extended; `rope` names it in the cells)."""
+    built at another context, e.g. with RoPE extended; `rope` names it in the cells).
+    `only`: run just these of `depths` (each depth's fact still fixed by its index in
+    `depths`, so a rerun of some cells asks what the full run asked)."""
     # Engine imports here: the suite's parent process and this module's prompt functions
     # (used by tests) need no KV machinery.
     from engine.bench.fill import paged_cache
@@ -220,7 +223,8 @@ def run_needle(lm: Any, lengths: Sequence[int], depths: Sequence[float],
             # each prompt keeps the pages it shares with the one before (the prose up to its
             # own fact), so only the rest is prefilled again (about half the prefill work of
             # ten depths). Facts differ per depth, so no answer carries over.
-            order = sorted(enumerate(depths), key=lambda x: -x[1])
+            order = sorted(((i, d) for i, d in enumerate(depths)
+                            if only is None or d in only), key=lambda x: -x[1])
             cache, store = paged_cache(model, base)
             held: list[int] = []
             try:
