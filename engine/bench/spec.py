@@ -12,7 +12,9 @@ text is the plain decode's. `run(args)` prints a table (median tok/s per drafter
 ratio to plain decoding) and writes JSON with --json (`SCHEMA_ID`: per task the tok/s of
 every run per drafter, their medians and ratios to "off", the drafted and accepted tokens
 and the generated ones summed over the trials, and whether the text was identical), and says
-`bench: N% ...` progress lines on stderr for the benchmark tab.
+`bench: N% ...` progress lines on stderr for the benchmark tab. `verify_costs(lm, depth)`
+times a forward pass of L tokens against one of 1 at a depth (what a verify pass costs in
+plain steps); `python -m engine.bench.spec [depth]` prints it for the starter.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,3 +179,37 @@ def run(args: argparse.Namespace) -> int:
                             "ratio": {d: r.ratio(d) for d in drafters}} for r in results]}
         Path(args.json_out).write_text(json.dumps(out, indent=2))
     return 0 if all(r.identical for r in results) else 1
+
+
+def verify_costs(lm: LoadedModel, depth: int = 500, lengths: tuple[int, ...] = (
+        1, 2, 3, 5, 9, 17), repeats: int = 5) -> dict[int, float]:
+    """{L: median seconds of a forward pass of L tokens after `depth` cached tokens / the
+    same for L = 1}, the lengths interleaved `repeats` times (the cache trimmed after each)."""
+    import mlx.core as mx  # heavy: only when measuring
+
+    ids = tasks(lm.tokenizer)[0].ids
+    ids = (ids * (depth // max(len(ids), 1) + 1))[:depth + max(lengths)]
+    pc = lm.new_cache()
+    try:
+        for i in range(0, depth, 512):
+            lm.model(mx.array(ids[i:min(i + 512, depth)])[None], cache=pc.cache)
+            mx.eval([c.state for c in pc.cache])
+        times: dict[int, list[float]] = {n: [] for n in lengths}
+        for _ in range(repeats):
+            for n in lengths:
+                t0 = time.perf_counter()
+                mx.eval(lm.model(mx.array(ids[depth:depth + n])[None], cache=pc.cache))
+                times[n].append(time.perf_counter() - t0)
+                for c in pc.cache:
+                    c.trim(n)
+    finally:
+        pc.close()
+    one = statistics.median(times[lengths[0]])
+    return {n: statistics.median(v) / one for n, v in times.items()}
+
+
+if __name__ == "__main__":
+    lm_ = LoadedModel.load("starter")
+    d = int(sys.argv[1]) if len(sys.argv) > 1 else 500
+    for n, r in verify_costs(lm_, d).items():
+        print(f"L={n:2d}: {r:5.2f} plain steps")

@@ -32,6 +32,7 @@ import mlx.core as mx
 
 from engine.errors import StrataError
 from engine.kv import SPARSE_MAX_L, trimmable
+from engine.platform import blas_threads, set_blas_threads
 from engine.runtime.sampling import LogitsProcessor, Sampler, SamplingParams
 from engine.runtime.tokenizer import Tokenizer
 
@@ -45,6 +46,13 @@ PRIOR_ACCEPT = (1.0, 2.0)  # (accepted, reached) before any draft: acceptance 0.
 DECAY = 0.9  # per verify pass: the acceptance follows the reply as it goes on
 MARGIN = 1.05  # drafting must promise this much over a plain step
 PROBE_EVERY = 32  # plain tokens between two probes while resting
+# A probe drafts this many: one token, always accepted, would raise the acceptance too slowly
+# to ever pay where a verify pass costs much more than a plain step (this CPU under load).
+PROBE_K = 4
+# OpenBLAS threads for a verify pass (0: the process's own). A few-row matmul is too small to
+# split on a few cores, and on a busy machine the spinning workers made a 9-token pass cost
+# 8.8 plain steps on two threads against 2.1 on one (docs/benchmarks.md, issue 23).
+VERIFY_BLAS_THREADS = 1
 EMA = 0.3  # weight of a new timing
 DRAFT_SETTINGS = ("auto", "off", "lookup")
 
@@ -331,7 +339,7 @@ class Speculator:
     def rest(self, history: Sequence[int]) -> bool:
         """Whether the next step is a plain (pipelined) one: no draft is possible after the
         next token, or drafting would not pay. Called once per token before that token is
-        known; every PROBE_EVERY resting tokens one short draft is tried again."""
+        known; every PROBE_EVERY resting tokens a draft of PROBE_K is tried again."""
         if not self.drafter.may_propose(history):
             return True
         if self.forced or 1 not in self.costs.seconds or self.best_k(self.k_max) > 0:
@@ -351,18 +359,27 @@ class Speculator:
         # Unforced, the first step is a plain one: it measures what drafting must beat.
         if ((self.forced or 1 in self.costs.seconds)
                 and all(trimmable(c, self.k_max) for c in cache)):
-            k = 1 if self._probe else self.best_k(min(self.k_max, room - 1))
+            k = (min(PROBE_K, self.k_max, room - 1) if self._probe
+                 else self.best_k(min(self.k_max, room - 1)))
             self._probe = False
         drafts = self.drafter.propose(history, k) if k else []
         t0 = time.perf_counter()
-        logits = self.forward(mx.array([[tok, *drafts]]))[0]
-        ys = self.sampler(logits, history)
         if not drafts:
+            ys = self.sampler(self.forward(mx.array([[tok]]))[0], history)
             mx.eval(ys)
             self.costs.add(1, time.perf_counter() - t0)
             self.pc.tokens.append(tok)
             return [], ys
-        out = ys.tolist()
+        # Nothing is in flight here (a verify step follows a known token): the thread count
+        # changes between passes, never during one.
+        threads = blas_threads() if VERIFY_BLAS_THREADS > 0 else None
+        if threads is not None and threads != VERIFY_BLAS_THREADS:
+            set_blas_threads(VERIFY_BLAS_THREADS)
+        try:
+            out = self.sampler(self.forward(mx.array([[tok, *drafts]]))[0], history).tolist()
+        finally:
+            if threads is not None and threads != VERIFY_BLAS_THREADS:
+                set_blas_threads(threads)
         self.costs.add(len(drafts) + 1, time.perf_counter() - t0)
         a = 0
         while a < len(drafts) and out[a] == drafts[a]:
