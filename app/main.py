@@ -288,7 +288,13 @@ class MainWindow(QMainWindow):
         model = self.chat.loaded_model or self.chat.default_model
         if self.macs_dialog is None or self.macs_dialog.view.model != model:
             self.macs_dialog = ClusterDialog(model, self.engine.worker.library, self)
+            self.macs_dialog.view.run_across_requested.connect(self._on_run_across_requested)
         self.macs_dialog.show()
+
+    @Slot(str, list)
+    def _on_run_across_requested(self, model: str, waiters: list[str]) -> None:
+        self.status_label.setText(f"Loading {model} across {len(waiters) + 1} Macs…")
+        self.engine.load_across(model, waiters)
 
     @Slot(bool)
     def _on_server_toggled(self, on: bool) -> None:

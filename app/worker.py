@@ -189,6 +189,10 @@ class EngineWorker(QObject):
     def _on_load_requested(self, job: int, name: str) -> None:
         self._run(job, "load", self._load_steps(name))
 
+    @Slot(int, str, list)
+    def _on_load_across_requested(self, job: int, name: str, waiters: list[str]) -> None:
+        self._run(job, "load", self._load_across_steps(name, waiters))
+
     @Slot(int, object)
     def _on_reply_requested(self, job: int, request: ReplyRequest) -> None:
         self._run(job, "reply", self._reply_steps(job, request))
@@ -308,6 +312,12 @@ class EngineWorker(QObject):
     def _load_steps(self, name: str) -> Iterator[Step]:
         """Make `name` the loaded model; the pool's callbacks emit model_loading/loaded."""
         self.pool.get(name)
+        return
+        yield  # a generator with no steps of its own
+
+    def _load_across_steps(self, name: str, waiters: list[str]) -> Iterator[Step]:
+        """`name` split across this Mac and the waiting Macs; model_loaded carries `ranks`."""
+        self.pool.load_across(name, waiters)
         return
         yield  # a generator with no steps of its own
 
@@ -515,6 +525,7 @@ class Engine(QObject):
 
     starter_requested = Signal(int, bool)
     load_requested = Signal(int, str)
+    load_across_requested = Signal(int, str, list)  # job, model, waiters ("host:port")
     reply_requested = Signal(int, object)
     import_planned_requested = Signal(int, str)
     import_requested = Signal(int, str, str, int)  # job, path, recipe ("": as stored), context
@@ -537,6 +548,7 @@ class Engine(QObject):
         self._thread.started.connect(self.worker._on_thread_started)
         self.starter_requested.connect(self.worker._on_starter_requested)
         self.load_requested.connect(self.worker._on_load_requested)
+        self.load_across_requested.connect(self.worker._on_load_across_requested)
         self.reply_requested.connect(self.worker._on_reply_requested)
         self.import_requested.connect(self.worker._on_import_requested)
         self.import_planned_requested.connect(self.worker._on_import_planned_requested)
@@ -586,6 +598,12 @@ class Engine(QObject):
     def load(self, name: str) -> int:
         job = self._next()
         self.load_requested.emit(job, name)
+        return job
+
+    def load_across(self, name: str, waiters: list[str]) -> int:
+        """Load `name` split across this Mac and the Macs waiting at `waiters`."""
+        job = self._next()
+        self.load_across_requested.emit(job, name, list(waiters))
         return job
 
     def reply(self, request: ReplyRequest) -> int:

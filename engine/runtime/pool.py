@@ -116,6 +116,7 @@ class ModelPool:
                                else "prefix cache off in the settings")
         # The draft setting's model, loaded once (engine.runtime.speculative).
         self.drafts = DraftModels(lambda name: LoadedModel.load(name, library=self.library))
+        self.cluster: Any = None  # the loaded model split across Macs (engine.runtime.cluster)
 
     # -- settings -------------------------------------------------------------------------
     def prefix_settings(self) -> PrefixSettings:
@@ -187,11 +188,41 @@ class ModelPool:
                             "phases": timeline.durations(), "kv_notice": lm.kv_notice})
         return lm
 
+    def load_across(self, name: str, waiters: Sequence[str]) -> LoadedModel:
+        """`name` split across this Mac (rank 0) and the Macs waiting at `waiters` ("host:port",
+        engine.runtime.cluster_find), in the paged KV mode if one is set, as the loaded model
+        until the next load or unload. No prefix cache and no drafts on a split model yet."""
+        # Start-up: the cluster's transport loads when a model is split, not with the pool.
+        from engine.runtime.cluster_find import start_invited
+
+        manifest = self.library.get(name)
+        if self.on_loading is not None:
+            self.on_loading(manifest["name"])
+        self.unload()
+        kv = self.settings.kv if self.settings.kv and self.settings.kv.mode != "mlx" else None
+        timeline = Timeline()
+        with timeline.phase("ranks and weights"):
+            cluster = start_invited(manifest["name"], list(waiters), self.library, kv=kv)
+        cluster.watch()
+        self.cluster, self.lm = cluster, cluster.lm
+        ranks = list(cluster.ranks)
+        self.weights_bytes = (int(ranks[0]["weights_bytes"]) if ranks
+                              else parameter_bytes(cluster.lm.model))
+        if self.on_loaded is not None:
+            self.on_loaded({"name": manifest["name"], "path": manifest["path"],
+                            "weights_bytes": self.weights_bytes, "profile": cluster.lm.profile.name,
+                            "phases": timeline.durations(), "kv_notice": cluster.lm.kv_notice,
+                            "ranks": ranks})
+        return cluster.lm
+
     def unload(self) -> None:
         """Forget the loaded model: caches closed, pages queued for the prefix cache written,
-        freed memory given back to the OS."""
+        a split model's ranks stopped, freed memory given back to the OS."""
         self.forget()
         lm, self.lm, self.weights_bytes = self.lm, None, None
+        cluster, self.cluster = self.cluster, None
+        if cluster is not None:
+            cluster.close()
         if lm is not None:
             lm.disable_prefix_cache()  # flushes pages still queued for the disk
         del lm
@@ -228,9 +259,19 @@ class ModelPool:
         session = self.session(key)
         session.messages = ([{"role": "system", "content": system}] if system else [])
         session.messages += [dict(m) for m in history]
-        drafter = self.drafts.drafter(session.lm, self.settings.draft)
-        yield from session.send(text, params, max_tokens, cancel=cancel, timeline=timeline,
-                                drafter=drafter)
+        cluster = self.cluster
+        if cluster is None:
+            drafter = self.drafts.drafter(session.lm, self.settings.draft)
+            yield from session.send(text, params, max_tokens, cancel=cancel, timeline=timeline,
+                                    drafter=drafter)
+            return
+        # A split model's other ranks follow one token a step: no drafts; a rank lost
+        # mid-reply is the cluster's one line (which rank, after how many steps).
+        try:
+            yield from session.send(text, params, max_tokens, cancel=cancel, timeline=timeline,
+                                    drafter="off")
+        except RuntimeError as exc:
+            raise cluster.lost(exc) from exc
 
     def forget(self, key: int | None = None) -> None:
         """Drop chat `key`'s session (None: every session and every server cache), with what

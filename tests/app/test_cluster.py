@@ -98,3 +98,34 @@ def test_the_engine_menu_opens_the_macs_list_for_the_default_model(
     assert dialog.view.model == starter["name"]
     assert "Run across several Macs…" in [a.text() for a in window.menuBar().actions()[-1]
                                          .menu().actions()]
+
+
+def test_run_across_loads_the_model_split_and_replies_as_one_process(
+        qtbot: Any, make_window: Any, starter: Any, library: Any, waiter: str) -> None:
+    from app.worker import ReplyRequest
+    from engine.runtime.pool import ModelPool
+    from engine.runtime.sampling import SamplingParams
+    from tests.app.conftest import LOAD_TIMEOUT_MS
+
+    question = "Name three colours."
+    pool = ModelPool(library)
+    try:
+        want = "".join(ev.text for ev in pool.reply(
+            1, starter["name"], question, params=SamplingParams(temperature=0.0), max_tokens=8))
+    finally:
+        pool.close()
+    window = make_window(preload=False, fetch_starter=False)
+    qtbot.wait_until(lambda: window.is_ready, timeout=20_000)
+    window.macs_action.trigger()
+    assert window.macs_dialog is not None
+    with qtbot.wait_signal(window.engine.model_loaded, timeout=LOAD_TIMEOUT_MS) as loaded:
+        window.macs_dialog.view.run_across_requested.emit(starter["name"], [waiter])
+    ranks = loaded.args[0]["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert loaded.args[0]["weights_bytes"] == ranks[0]["weights_bytes"]
+    deltas: list[str] = []
+    window.engine.reply_delta.connect(lambda _job, text: deltas.append(text))
+    with qtbot.wait_signal(window.engine.reply_finished, timeout=LOAD_TIMEOUT_MS):
+        window.engine.reply(ReplyRequest(chat_id=7, model=starter["name"], text=question,
+                                         temperature=0.0, max_tokens=8))
+    assert "".join(deltas) == want
