@@ -26,7 +26,7 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 def test_every_suite_and_its_options_parse() -> None:
     assert SUITES == ("quick", "full", "kv", "prefix", "kvbits", "import", "stored", "needle",
-                      "serve", "spec", "restart", "cluster")
+                      "serve", "spec", "restart", "cluster", "longctx")
     assert _parse().suite == "quick"
     assert _parse("full", "--peers", "none", "--kv-modes", "exact").kv_modes == "exact"
     kv = _parse("kv", "--contexts", "512", "--synthetic-fill", "256", "--passkey")
