@@ -25,7 +25,12 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.kv.attention import SPARSE_MAX_L, install_hook
+from engine.kv.attention import (
+    SPARSE_CHUNK_L,
+    SPARSE_MAX_L,
+    SPARSE_PREFILL_PAST,
+    install_hook,
+)
 from engine.kv.cache import (
     LayerCache,
     PagedLayerCache,
@@ -47,8 +52,8 @@ from engine.kv.settings import (
 )
 from engine.kv.store import KVStore
 
-__all__ = ["BITS", "SPARSE_MAX_L", "DEFAULT_GROUP", "GROUP_SIZES", "MODES", "KVGeometry",
-           "KVSettings",
+__all__ = ["BITS", "SPARSE_CHUNK_L", "SPARSE_MAX_L", "SPARSE_PREFILL_PAST", "DEFAULT_GROUP",
+           "GROUP_SIZES", "MODES", "KVGeometry", "KVSettings",
            "KVStore", "KVUnpageable", "LayerCache", "PagedLayerCache", "WindowLayerCache",
            "close_caches", "geometry_of", "make_paged_cache", "settings_from_env",
            "shared_bytes", "ssd_bytes", "trimmable"]

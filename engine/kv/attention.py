@@ -4,7 +4,8 @@ Contract: `attend(cache, q, k, v, scale, sinks)` returns what
 mx.fast.scaled_dot_product_attention would over every token the cache holds plus the current
 chunk (causal within the chunk), for (1, q_heads, L, D) queries, learned attention sinks
 included (gpt-oss: one logit per query head in the softmax's denominator, no value); in
-sparse mode a decode step (L <= SPARSE_MAX_L) reads only the sink pages,
+sparse mode a decode step (L <= SPARSE_MAX_L; past SPARSE_PREFILL_PAST tokens, a chunk of up
+to SPARSE_CHUNK_L) reads only the sink pages,
 the recent window and the blocks of BLOCK_TOKENS (engine.kv.table) whose bound on the
 attention weight any query head of the group could give them is highest (with every page in
 RAM, the bound's best RESCORE x the budget re-ranked by their true logits), within the token
@@ -30,8 +31,18 @@ from engine.kv.cache import PagedLayerCache
 SCORE_ELEMENTS = 1 << 23
 # Prefill chunks attend exactly; sparse selection is for decoding (Quest does the same).
 SPARSE_MAX_L = 4
+# Except past a long context (a restored one): there a chunk of at most SPARSE_CHUNK_L tokens
+# selects once for all its queries (the score's sum over the group's rows covers them), so a
+# question after 128k stored tokens costs a couple of selections, not one per 4 tokens, each
+# reading its pages from the SSD (docs/benchmarks.md, a stored context). generate.py chunks
+# the prompt so past SPARSE_PREFILL_PAST tokens.
+SPARSE_PREFILL_PAST = 16384
+SPARSE_CHUNK_L = 64
 # Prefill chunks over at most this many past tokens use MLX's fused kernel on a copy.
 FUSED_PAST_MAX = 16384
+# So does a decode step over at most this many (a page or two, e.g. a chat's start): the copy
+# is small, and it runs a dozen fewer ops a layer than the page-wise path, as mlx-lm's cache.
+FUSED_DECODE_PAST = 256
 # Pages read from the SSD per group in exact mode: a group is copied about three times on
 # its way in (read, stack, MLX) and evaluated before the next, so RAM stays bounded over a
 # million-token pass.
@@ -43,10 +54,18 @@ DECODE_ELEMENTS = 1 << 22
 # chosen blocks the rest (at 768 tokens the defaults, 128 + 512, left one page to choose).
 FIXED_SHARE = 0.5
 # Pages on the SSD are read whole: when a layer's pages are not all in RAM, sparse mode
-# chooses its blocks inside the pages whose best block ranks highest, at most this many times
-# the pages its block budget fills, so a step reads about what the budget holds rather than
-# one page per chosen block (at 128k that was ~300 pages a layer and a full RAM tier).
-READ_PAGES_FACTOR = 2
+# chooses its blocks inside the pages whose best block (over the layer's heads) ranks
+# highest, at most this many times the pages its block budget fills, one set for all heads,
+# so a step reads about what the budget holds rather than one page per chosen block (at 128k
+# that was ~300 pages a layer and a full RAM tier; per head sets read up to 3x more).
+READ_PAGES_FACTOR = 3
+# Sparse mode with more than twice M candidate pages scores in two levels: each page by its
+# own key bound (per head), then only the blocks of its best M pages, M = max(
+# TWO_LEVEL_MIN_PAGES, TWO_LEVEL_FACTOR x the pages the block budget fills), where bounding
+# every block cost 49 ms a layer per decode step at 128k (load 13) and 0.5 s for a 16-token
+# chunk. A page's bound is at least its best block's, so M generous keeps the top blocks.
+TWO_LEVEL_MIN_PAGES = 64
+TWO_LEVEL_FACTOR = 8
 # Sparse mode with every page in RAM: the blocks are chosen by their true largest logit
 # among this many times the budget's blocks ranked best by the bound (keys read for those
 # only); 1 chooses by the bound alone. At 4k tokens and a 768 budget, a fact exact attention
@@ -119,21 +138,30 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
     if b != 1:
         raise NotImplementedError("paged KV cache: batch size 1 only")
     h = store.kv_heads
-    rk = keys[0] if tail_k is None else mx.concatenate([tail_k[0], keys[0]], axis=1)
+    # The tail plus the chunk (1, H, T, D): the cache built it as it committed the pages.
+    both = getattr(cache, "recent", None)
+    if both is None or both[0].shape[2] != L + (0 if tail_k is None else tail_k.shape[2]):
+        both = ((keys, values) if tail_k is None else
+                (mx.concatenate([tail_k, keys], axis=2), mx.concatenate([tail_v, values], axis=2)))
+    rk, rv = both[0][0], both[1][0]
     note_blocks(store, layer, n_pages, rk)
-    if L > SPARSE_MAX_L and n_pages * store.P <= FUSED_PAST_MAX:
+    past = n_pages * store.P
+    # (A sparse decode step over at most its budget attends to everything anyway.)
+    short = past <= FUSED_DECODE_PAST and (store.settings.mode != "sparse"
+                                           or past <= store.settings.budget_tokens)
+    if (L > SPARSE_MAX_L and past <= FUSED_PAST_MAX) or short:
         view = store.resident_view(layer, n_pages) if n_pages else (None, None)
         if view is not None:
-            return _fused(queries, keys, values, tail_k, tail_v, view, scale, sinks)
+            return _fused(queries, both[0], both[1], view, scale, sinks)
     r = (hq // h) * L
     dv = values.shape[-1]
     qg = (queries * scale).reshape(h, r, d)
-    rv = values[0] if tail_v is None else mx.concatenate([tail_v[0], values[0]], axis=1)
     recent = _partial_recent(qg, rk, rv, L)
     acc: _Partial | None = recent
     if n_pages:
         settings = store.settings
-        if settings.mode == "sparse" and L <= SPARSE_MAX_L:
+        if settings.mode == "sparse" and (L <= SPARSE_MAX_L or (
+                L <= SPARSE_CHUNK_L and n_pages * store.P > SPARSE_PREFILL_PAST)):
             acc = _sparse(store, layer, qg, n_pages, recent)
         else:
             acc = _exact(store, layer, qg, n_pages, acc)
@@ -144,25 +172,21 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
     return out.reshape(1, hq, L, dv).astype(queries.dtype)
 
 
-def _fused(queries: Any, keys: Any, values: Any, tail_k: Any, tail_v: Any,
-           view: tuple[Any, Any], scale: float, sinks: Any = None) -> Any:
-    """Prefill chunk over a short, all-resident past: one contiguous copy, then MLX's fused
-    attention (faster than page-wise online softmax for hundreds of queries)."""
-    _, h, L, d = keys.shape
-    ks, vs = [], []
+def _fused(queries: Any, keys: Any, values: Any, view: tuple[Any, Any], scale: float,
+           sinks: Any = None) -> Any:
+    """A chunk over a short, all-resident past (keys, values: the tail and the chunk, (1, H,
+    T, D)): one contiguous copy, then MLX's fused attention (for hundreds of queries faster
+    than page-wise online softmax; for a decode step over a page or two, fewer ops)."""
+    L = queries.shape[2]
+    _, h, _, d = keys.shape
+    k, v = keys, values
     if view[0] is not None:
         n, _, p, _ = view[0].shape
-        ks.append(view[0].transpose(1, 0, 2, 3).reshape(1, h, n * p, d))
-        vs.append(view[1].transpose(1, 0, 2, 3).reshape(1, h, n * p, d))
-    if tail_k is not None:
-        ks.append(tail_k)
-        vs.append(tail_v)
-    ks.append(keys)
-    vs.append(values)
-    k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
-    v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+        k = mx.concatenate([view[0].transpose(1, 0, 2, 3).reshape(1, h, n * p, d), keys], 2)
+        v = mx.concatenate([view[1].transpose(1, 0, 2, 3).reshape(1, h, n * p, -1), values],
+                           2)
     t = k.shape[2]
-    mask = (mx.arange(L)[:, None] + (t - L)) >= mx.arange(t)[None, :]
+    mask = None if L == 1 else (mx.arange(L)[:, None] + (t - L)) >= mx.arange(t)[None, :]
     if sinks is None:
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
     return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask,
@@ -229,6 +253,17 @@ def _catch_up(store: Any, layer: int, n_pages: int) -> None:
         table.add_blocks(bmin, bmax)
 
 
+def _score(bmin: Any, bmax: Any, qt: Any, m: Any) -> Any:
+    """Per KV head and block, the bound on the attention weight any query row could give it:
+    logsumexp over rows of (bound on q.k) - m, m being the row's running max (H, R).
+    bmin, bmax (H, n, D) key min and max; qt (H, D, R). The bound is computed in the
+    queries' dtype: on the CPU a float16 matmul has no BLAS kernel (0.1-0.8 s a layer for a
+    64-token chunk over 128k), and the cast costs little beside it."""
+    bound = (bmax.astype(qt.dtype) @ mx.maximum(qt, 0) +
+             bmin.astype(qt.dtype) @ mx.minimum(qt, 0))             # (H, n, R)
+    return mx.logsumexp(bound - m[:, None, :], axis=-1)
+
+
 def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial) -> _Partial:
     """Quest over blocks of BLOCK_TOKENS (8): per KV head, the blocks most likely to matter to any
     of its query heads, within the budget; the sinks and the window are read whole.
@@ -255,24 +290,43 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial) -> _Pa
     _catch_up(store, layer, n_pages)
     h, r, d = qg.shape
     bmin, bmax = table.block_summaries
-    qt = qg.swapaxes(-1, -2).astype(bmax.dtype)                     # (H, D, R)
-    bound = (bmax[:, lo * nb:hi * nb] @ mx.maximum(qt, 0) +
-             bmin[:, lo * nb:hi * nb] @ mx.minimum(qt, 0))          # (H, c*nb, R)
-    score = mx.logsumexp(bound.astype(qg.dtype) - acc[0][:, None, :], axis=-1)  # (H, c*nb)
+    qt = qg.swapaxes(-1, -2)                                        # (H, D, R)
     c = hi - lo
+    # Candidate blocks: every block of the candidate pages, or with many pages (two levels)
+    # the blocks of the pages whose own bound ranks highest per head.
+    n_first = max(TWO_LEVEL_MIN_PAGES, TWO_LEVEL_FACTOR * -(-k_sel * b // P))
+    if c > 2 * n_first:
+        pmin, pmax = table.kmin[lo:hi], table.kmax[lo:hi]          # (c, H, D)
+        pscore = _score(pmin.transpose(1, 0, 2), pmax.transpose(1, 0, 2), qt, acc[0])
+        first = mx.argpartition(-pscore, kth=n_first - 1, axis=-1)[:, :n_first]  # (H, M)
+        cand = (first[..., None] * nb + mx.arange(nb)).reshape(h, -1) + lo * nb  # (H, M*nb)
+        score = _score(mx.take_along_axis(bmin, cand[..., None], axis=1),
+                       mx.take_along_axis(bmax, cand[..., None], axis=1), qt, acc[0])
+        pages_of, n_cand = first, n_first                          # (H, M) pages - lo
+    else:
+        cand = None
+        score = _score(bmin[:, lo * nb:hi * nb], bmax[:, lo * nb:hi * nb], qt, acc[0])
+        pages_of, n_cand = None, c
     m = max(1, READ_PAGES_FACTOR * (k_sel * b // P))
     if m < c and not table.all_resident(n_pages):
-        per_page = score.reshape(h, c, nb)
-        keep = mx.argpartition(-per_page.max(axis=-1), kth=m - 1, axis=-1)[:, :m]  # (H, m)
-        chosen = mx.put_along_axis(mx.zeros((h, c), mx.bool_), keep,
-                                   mx.ones(keep.shape, mx.bool_), axis=-1)
-        score = mx.where(chosen[..., None], per_page,
-                         mx.array(-mx.inf, score.dtype)).reshape(h, c * nb)
+        per_page = score.reshape(h, n_cand, nb).max(axis=-1)        # (H, n_cand)
+        if pages_of is None:
+            best = per_page.max(axis=0)                             # (c,)
+        else:
+            best = mx.full((c,), -mx.inf, per_page.dtype).at[pages_of.reshape(-1)].maximum(
+                per_page.reshape(-1))
+        keep = mx.argpartition(-best, kth=m - 1)[:m]
+        chosen = mx.put_along_axis(mx.zeros((c,), mx.bool_), keep,
+                                   mx.ones(keep.shape, mx.bool_), axis=0)
+        ok = chosen[None] if pages_of is None else chosen[pages_of]  # (1 or H, n_cand)
+        score = mx.where(ok[..., None], score.reshape(h, n_cand, nb),
+                         mx.array(-mx.inf, score.dtype)).reshape(h, n_cand * nb)
     resident = table.all_resident(n_pages)
     if resident and RESCORE > 1:
-        top = _rescore(store, layer, qg, acc, score, k_sel, lo, n_pages)
+        top = _rescore(store, layer, qg, acc, score, k_sel, cand, lo, n_pages)
     else:
-        top = mx.argpartition(-score, kth=k_sel - 1, axis=-1)[:, :k_sel] + lo * nb
+        top = mx.argpartition(-score, kth=k_sel - 1, axis=-1)[:, :k_sel]
+        top = top + lo * nb if cand is None else mx.take_along_axis(cand, top, axis=-1)
     fixed = mx.concatenate([mx.arange(sink * nb), mx.arange(hi * nb, n_pages * nb)])
     blocks = mx.concatenate([mx.broadcast_to(fixed[None], (h, fixed.shape[0])),
                              top.astype(fixed.dtype)], axis=1)       # (H, n_blocks)
@@ -309,10 +363,11 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial) -> _Pa
     return _merge(acc, _partial_flat(qg, k.reshape(h, -1, d), v.reshape(h, -1, v.shape[-1])))
 
 
-def _rescore(store: Any, layer: int, qg: Any, acc: _Partial, score: Any, k_sel: int, lo: int,
-             n_pages: int) -> Any:
-    """The k_sel blocks (H, k_sel) among `score`'s candidates (pages lo.., all resident)
-    chosen by their true largest logit: the RESCORE * k_sel best by bound are read (keys
+def _rescore(store: Any, layer: int, qg: Any, acc: _Partial, score: Any, k_sel: int,
+             cand: Any, lo: int, n_pages: int) -> Any:
+    """The k_sel blocks (H, k_sel) among `score`'s candidates (the blocks of pages lo.., or
+    with two levels the blocks `cand` names per head; all resident) chosen by their true
+    largest logit: the RESCORE * k_sel best by bound are read (keys
     only) and ranked by max q.k against each query head's recent max, summed over the group
     as the bound is.
     The box bound of 8 keys in 64 dimensions is loose on natural text: at 4k tokens and a
@@ -324,7 +379,7 @@ def _rescore(store: Any, layer: int, qg: Any, acc: _Partial, score: Any, k_sel: 
     nb = store.P // b
     m = min(RESCORE * k_sel, score.shape[1])
     pre = mx.argpartition(-score, kth=m - 1, axis=-1)[:, :m]             # (H, m) candidates
-    at = pre + lo * nb
+    at = pre + lo * nb if cand is None else mx.take_along_axis(cand, pre, axis=-1)
     page, blk = at // nb, at % nb
     slots = page if table.identity else mx.array(table.slot_of[:n_pages])[page]
     heads = mx.arange(h)[:, None]

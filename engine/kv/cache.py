@@ -51,6 +51,9 @@ class PagedLayerCache:
         self.tail_k: Any = None  # (1, kv_heads, t, head_dim), t < page_tokens
         self.tail_v: Any = None
         self.view: tuple[int, Any, Any] = (0, None, None)
+        # The tail before the last chunk plus that chunk (1, kv_heads, t, head_dim), keys and
+        # values: what attention reads besides the pages (built once, here).
+        self.recent: tuple[Any, Any] | None = None
 
     # -- the KVCache vocabulary -----------------------------------------------------------
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
@@ -61,6 +64,7 @@ class PagedLayerCache:
         else:
             k = mx.concatenate([self.tail_k, keys], axis=2)
             v = mx.concatenate([self.tail_v, values], axis=2)
+        self.recent = (k, v)
         p = self.store.P
         full = k.shape[2] // p
         for i in range(full):

@@ -31,7 +31,8 @@ import mlx.core as mx
 
 from engine.errors import StrataError
 from engine.kv import (
-    SPARSE_MAX_L,
+    SPARSE_CHUNK_L,
+    SPARSE_PREFILL_PAST,
     KVGeometry,
     KVSettings,
     LayerCache,
@@ -67,9 +68,9 @@ from engine.runtime.tokenizer import StreamingDetokenizer, Tokenizer
 from engine.telemetry import GenerationEvent, Timeline
 
 PREFILL_STEP = 512
-# Sparse mode over a long restored context: the new tokens are prefilled a few at a time, so
-# each step selects its pages as decoding does instead of reading every page once per chunk.
-SPARSE_PREFILL_PAST = 16384
+# Sparse mode past SPARSE_PREFILL_PAST tokens (a long restored context): the new tokens are
+# prefilled SPARSE_CHUNK_L at a time, each chunk selecting its pages once as decoding does
+# instead of reading every page (engine.kv.attention).
 
 log = logging.getLogger(__name__)
 
@@ -454,7 +455,7 @@ def _generate(
         step = PREFILL_STEP
         sparse = lm.kv_settings is not None and lm.kv_settings.mode == "sparse"
         if paged and sparse and len(pc.tokens) > SPARSE_PREFILL_PAST:
-            step = SPARSE_MAX_L
+            step = SPARSE_CHUNK_L
         n = min(step, len(todo) - 1)
         done = len(pc.tokens)
         if snap_at is not None and done < snap_at < done + n:
