@@ -26,7 +26,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ from engine.platform import (
 )
 from engine.runtime.generate import ChatSession, LoadedModel, PromptCache, generate
 from engine.runtime.sampling import SamplingParams
-from engine.runtime.speculative import DraftModels
+from engine.runtime.speculative import Drafter, DraftModels
 from engine.telemetry import CancelFlag, GenerationEvent, Timeline
 
 log = logging.getLogger(__name__)
@@ -129,7 +129,8 @@ class ModelPool:
 
     def configure(self, settings: PoolSettings) -> None:
         """New settings, for the loaded model and every later one. Caches made under the old
-        KV settings go (their next prompt restores or prefills again)."""
+        KV settings go (their next prompt restores or prefills again); a change of the draft
+        setting alone keeps them."""
         old, self.settings = self.settings, settings
         try:
             self.prefix_settings()
@@ -139,7 +140,8 @@ class ModelPool:
         self._prefix_reason = ("no model loaded" if settings.prefix_cache
                                else "prefix cache off in the settings")
         if self.lm is not None:
-            self.forget()
+            if replace(old, draft=settings.draft) != settings:  # only the drafts: KV stays
+                self.forget()
             self._apply(self.lm)
 
     def _apply(self, lm: LoadedModel) -> None:
@@ -261,7 +263,7 @@ class ModelPool:
         session.messages += [dict(m) for m in history]
         cluster = self.cluster
         if cluster is None:
-            drafter = self.drafts.drafter(session.lm, self.settings.draft)
+            drafter = self.drafter(session.lm)
             yield from session.send(text, params, max_tokens, cancel=cancel, timeline=timeline,
                                     drafter=drafter)
             return
@@ -272,6 +274,13 @@ class ModelPool:
                                     drafter="off")
         except RuntimeError as exc:
             raise cluster.lost(exc) from exc
+
+    def drafter(self, lm: LoadedModel) -> str | Drafter:
+        """What `generate(drafter=...)` takes for `lm` under the draft setting: a split model
+        never drafts (its other ranks follow one token a step)."""
+        if self.cluster is not None and lm is self.lm:
+            return "off"
+        return self.drafts.drafter(lm, self.settings.draft)
 
     def forget(self, key: int | None = None) -> None:
         """Drop chat `key`'s session (None: every session and every server cache), with what

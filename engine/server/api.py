@@ -141,9 +141,13 @@ def text_prompt(prompt: Any) -> tuple[Callable[[Tokenizer], list[int]], int]:
 
 # -- response shapes -------------------------------------------------------------------------
 def usage(ev: GenerationEvent) -> dict[str, Any]:
+    # Speculative decoding's drafts in OpenAI's own fields (its Predicted Outputs' counts).
     return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.generated_tokens,
             "total_tokens": ev.prompt_tokens + ev.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": ev.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": ev.cached_tokens},
+            "completion_tokens_details": {
+                "accepted_prediction_tokens": ev.accepted_tokens,
+                "rejected_prediction_tokens": ev.drafted_tokens - ev.accepted_tokens}}
 
 
 def finish(ev: GenerationEvent) -> str:

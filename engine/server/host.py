@@ -38,6 +38,7 @@ from engine.runtime.generate import LoadedModel, PromptCache, generate
 from engine.runtime.grammar import GrammarError, GrammarProcessor
 from engine.runtime.pool import ModelPool
 from engine.runtime.sampling import SamplingParams
+from engine.runtime.speculative import Drafter
 from engine.runtime.tokenizer import Tokenizer
 from engine.telemetry import GenerationEvent
 
@@ -73,6 +74,8 @@ class Models(Protocol):
     def cache_for(self, lm: LoadedModel, prompt: Sequence[int]) -> PromptCache: ...
 
     def discard(self, cache: PromptCache) -> None: ...
+
+    def drafter(self, lm: LoadedModel) -> str | Drafter: ...
 
 
 class Job(Protocol):
@@ -271,9 +274,10 @@ class GenerationJob(_Cancellable):
             ids, max_tokens, procs, scores = self._prepare(lm)
             pc = _cache(models, lm, ids)
             self.emit(Started(lm.manifest["name"], len(ids), max_tokens))
+            # Alone, a request drafts as the window's chats do (the draft setting).
             for ev in generate(lm, ids, self.params, max_tokens, self.stop,
                                cancel=self._flag.is_set, prompt_cache=pc,
-                               logits_processors=procs):
+                               logits_processors=procs, drafter=models.drafter(lm)):
                 if scores is not None and ev.token is not None:
                     self.emit(scores.take(ev.token, lm.tokenizer))
                 self.emit(ev)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,9 @@ def test_configure_applies_kv_settings_and_drops_old_caches(pool: ModelPool,
         assert snap.weights_bytes == pool.weights_bytes
         with pytest.raises(StrataError, match="KV mode 'fast' is unknown"):
             settings_from_options({"kv_mode": "fast"}, tmp_path)
+        # The draft setting alone changes no KV: the chat's session and its KV stay.
+        pool.configure(replace(pool.settings, draft="off"))
+        assert pool.sessions.get(1) is session and pool.drafter(lm) == "off"
     finally:
         pool.configure(before)
     assert lm.kv_settings is None or lm.kv_settings == before.kv

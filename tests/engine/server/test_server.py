@@ -196,3 +196,17 @@ def test_loopback_detection() -> None:
 
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("") and not is_loopback("10.0.0.2")
+
+
+def test_usage_reports_drafted_tokens_in_openais_fields() -> None:
+    from engine.server.api import usage
+    from engine.telemetry import GenerationEvent
+
+    ev = GenerationEvent(text="", token=None, prompt_tokens=40, cached_tokens=32,
+                         generated_tokens=20, ttft_s=0.1, prefill_tps=0.0, decode_tps=9.0,
+                         peak_memory_bytes=0, finish_reason="length", drafted_tokens=14,
+                         accepted_tokens=11)
+    u = usage(ev)
+    assert u["completion_tokens_details"] == {"accepted_prediction_tokens": 11,
+                                              "rejected_prediction_tokens": 3}
+    assert u["prompt_tokens_details"] == {"cached_tokens": 32} and u["total_tokens"] == 60
