@@ -111,15 +111,20 @@ def release_freed_memory() -> bool:
     return freed
 
 
+_openblas_lib: list[Any] = []  # the handle, once looked up (verify passes switch per step)
+
+
 def _openblas() -> Any:
     """The OpenBLAS `preload_blas()` loaded (the same handle: dlopen counts), else None."""
     if _blas_path is None:
         return None
-    try:
-        lib = ctypes.CDLL(_blas_path, mode=os.RTLD_GLOBAL)
-    except OSError:
-        return None
-    return lib if hasattr(lib, "openblas_set_num_threads") else None
+    if not _openblas_lib:
+        try:
+            lib = ctypes.CDLL(_blas_path, mode=os.RTLD_GLOBAL)
+        except OSError:
+            return None
+        _openblas_lib.append(lib if hasattr(lib, "openblas_set_num_threads") else None)
+    return _openblas_lib[0]
 
 
 def blas_threads() -> int | None:
