@@ -70,7 +70,10 @@ def test_the_window_reopens_where_it_was_left(make_window: WindowFactory,
                                               tmp_path: Path) -> None:
     db = tmp_path / "geometry.sqlite3"
     first = make_window(db=db, preload=False, fetch_starter=False)
-    first.resize(first.minimumSizeHint().width() + 123, first.minimumSizeHint().height() + 45)
+    # Inside the (offscreen) screen: a restore clamps a saved geometry to it.
+    room = first.screen().availableGeometry()
+    first.resize(min(first.minimumSizeHint().width() + 123, room.width() - 20),
+                 min(first.minimumSizeHint().height() + 45, room.height() - 20))
     left = first.size()
     assert left != _default_window(make_window, tmp_path).size()
     first.close()  # saves the geometry into the chat database
