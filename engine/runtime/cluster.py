@@ -268,12 +268,21 @@ def _init_group(hosts: Sequence[str], rank: int, hostfile: Path | None) -> Any:
         fd, name = tempfile.mkstemp(prefix="strata-hosts-", suffix=".json")
         os.close(fd)
         hostfile = write_hostfile(hosts, Path(name))
+    # MLX reads the group from the environment; only for the init, or every process this
+    # one starts later (a quantization child, a bench worker) would wait for the group too.
+    saved = {k: os.environ.get(k) for k in ("MLX_HOSTFILE", "MLX_RANK")}
     os.environ["MLX_HOSTFILE"] = str(hostfile)
     os.environ["MLX_RANK"] = str(rank)
     try:
         group = mx.distributed.init(backend="ring", strict=True)
     except RuntimeError as exc:
         raise ClusterError(f"rank {rank}: the MLX group did not start ({exc})") from exc
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     if group.size() != len(hosts) or group.rank() != rank:
         raise ClusterError(f"rank {rank}: MLX gave a group of {group.size()} "
                            f"(rank {group.rank()}), expected {len(hosts)}")

@@ -122,6 +122,11 @@ def test_run_across_loads_the_model_split_and_replies_as_one_process(
         window.macs_dialog.view.run_across_requested.emit(starter["name"], [waiter])
     ranks = loaded.args[0]["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
+    # Rank 0's group came from the environment for its init only: a process this one starts
+    # later must not wait for the group (a quantization child hung on it).
+    import os
+
+    assert "MLX_HOSTFILE" not in os.environ and "MLX_RANK" not in os.environ
     assert loaded.args[0]["weights_bytes"] == ranks[0]["weights_bytes"]
     deltas: list[str] = []
     window.engine.reply_delta.connect(lambda _job, text: deltas.append(text))
