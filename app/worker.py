@@ -372,7 +372,7 @@ class EngineWorker(QObject):
         try:
             for ev in generate(lm, prompt, params, req.max_tokens, cancel=cancel,
                                prompt_cache=session.cache, timeline=timeline,
-                               drafter=self.pool.drafts.drafter(lm, self.pool.settings.draft)):
+                               drafter=self.pool.drafter(lm)):
                 reply.append(ev.text)
                 yield ev
         finally:

@@ -19,6 +19,7 @@ with the same float matmuls (on CPU that beats mx.quantized_matmul, docs/benchma
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -70,7 +71,10 @@ TWO_LEVEL_FACTOR = 8
 # among this many times the budget's blocks ranked best by the bound (keys read for those
 # only); 1 chooses by the bound alone. At 4k tokens and a 768 budget, a fact exact attention
 # found was missed by the bound alone and with 2, found with 4 and 8 (docs/benchmarks.md).
-RESCORE = 4
+# Off (1) unless STRATA_SPARSE_RESCORE says otherwise: it runs only while every page is in RAM,
+# so the same context chose other blocks once pages were on the SSD (a restored prefix, a
+# long context), and an answer must not depend on the tier its pages are in.
+RESCORE = max(1, int(os.environ.get("STRATA_SPARSE_RESCORE") or 1))
 
 _Partial = tuple[Any, Any, Any]  # running max (H, R), sum (H, R), output (H, R, D)
 
