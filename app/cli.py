@@ -320,12 +320,13 @@ def cmd_join(args: argparse.Namespace) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     if args.hostfile or os.environ.get("MLX_HOSTFILE"):
-        join(args.hostfile, args.rank, library=_library(), timeout=args.timeout, say=say)
+        join(args.hostfile, args.rank, library=_library(), timeout=args.timeout, say=say,
+             key=args.api_key)
         return 0
     from engine.runtime.cluster_find import Waiter  # start-up: as above
 
     waiter = Waiter(args.listen, join_command=[sys.executable, "-m", "app", "join"],
-                    advertise=not args.no_advertise, say=say)
+                    advertise=not args.no_advertise, say=say, key=args.api_key)
     say(f"waiting for rank 0 on port {waiter.port}"
         f"{'' if args.no_advertise else ' (advertised on the local network)'}")
     # SIGTERM (a service manager, a test) stops it as Ctrl-C does: the invited rank with it.
@@ -542,6 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with no hostfile: wait for rank 0 on this port (default: 5170)")
     p.add_argument("--no-advertise", action="store_true",
                    help="with no hostfile: do not announce this machine by mDNS")
+    p.add_argument("--api-key", help="the key rank 0 off loopback must prove, and this Mac "
+                   "proves to it: the server's key (default: $STRATA_API_KEY)")
     p.set_defaults(func=cmd_join)
 
     p = sub.add_parser("chat", help="chat in the terminal")

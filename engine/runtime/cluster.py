@@ -23,8 +23,12 @@ import contextlib
 import ctypes
 import dataclasses
 import faulthandler
+import hashlib
+import hmac
+import ipaddress
 import json
 import os
+import secrets
 import select
 import signal
 import socket
@@ -41,8 +45,11 @@ from typing import Any
 import mlx.core as mx
 
 from engine import __version__ as STRATA_VERSION
+from engine.errors import StrataError
 from engine.kv import KVGeometry, KVSettings
 from engine.library import Library, Manifest
+from engine.library.store import MANIFEST
+from engine.library.store import fingerprint as store_fingerprint
 from engine.platform import ComputeProfile, compute_profile, memory_facts
 from engine.runtime.cluster_split import (
     ClusterError,
@@ -59,8 +66,9 @@ from engine.runtime.model import ensure_mlx_lm, mlx_lm_version, read_config, wei
 from engine.runtime.tokenizer import Tokenizer
 from engine.telemetry import Timeline
 
-__all__ = ["JOIN_COMMAND", "Cluster", "ClusterError", "SplitLoadedModel", "identity", "join",
-           "read_hostfile", "start", "start_local", "write_hostfile"]
+__all__ = ["JOIN_COMMAND", "Cluster", "ClusterError", "SplitLoadedModel", "cluster_key",
+           "identity", "join", "key_proof", "needs_key", "read_hostfile", "receive_model",
+           "send_model", "start", "start_local", "write_hostfile"]
 
 JOIN_TIMEOUT_S = 60.0
 # STRATA_CLUSTER_CONTROL: the control socket's address (default: rank 0's host, port + 1).
@@ -69,6 +77,12 @@ CONTROL_ENV = "STRATA_CLUSTER_CONTROL"
 SPLIT_ENV = "STRATA_CLUSTER_SPLIT"
 # A joining rank started from the engine (the command has its own `strata join`).
 JOIN_COMMAND = (sys.executable, "-m", "engine.runtime.cluster")
+# The key off-loopback control and invite traffic must prove it holds: the server's key.
+KEY_ENV = "STRATA_API_KEY"
+# STRATA_CLUSTER_REQUIRE_KEY=1: ask for the key on loopback too (a policy test, a paranoid Mac).
+REQUIRE_KEY_ENV = "STRATA_CLUSTER_REQUIRE_KEY"
+NO_KEY = ("it has no key: off loopback the ranks must hold the server's key "
+          "(STRATA_API_KEY, strata join --api-key)")
 
 
 # -- hostfile and control socket --------------------------------------------------------------
@@ -155,6 +169,23 @@ class _Line:
             raise ClusterError(f"{self.peer}: not a Strata rank")
         return obj
 
+    def recv_to(self, fh: Any, n: int, timeout: float, waiting: str) -> None:
+        """Exactly `n` raw bytes after the last line into `fh`, each read under `timeout`."""
+        take, self.buf = self.buf[:n], self.buf[n:]
+        fh.write(take)
+        left = n - len(take)
+        self.sock.settimeout(timeout)
+        while left:
+            try:
+                chunk = self.sock.recv(min(left, 1 << 20))
+            except OSError as exc:
+                raise ClusterError(f"{self.peer}: connection lost ({waiting}: {exc})") from exc
+            if not chunk:
+                raise ClusterError(f"{self.peer}: closed the connection ({waiting}: "
+                                   f"{left} bytes short)")
+            fh.write(chunk)
+            left -= len(chunk)
+
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
@@ -166,6 +197,49 @@ class _Line:
             return bool(ready) and self.sock.recv(1, socket.MSG_PEEK) == b""
         except (OSError, ValueError):
             return True
+
+
+# -- the key ---------------------------------------------------------------------------------
+def cluster_key(key: str | None = None) -> str | None:
+    """The key this machine proves and checks: `key`, else $STRATA_API_KEY (the server's)."""
+    return key or os.environ.get(KEY_ENV) or None
+
+
+def needs_key(ip: str) -> bool:
+    """Whether traffic with `ip` must prove the key: anything off loopback (or everything,
+    with STRATA_CLUSTER_REQUIRE_KEY=1)."""
+    if os.environ.get(REQUIRE_KEY_ENV) == "1":
+        return True
+    try:
+        return not ipaddress.ip_address(ip.strip("[]")).is_loopback
+    except ValueError:
+        return ip != "localhost"
+
+
+def key_proof(key: str, role: str, nonce: str) -> str:
+    """HMAC-SHA256 of the other side's fresh nonce: proves the key without sending it."""
+    return hmac.new(key.encode(), f"strata-cluster|{role}|{nonce}".encode(),
+                    hashlib.sha256).hexdigest()
+
+
+def proof_ok(key: str | None, role: str, nonce: str, proof: Any) -> bool:
+    return (key is not None and isinstance(proof, str)
+            and hmac.compare_digest(proof, key_proof(key, role, nonce)))
+
+
+def _key_refusal(rank: int, ip: str, key: str | None, nonce: str,
+                 answer: dict[str, Any]) -> str | None:
+    """Rank 0's verdict on a joining rank's key proof (None: accepted, or not needed)."""
+    if not needs_key(ip):
+        return None
+    if key is None:
+        return (f"rank {rank} ({ip}) refused: it is off loopback and this Mac has no key "
+                "(set the server's key: STRATA_API_KEY, or the window's server settings)")
+    if answer.get("refused"):
+        return f"rank {rank} ({ip}) refused: {answer['refused']}"
+    if not proof_ok(key, "rank", nonce, answer.get("proof")):
+        return f"rank {rank} ({ip}) refused: wrong or missing key (the server's key)"
+    return None
 
 
 # -- identity ---------------------------------------------------------------------------------
@@ -202,10 +276,68 @@ def _resolve(model: str | Path, library: Library | None) -> tuple[Manifest, Path
     return manifest, Path(manifest["path"])
 
 
+# -- shipping the model ----------------------------------------------------------------------
+# Manifest fields the receiving library sets itself (Library.install) or that name this Mac.
+_LOCAL_FIELDS = ("path", "name", "aliases", "bytes", "fingerprint", "created")
+
+
+def _model_files(folder: Path) -> list[Path]:
+    return sorted(f for f in folder.iterdir()
+                  if f.is_file() and f.name != MANIFEST and not f.name.startswith("."))
+
+
+def send_model(line: _Line, rank: int, manifest: Manifest, folder: Path, timeout: float) -> None:
+    """Rank 0: the model's folder to a rank that has no copy (over its authenticated control
+    line), then its answer: the fingerprint of what it wrote, which must be this one."""
+    files = _model_files(folder)
+    want = weights_fingerprint(manifest)
+    line.send({"ship": {"name": manifest.get("name"), "fingerprint": want,
+                        "manifest": {k: v for k, v in manifest.items() if k not in _LOCAL_FIELDS},
+                        "files": [[f.name, f.stat().st_size] for f in files]}})
+    line.sock.settimeout(timeout)
+    try:
+        for f in files:
+            with open(f, "rb") as fh:
+                line.sock.sendfile(fh)
+    except OSError as exc:
+        raise ClusterError(f"{line.peer}: the model could not be sent ({exc})") from exc
+    answer = line.recv(time.monotonic() + timeout, "the model shipped")
+    ip = line.peer
+    if "refused" in answer:
+        raise ClusterError(f"{ip} refused the model sent: {answer['refused']}")
+    if answer.get("shipped") != want:
+        raise ClusterError(f"{ip} refused: the model sent arrived with fingerprint "
+                           f"{answer.get('shipped')} (sent {want})")
+
+
+def receive_model(line: _Line, spec: dict[str, Any], library: Library | None,
+                  timeout: float) -> tuple[Manifest, Path]:
+    """A rank with no copy: the folder rank 0 sends, written into this library atomically
+    (Library.install: a temporary folder renamed into place only when complete, so a dropped
+    line leaves nothing) and placed only if its weights' fingerprint is the one announced."""
+    lib = library or Library()
+    want = str(spec["fingerprint"])
+
+    def build(tmp: Path) -> Manifest:
+        for name, size in spec["files"]:
+            if Path(name).name != name or name.startswith(".") or name == MANIFEST:
+                raise ClusterError(f"rank 0 sent a file named {name!r}: not a model file")
+            with open(tmp / name, "wb") as fh:
+                line.recv_to(fh, int(size), timeout, f"the model's {name}")
+        got = store_fingerprint(tmp)
+        if got != want:
+            raise ClusterError(f"the model sent has fingerprint {got}, not the {want} announced")
+        return dict(spec["manifest"])
+
+    manifest = lib.install(str(spec["name"]), build)
+    return manifest, Path(manifest["path"])
+
+
 # -- rank 0 -----------------------------------------------------------------------------------
 def _gather(hosts: Sequence[str], job: dict[str, Any], mine: dict[str, Any], timeout: float,
             cancel: Callable[[], str | None], control: str | None,
-            decide: Callable[[dict[int, dict[str, Any]]], dict[str, Any]] | None = None
+            decide: Callable[[dict[int, dict[str, Any]]], dict[str, Any]] | None = None,
+            key: str | None = None, ship: Callable[[int, _Line], None] | None = None
             ) -> list[tuple[_Line, dict[str, Any]]]:
     """Wait for every other rank on the control socket, check each one's identity, then tell
     all of them go (with the split: `decide(hellos by rank)`, else the job's) or the refusal
@@ -243,13 +375,35 @@ def _gather(hosts: Sequence[str], job: dict[str, Any], mine: dict[str, Any], tim
                     line.close()
                     continue
                 line.peer = f"rank {rank} ({addr[0]})"
+                # The key first (both ways, off loopback): nothing about the job before it.
+                nonce, asked = secrets.token_hex(16), str(hello.get("nonce") or "")
+                line.send({"challenge": nonce,
+                           "proof": key_proof(key, "rank0", asked) if key and asked else None})
+                why = _key_refusal(rank, addr[0], key, nonce, line.recv(deadline, "its key"))
+                if why:
+                    for other, _ in [*peers.values(), (line, None)]:
+                        with contextlib.suppress(OSError):
+                            other.send({"refused": why})
+                    line.close()
+                    raise ClusterError(why)
                 hellos[rank] = hello
                 line.send(job)
                 peers[rank] = (line, line.recv(deadline, "identity"))
-            refusal = None
+            refusal, lacking = None, []
             for rank in sorted(peers):
                 line, theirs = peers[rank]
+                if ship is not None and theirs.get("fingerprint") is None and theirs.get("receive"):
+                    # No copy there, but it takes one: the rest must match before it is sent.
+                    theirs = {**theirs, "fingerprint": mine.get("fingerprint")}
+                    lacking.append(rank)
                 refusal = refusal or _differs(rank, line.sock.getpeername()[0], mine, theirs)
+            for rank in lacking if not refusal else []:
+                try:
+                    assert ship is not None  # only then is a rank lacking
+                    ship(rank, peers[rank][0])
+                except ClusterError as exc:
+                    refusal = str(exc)
+                    break
             plan = job["plan"] if refusal or decide is None else decide(hellos)
             for line, _ in peers.values():
                 with contextlib.suppress(OSError):
@@ -431,11 +585,13 @@ def start(model: str | Path, hosts: Sequence[str], library: Library | None = Non
           timeout: float = JOIN_TIMEOUT_S, hostfile: Path | None = None,
           procs: list[subprocess.Popen[bytes]] | None = None,
           cancel: Callable[[], str | None] | None = None, control: str | None = None,
-          kv: KVSettings | None = None) -> Cluster:
+          kv: KVSettings | None = None, key: str | None = None) -> Cluster:
     """Rank 0: wait for the other ranks, check them, start the group, load rank 0's share and
     return the Cluster (its `lm` generates as a one-machine model does). `control`: the
     control socket's "host:port" (`control_address`). `kv`: paged KV settings (None or mode
-    'mlx': mlx-lm's cache), set on `lm` and sent to every rank."""
+    'mlx': mlx-lm's cache), set on `lm` and sent to every rank. `key`: what a rank off
+    loopback must prove it holds, and this side proves to it (default $STRATA_API_KEY). A
+    rank with no copy of a library model gets the model's folder, checked by fingerprint."""
     ensure_mlx_lm()
     timeline = timeline or Timeline()
     profile = profile or compute_profile()
@@ -460,8 +616,14 @@ def start(model: str | Path, hosts: Sequence[str], library: Library | None = Non
         plan = choose_split(config, len(hosts), force, shares=memory)
         return plan.as_dict()
 
+    def ship(rank: int, line: _Line) -> None:
+        with timeline.phase("model shipped"):
+            send_model(line, rank, manifest, folder, timeout)
+
+    shippable = str(manifest.get("fingerprint") or "").startswith("sha256:")  # a library model
     with timeline.phase("cluster handshake"):
-        peers = _gather(hosts, job, mine, timeout, cancel or (lambda: None), control, decide)
+        peers = _gather(hosts, job, mine, timeout, cancel or (lambda: None), control, decide,
+                        cluster_key(key), ship if shippable else None)
     try:
         with timeline.phase("cluster group"):
             group = _init_group(hosts, 0, hostfile)
@@ -562,10 +724,13 @@ def _exited(procs: Sequence[subprocess.Popen[bytes]]) -> str | None:
 # -- ranks > 0 --------------------------------------------------------------------------------
 def join(hostfile: str | Path | None = None, rank: int | None = None,
          library: Library | None = None, profile: ComputeProfile | None = None,
-         timeout: float = JOIN_TIMEOUT_S, say: Callable[[str], None] | None = None) -> int:
-    """A rank > 0: reach rank 0's control socket, send this rank's identity, wait for go,
-    start the group, load this rank's share and run rank 0's steps until it quits; returns the
-    steps run. Every wait before the group runs has a deadline (`timeout` s)."""
+         timeout: float = JOIN_TIMEOUT_S, say: Callable[[str], None] | None = None,
+         key: str | None = None) -> int:
+    """A rank > 0: reach rank 0's control socket, prove the key both ways when rank 0 is off
+    loopback (`key`, default $STRATA_API_KEY), send this rank's identity, take the model's
+    folder if this library has no copy, wait for go, start the group, load this rank's share
+    and run rank 0's steps until it quits; returns the steps run. Every wait before the group
+    runs has a deadline (`timeout` s)."""
     say = say or (lambda _msg: None)
     where = hostfile or os.environ.get("MLX_HOSTFILE")
     if not where:
@@ -583,18 +748,44 @@ def join(hostfile: str | Path | None = None, rank: int | None = None,
     host, port = control_address(hosts)
     deadline = time.monotonic() + timeout
     line = _connect(host, port, deadline, timeout)
+    key = cluster_key(key)
     try:
+        nonce = secrets.token_hex(16)
         line.send({"rank": rank, "memory": memory_facts().available_bytes,
-                   "host": socket.gethostname()})
+                   "host": socket.gethostname(), "nonce": nonce})
+        challenge = line.recv(deadline, "rank 0's key")
+        if "refused" in challenge:
+            raise ClusterError(str(challenge["refused"]))
+        if needs_key(host):
+            why = (NO_KEY if key is None else None if proof_ok(key, "rank0", nonce,
+                   challenge.get("proof")) else "rank 0 does not hold its key")
+            if why or key is None:
+                with contextlib.suppress(OSError):
+                    line.send({"refused": why})
+                raise ClusterError(f"rank {rank}: refused rank 0 at {host}: {why}")
+            line.send({"proof": key_proof(key, "rank", str(challenge.get("challenge")))})
+        else:
+            line.send({"proof": None})
         job = line.recv(deadline, "the model from rank 0")
         if "refused" in job:
             raise ClusterError(str(job["refused"]))
         try:
             manifest, folder = _resolve(str(job["model"]), library)
-        except Exception:  # noqa: BLE001 - no copy: said to rank 0, which names it
+        except Exception:  # noqa: BLE001 - no copy: said to rank 0, which sends one
             manifest, folder = None, None
-        line.send(identity(manifest, profile))
+        line.send({**identity(manifest, profile), "receive": manifest is None})
         verdict = line.recv(time.monotonic() + timeout, "rank 0's go")
+        if "ship" in verdict:
+            say(f"rank {rank}: receiving {verdict['ship'].get('name')} from rank 0")
+            try:
+                manifest, folder = receive_model(line, verdict["ship"], library, timeout)
+            except StrataError as exc:
+                with contextlib.suppress(OSError):
+                    line.send({"refused": str(exc)})
+                raise ClusterError(f"rank {rank}: the model from rank 0 was not kept: "
+                                   f"{exc}") from exc
+            line.send({"shipped": weights_fingerprint(manifest)})
+            verdict = line.recv(time.monotonic() + timeout, "rank 0's go")
     except BaseException:
         line.close()
         raise

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import socket
 import subprocess
 import tempfile
@@ -38,9 +39,14 @@ from engine.runtime.cluster import (
     CONTROL_ENV,
     JOIN_COMMAND,
     JOIN_TIMEOUT_S,
+    KEY_ENV,
     SPLIT_ENV,
     Cluster,
+    cluster_key,
     free_ports,
+    key_proof,
+    needs_key,
+    proof_ok,
     start,
     write_hostfile,
 )
@@ -93,9 +99,11 @@ def _split(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def ask(address: str, request: dict[str, Any], timeout: float = ASK_TIMEOUT_S
-        ) -> dict[str, Any]:
-    """One request to a waiter at "host:port", its one-line answer."""
+def ask(address: str, request: dict[str, Any], timeout: float = ASK_TIMEOUT_S,
+        key: str | None = None) -> dict[str, Any]:
+    """One request to a waiter at "host:port", its one-line answer. A waiter that asks for
+    the key (off loopback: a reserve or an invite) gets `key`'s proof (default
+    $STRATA_API_KEY, the server's key)."""
     host, port = _split(address)
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock, \
@@ -103,6 +111,17 @@ def ask(address: str, request: dict[str, Any], timeout: float = ASK_TIMEOUT_S
             f.write(json.dumps(request).encode() + b"\n")
             f.flush()
             line = f.readline()
+            with contextlib.suppress(ValueError, AttributeError):
+                challenge = json.loads(line).get("challenge")
+                if challenge:
+                    mine = cluster_key(key)
+                    if mine is None:
+                        raise ClusterError(f"{address}: it asks for the key (the server's "
+                                           f"key): set {KEY_ENV} or the window's server key")
+                    f.write(json.dumps({"proof": key_proof(mine, "invite", str(challenge))})
+                            .encode() + b"\n")
+                    f.flush()
+                    line = f.readline()
     except OSError as exc:
         raise ClusterError(f"{address}: no Strata waiting there ({exc})") from exc
     try:
@@ -128,12 +147,17 @@ class Waiter:
     def __init__(self, port: int = WAIT_PORT, host: str = "0.0.0.0",
                  join_command: Sequence[str] = JOIN_COMMAND, advertise: bool = True,
                  say: Callable[[str], None] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, key: str | None = None) -> None:
         self.srv = socket.create_server((host, port))
+        # The key a reserve or invite from off loopback must prove (the server's key); the
+        # invited rank proves and checks it again on rank 0's control line.
+        self.key = cluster_key(key) if env is None else key or env.get(KEY_ENV) or None
         self.port = int(self.srv.getsockname()[1])
         self.join_command = list(join_command)
         self.say = say or (lambda _m: None)
         self.env = dict(os.environ if env is None else env)
+        if self.key:
+            self.env[KEY_ENV] = self.key
         self.child: subprocess.Popen[bytes] | None = None
         self.runs: list[int] = []  # exit codes of the ranks run so far
         self._stop = threading.Event()
@@ -145,7 +169,7 @@ class Waiter:
     def _advertise(self) -> None:
         import zeroconf  # third-party; only a waiter that advertises needs it
 
-        addr = os.environ.get("STRATA_MDNS_INTERFACE") or _local_address()
+        addr = os.environ.get("STRATA_MDNS_INTERFACE") or local_address()
         props = {k: str(v) for k, v in facts().items()}
         name = f"{socket.gethostname()}-{self.port}.{SERVICE}"
         self._info = zeroconf.ServiceInfo(SERVICE, name, port=self.port, properties=props,
@@ -180,16 +204,34 @@ class Waiter:
     def _answer(self, conn: socket.socket) -> None:
         conn.settimeout(ASK_TIMEOUT_S)
         try:
+            peer = str(conn.getpeername()[0])
             with conn.makefile("rwb") as f:
                 try:
                     req = json.loads(f.readline())
-                    reply = self._reply(req if isinstance(req, dict) else {})
+                    req = req if isinstance(req, dict) else {}
+                    why = self._key_refusal(f, peer) if req.get("op") != "info" else None
+                    reply = {"refused": why} if why else self._reply(req)
                 except (ValueError, KeyError, TypeError, ClusterError) as exc:
                     reply = {"refused": f"bad request ({exc})"}
                 f.write(json.dumps(reply).encode() + b"\n")
                 f.flush()
         except OSError:
             pass  # the asker went away: nothing to answer
+
+    def _key_refusal(self, f: Any, peer: str) -> str | None:
+        """Off loopback, anything but `info` first proves the key (HMAC of a fresh nonce)."""
+        if not needs_key(peer):
+            return None
+        if self.key is None:
+            return (f"{peer} is off loopback and this waiter has no key: start strata join "
+                    f"with --api-key (the server's key) or {KEY_ENV}")
+        nonce = secrets.token_hex(16)
+        f.write(json.dumps({"challenge": nonce}).encode() + b"\n")
+        f.flush()
+        answer = json.loads(f.readline() or b"{}")
+        if not proof_ok(self.key, "invite", nonce, answer.get("proof")):
+            return f"{peer}: wrong or missing key (the server's key)"
+        return None
 
     def _reply(self, req: dict[str, Any]) -> dict[str, Any]:
         op = req.get("op")
@@ -233,7 +275,7 @@ class Waiter:
                 self.child.wait()
 
 
-def _local_address(toward: str = "224.0.0.251") -> str:
+def local_address(toward: str = "224.0.0.251") -> str:
     """The address this machine is reached at on the local network (no packet is sent)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
@@ -257,7 +299,7 @@ def browse(seconds: float = 2.0) -> list[Peer]:
     import zeroconf  # third-party; only browsing needs it
 
     found: dict[str, Peer] = {}
-    zc = zeroconf.Zeroconf(interfaces=_interfaces(_local_address()))
+    zc = zeroconf.Zeroconf(interfaces=_interfaces(local_address()))
 
     class _Listener(zeroconf.ServiceListener):
         def add_service(self, z: Any, kind: str, name: str) -> None:
@@ -285,22 +327,25 @@ def browse(seconds: float = 2.0) -> list[Peer]:
 
 def start_invited(model: str | Path, waiters: Sequence[str], library: Library | None = None,
                   kv: KVSettings | None = None, host: str | None = None,
-                  timeout: float = JOIN_TIMEOUT_S) -> Cluster:
+                  timeout: float = JOIN_TIMEOUT_S, key: str | None = None) -> Cluster:
     """Rank 0 here, one rank on each waiter ("host:port"): a port reserved on each, each
     invited with the hostfile, then `start`. `host`: this machine's address as the others
-    reach it (default: the local network's, or loopback when every waiter is on it)."""
+    reach it (default: the local network's, or loopback when every waiter is on it). `key`:
+    the server's key, proved to waiters and ranks off loopback (default $STRATA_API_KEY)."""
     if not waiters:
         raise ClusterError("no Macs to run across: find or type at least one")
     hosts_of = [_split(w)[0] for w in waiters]
     local = all(h in ("127.0.0.1", "localhost") for h in hosts_of)
-    me = host or ("127.0.0.1" if local else _local_address(hosts_of[0]))
+    me = host or ("127.0.0.1" if local else local_address(hosts_of[0]))
     mine, control = free_ports(2, me)
     hosts = [f"{me}:{mine}"]
     for w, h in zip(waiters, hosts_of, strict=True):
-        hosts.append(f"{h}:{ask(w, {'op': 'reserve'})['port']}")
+        hosts.append(f"{h}:{ask(w, {'op': 'reserve'}, key=key)['port']}")
     for rank, w in enumerate(waiters, start=1):
-        ask(w, {"op": "invite", "hosts": hosts, "rank": rank, "control": f"{me}:{control}"})
-    return start(model, hosts, library, timeout=timeout, control=f"{me}:{control}", kv=kv)
+        ask(w, {"op": "invite", "hosts": hosts, "rank": rank, "control": f"{me}:{control}"},
+            key=key)
+    return start(model, hosts, library, timeout=timeout, control=f"{me}:{control}", kv=kv,
+                 key=key)
 
 
 def preflight(model: str | Path, peers: Sequence[Peer], library: Library | None = None,

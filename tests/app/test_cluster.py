@@ -8,10 +8,6 @@ preflight line uses the real library and this machine's memory, capped as a smal
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -20,21 +16,9 @@ from PySide6.QtCore import Qt
 
 from app.cluster.view import ClusterView
 from engine.runtime.cluster import free_ports
-from tests.engine.runtime.test_cluster_find import REPO, wait_for, waiter_env
+from tests.engine.runtime import cluster_fixtures
 
-
-@pytest.fixture(scope="module")
-def waiter(strata_home: Path) -> Iterator[str]:
-    port = free_ports(1)[0]
-    with subprocess.Popen([sys.executable, "-m", "app", "join", "--listen", str(port)],
-                          env=waiter_env(strata_home), cwd=REPO,
-                          stdin=subprocess.DEVNULL) as proc:
-        try:
-            wait_for(f"127.0.0.1:{port}", proc)
-            yield f"127.0.0.1:{port}"
-        finally:
-            proc.terminate()
-            proc.wait(10)
+waiter = cluster_fixtures.waiter  # the shared `strata join` (cluster_fixtures.py)
 
 
 def test_a_typed_mac_is_listed_with_its_memory_and_mlx_and_offered_to_run_across(

@@ -36,6 +36,9 @@ def _rank1(control: tuple[str, int], change: dict[str, Any], seen: dict[str, Any
     with sock, sock.makefile("rwb") as f:
         f.write(json.dumps({"rank": 1, "memory": 1 << 30}).encode() + b"\n")
         f.flush()
+        seen["challenge"] = json.loads(f.readline())  # loopback: no key asked for
+        f.write(json.dumps({"proof": None}).encode() + b"\n")
+        f.flush()
         seen["job"] = json.loads(f.readline())
         mine = identity(None, compute_profile())
         mine["fingerprint"] = seen["job"]["fingerprint"]
