@@ -40,6 +40,8 @@ from engine.kv.cache import (
     ssd_bytes,
     trimmable,
 )
+from engine.kv.remap import attach as attach_remap
+from engine.kv.remap import rope_fields
 from engine.kv.settings import (
     BITS,
     DEFAULT_GROUP,
@@ -108,7 +110,7 @@ def geometry_of(model: Any, dtype: str | None = None, caches: list[Any] | None =
                        "mlx-lm's cache")
     return KVGeometry(n, head[0], head[1], dtype or probed_dtype or _dtype_name(model),
                       tuple(windows) if any(windows) else (), tuple(shapes), unpaged,
-                      no_prefix)
+                      no_prefix, **rope_fields(model))
 
 
 def _probe(model: Any, caches: list[Any] | None, n: int
@@ -165,6 +167,7 @@ def make_paged_cache(model: Any, settings: KVSettings, geometry: KVGeometry | No
     paged = g.paged_layers
     store = KVStore(settings, n_layers=len(paged), kv_heads=g.kv_heads, head_dim=g.head_dim,
                     dtype=g.dtype)
+    attach_remap(store, g)  # sparse mode past the trained length remaps positions
     install_hook(model)
     out: list[PagedLayerCache | WindowLayerCache] = []
     for i in range(g.layers):

@@ -26,6 +26,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from engine.kv import remap
 from engine.kv.cache import PagedLayerCache
 
 # A score block of page group x heads x queries x page tokens stays under this many floats.
@@ -150,10 +151,13 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
     rk, rv = both[0][0], both[1][0]
     note_blocks(store, layer, n_pages, rk)
     past = n_pages * store.P
+    # Sparse past the trained length: every chunk, prefill too, attends sparsely with
+    # positions remapped into the trained window (engine/kv/remap.py).
+    spec = remap.spec_for(store, past + rk.shape[1]) if n_pages else None
     # (A sparse decode step over at most its budget attends to everything anyway.)
     short = past <= FUSED_DECODE_PAST and (store.settings.mode != "sparse"
                                            or past <= store.settings.budget_tokens)
-    if (L > SPARSE_MAX_L and past <= FUSED_PAST_MAX) or short:
+    if spec is None and ((L > SPARSE_MAX_L and past <= FUSED_PAST_MAX) or short):
         view = store.resident_view(layer, n_pages) if n_pages else (None, None)
         if view is not None:
             return _fused(queries, both[0], both[1], view, scale, sinks)
@@ -164,9 +168,9 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
     acc: _Partial | None = recent
     if n_pages:
         settings = store.settings
-        if settings.mode == "sparse" and (L <= SPARSE_MAX_L or (
+        if settings.mode == "sparse" and (spec is not None or L <= SPARSE_MAX_L or (
                 L <= SPARSE_CHUNK_L and n_pages * store.P > SPARSE_PREFILL_PAST)):
-            acc = _sparse(store, layer, qg, n_pages, recent)
+            acc = _sparse(store, layer, qg, n_pages, recent, spec)
         else:
             acc = _exact(store, layer, qg, n_pages, acc)
     assert acc is not None
@@ -268,7 +272,8 @@ def _score(bmin: Any, bmax: Any, qt: Any, m: Any) -> Any:
     return mx.logsumexp(bound - m[:, None, :], axis=-1)
 
 
-def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial) -> _Partial:
+def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
+            spec: remap.RopeSpec | None = None) -> _Partial:
     """Quest over blocks of BLOCK_TOKENS (8): per KV head, the blocks most likely to matter to any
     of its query heads, within the budget; the sinks and the window are read whole.
 
@@ -278,7 +283,10 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial) -> _Pa
     one head that needs a block keeps it, where a sum of raw bounds let the other heads'
     indifference drown it. The sinks and the window take at most FIXED_SHARE of the budget;
     the window's older pages then compete as candidates. With every page in RAM the bound
-    only shortlists: `_rescore` ranks its best by their true logits."""
+    only shortlists: `_rescore` ranks its best by their true logits.
+    `spec` (past the trained length): the gathered keys are re-rotated so that the sinks,
+    the chosen blocks and the window sit contiguously inside the trained window
+    (remap.block_deltas); selection itself ranks by the keys as cached."""
     table = store.tables[layer]
     P = store.P
     budget = store.settings.budget_tokens
@@ -331,6 +339,9 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial) -> _Pa
     else:
         top = mx.argpartition(-score, kth=k_sel - 1, axis=-1)[:, :k_sel]
         top = top + lo * nb if cand is None else mx.take_along_axis(cand, top, axis=-1)
+    delta = None
+    if spec is not None:
+        top, delta = remap.block_deltas(top, sink, hi, n_pages, P, b)
     fixed = mx.concatenate([mx.arange(sink * nb), mx.arange(hi * nb, n_pages * nb)])
     blocks = mx.concatenate([mx.broadcast_to(fixed[None], (h, fixed.shape[0])),
                              top.astype(fixed.dtype)], axis=1)       # (H, n_blocks)
@@ -357,6 +368,8 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial) -> _Pa
             pos = mx.array(at[np.searchsorted(uniq, page_np)])
             k = ku.reshape(*ku.shape[:2], nb, b, d)[pos, heads, blk]
             v = vu.reshape(*vu.shape[:2], nb, b, vu.shape[-1])[pos, heads, blk]
+            if spec is not None:
+                k = remap.rerotate(k, delta, spec)
             return _merge(acc, _partial_flat(qg, k.reshape(h, -1, d),
                                              v.reshape(h, -1, v.shape[-1])))
     # Gathered head-major, (H, n_blocks, b, n): flattening to (H, n_blocks*b, n) is free.
@@ -364,6 +377,8 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial) -> _Pa
                                  for a in pools[0]))
     v = store.codec.decode(tuple(a.reshape(*a.shape[:2], nb, b, a.shape[-1])[slots, heads, blk]
                                  for a in pools[1]))
+    if spec is not None:
+        k = remap.rerotate(k, delta, spec)
     return _merge(acc, _partial_flat(qg, k.reshape(h, -1, d), v.reshape(h, -1, v.shape[-1])))
 
 

@@ -85,6 +85,14 @@ class KVGeometry:
     shapes: tuple[tuple[int, int, int], ...] = ()
     unpaged: str | None = None
     no_prefix: str | None = None
+    # The model's plain RoPE and trained length, for sparse mode's remapping past it
+    # (engine/kv/remap.py); rope_dims 0 when the config scales its own positions (llama3,
+    # YaRN, linear...) or the RoPE is not MLX's plain one: never remapped.
+    rope_dims: int = 0
+    rope_traditional: bool = False
+    rope_base: float = 10000.0
+    rope_scale: float = 1.0
+    trained_context: int = 0
 
     @property
     def width(self) -> int:

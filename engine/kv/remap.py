@@ -1,0 +1,131 @@
+"""Positions past the trained length, InfLLM-style: in sparse mode the tokens attention reads
+get positions inside the model's trained window.
+
+Contract: `rope_fields(model)` reads an mlx-lm model's plain RoPE (dims, traditional, base,
+scale) and trained length into KVGeometry's rope fields, or leaves them empty (rope_dims 0)
+when the config scales its own positions (llama3, YaRN, linear, longrope, ...): those models
+keep their scaling and are never remapped. `attach(store, geometry)` makes a store remap;
+`spec_for(store, end)` is the RopeSpec to remap with when a sparse chunk ending at token `end`
+reaches past the trained length (None otherwise, or with STRATA_SPARSE_REMAP=0).
+`block_deltas(...)` gives each attended block its re-rotation: sinks and the local window keep
+their offsets (the sinks from the start, the window from the query), the chosen blocks are
+placed contiguously, in their order, between them; `rerotate(k, delta, spec)` applies it.
+
+Why re-rotate rather than store keys unrotated: attention scores under RoPE depend only on
+the distance between query and key, and rotations compose (R(a) R(b) = R(a + b)), so a key
+cached rotated at p_k and rotated again by delta = (k' - p_k) - (q' - p_q) scores against the
+query as at positions (k', q'). The pages, the prefix store and the exact path stay as they
+are; a step rotates only the blocks it gathers (budget x KV heads rows).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.kv.settings import KVGeometry
+
+# STRATA_SPARSE_REMAP=0 turns remapping off (sparse then reads past-trained positions as they
+# are); on by default.
+ENABLED = (os.environ.get("STRATA_SPARSE_REMAP") or "1") != "0"
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """A model's plain RoPE as mx.fast.rope takes it, and the length it was trained at."""
+
+    dims: int
+    traditional: bool
+    base: float
+    scale: float
+    trained: int
+
+
+def rope_fields(model: Any) -> dict[str, Any]:
+    """KVGeometry's rope fields for an mlx-lm model: its attention's `rope` if that is MLX's
+    plain nn.RoPE, the config has no rope_scaling of its own and a trained length is known;
+    else {} (not remapped)."""
+    args = getattr(model, "args", None)
+    trained = int(getattr(args, "max_position_embeddings", 0) or 0)
+    if args is None or not trained or getattr(args, "rope_scaling", None):
+        return {}
+    layers = getattr(model, "layers", None) or []
+    attn = getattr(layers[0], "self_attn", None) if len(layers) else None
+    rope = getattr(attn, "rope", None)
+    if type(rope) is not nn.RoPE:  # YaRN, llama3, SuScaled...: their own scaling stays
+        return {}
+    return {"rope_dims": int(rope.dims), "rope_traditional": bool(rope.traditional),
+            "rope_base": float(rope.base), "rope_scale": float(rope.scale),
+            "trained_context": trained}
+
+
+def spec_of(geometry: KVGeometry) -> RopeSpec | None:
+    if not geometry.rope_dims or not geometry.trained_context:
+        return None
+    return RopeSpec(geometry.rope_dims, geometry.rope_traditional, geometry.rope_base,
+                    geometry.rope_scale, geometry.trained_context)
+
+
+# The store each spec belongs to: kept beside the store (whose module another part owns)
+# rather than in it; dies with it.
+_specs: weakref.WeakKeyDictionary[Any, RopeSpec] = weakref.WeakKeyDictionary()
+
+
+def attach(store: Any, geometry: KVGeometry | RopeSpec | None) -> None:
+    """Let `store`'s sparse attention remap with the geometry's RoPE (None: never)."""
+    spec = geometry if isinstance(geometry, RopeSpec) or geometry is None else spec_of(geometry)
+    if spec is None:
+        _specs.pop(store, None)
+    else:
+        _specs[store] = spec
+
+
+def attached(store: Any) -> RopeSpec | None:
+    return _specs.get(store)
+
+
+def spec_for(store: Any, end: int) -> RopeSpec | None:
+    """The spec to remap a sparse chunk whose last token is token `end` - 1, or None: remap
+    off, not sparse, no plain RoPE, or the whole context inside the trained window (there
+    positions are what the model was trained on, and remapping would only move them)."""
+    if not ENABLED or store.settings.mode != "sparse":
+        return None
+    spec = _specs.get(store)
+    return spec if spec is not None and end > spec.trained else None
+
+
+def block_deltas(top: Any, sink: int, hi: int, n_pages: int, P: int, b: int) -> tuple[Any, Any]:
+    """The chosen blocks `top` (H, k) sorted per head, and each attended block's rotation
+    (H, sink blocks + window blocks + k), in `_sparse`'s order: sinks (pages [0, sink)),
+    window (pages [hi, n_pages)), then the chosen ones.
+
+    Remapped frame: sinks at [0, S), the chosen blocks at [S, S + K) in position order, the
+    window and the queries after them at their own distances, S = sink * P, K = k * b. With
+    W0 = hi * P the window's first position, the queries move by S + K - W0, so delta =
+    (k' - p_k) - (S + K - W0): sinks W0 - S - K, window 0, chosen block j starting at s_j:
+    W0 - K + j b - s_j (the block just before the window, if chosen last, stays put)."""
+    h, k = top.shape
+    nb = P // b
+    top = mx.sort(top, axis=-1)
+    S, K, W0 = sink * P, k * b, hi * P
+    fixed = mx.concatenate([mx.full((sink * nb,), W0 - S - K, mx.int32),
+                            mx.zeros(((n_pages - hi) * nb,), mx.int32)])
+    chosen = (W0 - K) + mx.arange(k, dtype=mx.int32)[None] * b - top.astype(mx.int32) * b
+    delta = mx.concatenate([mx.broadcast_to(fixed[None], (h, fixed.shape[0])), chosen], axis=1)
+    return top, delta
+
+
+def rerotate(k: Any, delta: Any, spec: RopeSpec) -> Any:
+    """Keys k (H, n, b, D), cached rotated at their own positions, rotated further by delta
+    (H, n) positions each block (every token of a block alike): one mx.fast.rope over the
+    gathered rows, each its own batch entry of length 1 so that each takes its own offset."""
+    h, n, b, d = k.shape
+    offs = mx.broadcast_to(delta[..., None], (h, n, b)).reshape(-1)
+    out = mx.fast.rope(k.reshape(h * n * b, 1, d), spec.dims, traditional=spec.traditional,
+                       base=spec.base, scale=spec.scale, offset=offs)
+    return out.reshape(h, n, b, d)
