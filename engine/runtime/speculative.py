@@ -145,6 +145,13 @@ class LookupDrafter:
         self._src, self._at = src, h
         return seq[src:min(src + k, h)]
 
+    def following(self, history: Sequence[int]) -> bool:
+        """Whether a proposal after `history` continues the copy followed so far (every
+        token since it was picked matched) rather than starting from a fresh search: the two
+        are kept apart by the speculator, a fresh n-gram match being right far less often."""
+        self._extend(history)
+        return self._aligned() is not None
+
     def may_propose(self, history: Sequence[int]) -> bool:
         m = self.min_n - 1
         if len(history) < max(m, 1) + 1:
@@ -278,7 +285,9 @@ class StepCosts:
         through the lengths measured so far (the prior slope before any)."""
         one, this = self.seconds.get(1), self.seconds.get(length)
         if one is not None and this is not None:
-            return this / one
+            # Never below one step: a lower figure is a plain step timed in a busy moment,
+            # and it would price failing drafts as free.
+            return max(this / one, 1.0)
         slope = PRIOR_SLOPE
         if one is not None:
             # Least squares through (1, 1): a length never tried is priced by the others.
@@ -313,25 +322,37 @@ class Speculator:
         self.lm, self.drafter, self.sampler, self.pc = lm, drafter, sampler, pc
         self.forward, self.stats, self.forced, self.k_max = forward, stats, forced, k_max
         self.costs = costs_of(lm)
-        self.accepted, self.reached = PRIOR_ACCEPT
+        # (accepted, reached) per kind of proposal: "follow" (a lookup continuing the copy it
+        # drafted from, which a summary keeps for dozens of tokens), "fresh" (a new n-gram
+        # match, often wrong once the reply paraphrases) and "model".
+        self.acceptance = {kind: list(PRIOR_ACCEPT) for kind in ("follow", "fresh", "model")}
         self._since_probe = 0
         self._probe = False
         stats.setdefault("drafted_tokens", 0)
         stats.setdefault("accepted_tokens", 0)
 
-    @property
-    def alpha(self) -> float:
-        return self.accepted / self.reached
+    def kind(self, history: Sequence[int]) -> str:
+        """Which acceptance prices the proposal that follows `history`."""
+        following = getattr(self.drafter, "following", None)
+        if following is None:
+            return "model"
+        return "follow" if following(history) else "fresh"
 
-    def best_k(self, limit: int) -> int:
-        """The draft length with the most tokens per second (0: a plain step is faster)."""
+    def alpha(self, kind: str = "model") -> float:
+        accepted, reached = self.acceptance[kind]
+        return accepted / reached
+
+    def best_k(self, limit: int, kind: str = "model") -> int:
+        """The draft length with the most tokens per second for a proposal of `kind` (0: a
+        plain step is faster)."""
         if limit <= 0:
             return 0
+        alpha = self.alpha(kind)
         one = self.costs.seconds.get(1)
         per_draft = self.drafter.cost_per_token() / one if one else 0.0
         best, best_gain = 0, MARGIN if not self.forced else 0.0
         for k in range(1, limit + 1):
-            gain = expected_tokens(self.alpha, k) / (self.costs.ratio(k + 1) + k * per_draft)
+            gain = expected_tokens(alpha, k) / (self.costs.ratio(k + 1) + k * per_draft)
             if gain > best_gain:
                 best, best_gain = k, gain
         return best
@@ -342,7 +363,8 @@ class Speculator:
         known; every PROBE_EVERY resting tokens a draft of PROBE_K is tried again."""
         if not self.drafter.may_propose(history):
             return True
-        if self.forced or 1 not in self.costs.seconds or self.best_k(self.k_max) > 0:
+        if (self.forced or 1 not in self.costs.seconds
+                or self.best_k(self.k_max, self.kind(history)) > 0):
             return False
         self._since_probe += 1
         if self._since_probe >= PROBE_EVERY:
@@ -356,11 +378,12 @@ class Speculator:
         cache and in pc.tokens, and the lazy next token, which is not)."""
         cache = self.pc.cache
         k = 0
+        kind = self.kind(history)
         # Unforced, the first step is a plain one: it measures what drafting must beat.
         if ((self.forced or 1 in self.costs.seconds)
                 and all(trimmable(c, self.k_max) for c in cache)):
             k = (min(PROBE_K, self.k_max, room - 1) if self._probe
-                 else self.best_k(min(self.k_max, room - 1)))
+                 else self.best_k(min(self.k_max, room - 1), kind))
             self._probe = False
         drafts = self.drafter.propose(history, k) if k else []
         t0 = time.perf_counter()
@@ -389,8 +412,9 @@ class Speculator:
             for c in cache:
                 c.trim(reject)
         self.pc.tokens.extend([tok, *drafts[:a]])
-        self.accepted = self.accepted * DECAY + a
-        self.reached = self.reached * DECAY + min(a + 1, len(drafts))
+        acc = self.acceptance[kind]
+        acc[0] = acc[0] * DECAY + a
+        acc[1] = acc[1] * DECAY + min(a + 1, len(drafts))
         self.stats["drafted_tokens"] += len(drafts)
         self.stats["accepted_tokens"] += a
         return drafts[:a], mx.array(out[a:a + 1], dtype=mx.uint32)
