@@ -9,9 +9,11 @@ draft model's name in `models`), greedily, the drafters in turn (their order rot
 trial) over one prompt cache (the prompt is prefilled once); it returns the generated
 tokens per second of every run, the drafted and accepted counts, and whether every run's
 text is the plain decode's. `run(args)` prints a table (median tok/s per drafter and the
-ratio to plain decoding) and writes JSON with --json (`SCHEMA_ID`: per task the tok/s of
-every run per drafter, their medians and ratios to "off", the drafted and accepted tokens
-and the generated ones summed over the trials, and whether the text was identical), and says
+ratio to plain decoding, by medians and paired per trial) and writes JSON with --json
+(`SCHEMA_ID`: per task the tok/s of every run per drafter, their medians, ratios to "off"
+(of the medians, and paired: the geometric mean of each trial's ratio), the load average
+at the task's start and end, the drafted and accepted tokens and the generated ones summed
+over the trials, and whether the text was identical), and says
 `bench: N% ...` progress lines on stderr for the benchmark tab. `verify_costs(lm, depth)`
 times a forward pass of L tokens against one of 1 at a depth (what a verify pass costs in
 plain steps); `python -m engine.bench.spec [depth]` prints it for the starter.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -62,6 +65,7 @@ class Result:
     accepted: dict[str, int] = field(default_factory=dict)
     generated: dict[str, int] = field(default_factory=dict)
     identical: bool = True
+    load: list[float] = field(default_factory=list)  # 1-minute load average, start and end
 
     def median(self, drafter: str) -> float:
         return statistics.median(self.tps[drafter])
@@ -69,6 +73,13 @@ class Result:
     def ratio(self, drafter: str) -> float:
         plain = self.median("off")
         return self.median(drafter) / plain if plain else 0.0
+
+    def paired(self, drafter: str) -> float:
+        """Geometric mean over the trials of this drafter's tok/s over plain's in the same
+        trial (adjacent runs: a shared machine's load changes less between them)."""
+        pairs = [d / o for d, o in zip(self.tps[drafter], self.tps["off"], strict=True)
+                 if d > 0 and o > 0]
+        return statistics.geometric_mean(pairs) if pairs else 0.0
 
 
 def _passage(n_chars: int = 1600) -> str:
@@ -112,7 +123,7 @@ def measure(lm: LoadedModel, task: Task, drafters: list[str], max_tokens: int,
             trials: int, models: dict[str, ModelDrafter] | None = None) -> Result:
     """`drafters`: "off", "auto", "lookup" or names of `models` (draft models)."""
     models = models or {}
-    res = Result(task.name, task.kind, len(task.ids))
+    res = Result(task.name, task.kind, len(task.ids), load=[_load()])
     cache = lm.new_cache()
     plain_tokens: list[int] | None = None
     texts: dict[str, list[list[int]]] = {}
@@ -139,8 +150,13 @@ def measure(lm: LoadedModel, task: Task, drafters: list[str], max_tokens: int,
                     f"{last.accepted_tokens}/{last.drafted_tokens} drafts kept")
     finally:
         cache.close()
+    res.load.append(_load())
     res.identical = all(toks == plain_tokens for runs in texts.values() for toks in runs)
     return res
+
+
+def _load() -> float:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -164,19 +180,23 @@ def run(args: argparse.Namespace) -> int:
         for m in models.values():
             m.close()
     print(f"{'task':10} {'prompt':>6} {'off tok/s':>10}  " + "  ".join(
-        f"{d + ' tok/s, ratio, kept/drafted':>36}" for d in drafters[1:]) + "  identical")
+        f"{d + ' tok/s, ratio, paired, kept/drafted':>44}" for d in drafters[1:])
+        + "  identical  load")
     for r in results:
-        cells = "  ".join(f"{r.median(d):10.2f} {r.ratio(d):6.2f}x {r.accepted.get(d, 0):8d}/"
-                          f"{r.drafted.get(d, 0):<8d}" for d in drafters[1:])
+        cells = "  ".join(f"{r.median(d):10.2f} {r.ratio(d):6.2f}x {r.paired(d):6.2f}x "
+                          f"{r.accepted.get(d, 0):8d}/{r.drafted.get(d, 0):<8d}"
+                          for d in drafters[1:])
         print(f"{r.task:10} {r.prompt_tokens:6d} {r.median('off'):10.2f}  {cells}  "
-              f"{r.identical}")
+              f"{str(r.identical):9}  {r.load[0]:.1f}-{r.load[-1]:.1f}")
     if args.json_out:
         out = {"schema": SCHEMA_ID, "suite": "spec", "complete": True,
                "model": lm.manifest["name"], "models": [{"name": lm.manifest["name"]}],
                "drafters": drafters, "profile": lm.profile.name,
                "max_tokens": max_tokens, "trials": trials, "machine": machine_facts(),
                "results": [{**asdict(r), "median_tps": {d: r.median(d) for d in drafters},
-                            "ratio": {d: r.ratio(d) for d in drafters}} for r in results]}
+                            "ratio": {d: r.ratio(d) for d in drafters},
+                            "paired_ratio": {d: r.paired(d) for d in drafters}}
+                           for r in results]}
         Path(args.json_out).write_text(json.dumps(out, indent=2))
     return 0 if all(r.identical for r in results) else 1
 
