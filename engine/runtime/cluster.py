@@ -50,7 +50,7 @@ from engine.kv import KVGeometry, KVSettings
 from engine.library import Library, Manifest
 from engine.library.store import MANIFEST
 from engine.library.store import fingerprint as store_fingerprint
-from engine.platform import ComputeProfile, compute_profile, memory_facts
+from engine.platform import ComputeProfile, MemorySnapshot, compute_profile, memory_facts
 from engine.runtime.cluster_split import (
     ClusterError,
     Follower,
@@ -471,6 +471,15 @@ class SplitLoadedModel(LoadedModel):
         return self._geometry
 
 
+@dataclasses.dataclass(frozen=True)
+class ClusterMemorySnapshot(MemorySnapshot):
+    """A split model's MemorySnapshot (rank 0's process) with a row a rank, rank 0 first:
+    host, weights_bytes (its share), kv_bytes (its caches: its heads or layers; None before
+    it answered), rss_bytes, total_bytes, available_bytes."""
+
+    ranks: tuple[dict[str, Any], ...] = ()
+
+
 class Cluster:
     """Rank 0's view: the group, the split, the LoadedModel and the ranks it spawned."""
 
@@ -489,6 +498,7 @@ class Cluster:
         split.check = self.missing
         self.temp_files: list[Path] = []  # a hostfile written for local ranks
         self._closing = threading.Event()
+        self._asked: set[int] = set()  # ranks asked for their memory, answer not yet read
         self.first_gone: str | None = None  # the rank the watch saw go first
 
     def watch(self) -> None:
@@ -509,6 +519,38 @@ class Cluster:
                     with contextlib.suppress(OSError):
                         line.send({"abort": f"rank {gone[0]} is gone"})
             return
+
+    def rank_memory(self, kv0: int | None = None, wait_s: float = 0.5
+                    ) -> list[dict[str, Any]]:
+        """Each rank's weights, KV and memory now (rank 0's KV: `kv0`, the pool's caches),
+        asked on the control lines; a rank that does not answer within `wait_s` keeps its
+        last figures (at first, its report once loaded, without KV)."""
+        facts = memory_facts()
+        if self.ranks:
+            self.ranks[0] = {**self.ranks[0], "rss_bytes": facts.process_rss_bytes,
+                             "available_bytes": facts.available_bytes, "kv_bytes": kv0}
+        if self.split.broken or self._closing.is_set():
+            return [dict(r) for r in self.ranks]
+        # At most one answer outstanding a rank: data left unread on a line would hide its
+        # close from `gone()` (a peek), so a late rank is read, not asked again.
+        for r, line in enumerate(self.lines, start=1):
+            if r not in self._asked:
+                with contextlib.suppress(OSError):
+                    line.send({"memory": 1})
+                    self._asked.add(r)
+        deadline = time.monotonic() + wait_s
+        for r in sorted(self._asked):
+            with contextlib.suppress(ClusterError):
+                got = self.lines[r - 1].recv(deadline, "its memory")
+                self._asked.discard(r)
+                if r < len(self.ranks):
+                    self.ranks[r] = got
+        return [dict(r) for r in self.ranks]
+
+    def snapshot(self, snap: MemorySnapshot, kv0: int | None) -> ClusterMemorySnapshot:
+        """`snap` (rank 0's) with every rank's row (`rank_memory`)."""
+        mine = {f.name: getattr(snap, f.name) for f in dataclasses.fields(MemorySnapshot)}
+        return ClusterMemorySnapshot(**mine, ranks=tuple(self.rank_memory(kv0)))
 
     def missing(self) -> str | None:
         """Which ranks are gone (a spawned process exited, a control line closed), or None."""
@@ -808,7 +850,9 @@ def join(hostfile: str | Path | None = None, rank: int | None = None,
     done = threading.Event()
     try:
         line.send(_loaded(rank, share))
-        threading.Thread(target=_watch_rank0, args=(line, done, rank), daemon=True).start()
+        memory = _loaded(rank, share)
+        threading.Thread(target=_watch_rank0, args=(line, done, rank, follower, memory),
+                         daemon=True).start()
         return follower.serve()  # the control line stays open: rank 0 watches it
     except OSError as exc:
         raise ClusterError(f"rank {rank}: rank 0 closed the connection ({exc})") from exc
@@ -822,10 +866,12 @@ def join(hostfile: str | Path | None = None, rank: int | None = None,
 RANK0_GRACE_S = 3.0
 
 
-def _watch_rank0(line: _Line, done: threading.Event, rank: int) -> None:
+def _watch_rank0(line: _Line, done: threading.Event, rank: int,
+                 follower: Follower | None = None, memory: dict[str, Any] | None = None) -> None:
     """Ends this process when rank 0's control line closes and the steps have not ended
     within RANK0_GRACE_S: after MLX's ring has failed its pending collectives, one posted
-    later waits forever, and a follower that lost a neighbour may be in just that one."""
+    later waits forever, and a follower that lost a neighbour may be in just that one. Also
+    answers rank 0's `memory` requests (the memory panel's row for this Mac) meanwhile."""
     why = "rank 0 closed the connection and the group did not end"
     with contextlib.suppress(OSError):
         line.sock.settimeout(None)
@@ -834,6 +880,11 @@ def _watch_rank0(line: _Line, done: threading.Event, rank: int) -> None:
                 with contextlib.suppress(ValueError):
                     why = json.loads(chunk.splitlines()[0])["abort"]
                 break
+            for _ in range(chunk.count(b'"memory"')):
+                facts = memory_facts()
+                line.send({**(memory or {"rank": rank}), "rss_bytes": facts.process_rss_bytes,
+                           "available_bytes": facts.available_bytes,
+                           "kv_bytes": follower.kv_bytes() if follower is not None else None})
         else:
             if done.wait(RANK0_GRACE_S):
                 return

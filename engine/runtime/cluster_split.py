@@ -372,6 +372,17 @@ class Follower:
                                f"rank 0 {offset}: out of step")
         return caches
 
+    def kv_bytes(self) -> int:
+        """Bytes this rank's caches hold (its heads or layers), read from another thread:
+        the caches may change meanwhile, so a changed dict is read again."""
+        for _ in range(5):
+            try:
+                return sum(int(getattr(c, "nbytes", 0)) for cs in list(self.caches.values())
+                           for c in cs)
+            except RuntimeError:  # the step loop added or freed a cache meanwhile
+                continue
+        return 0
+
     def close(self) -> None:
         """Release the paged caches' threads and session files."""
         for caches in self.caches.values():

@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 MIN_SHARED = 32
 SESSIONS = 8  # chats whose KV stays in RAM; older ones prefill again when reopened
 CACHES = 4  # the server's prompt caches per model
+SPLIT_NO_PREFIX = ("prefix cache off on a model split across Macs (each Mac holds only its "
+                   "own heads or layers of the KV)")
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -146,6 +148,12 @@ class ModelPool:
 
     def _apply(self, lm: LoadedModel) -> None:
         """Give `lm` the KV settings and the prefix cache (or take it away)."""
+        if self.cluster is not None and lm is self.cluster.lm:
+            # Split: the ranks keep the KV settings they started with; stored prefixes are
+            # one machine's whole KV, and each rank holds only its own heads or layers.
+            lm.disable_prefix_cache()
+            self._prefix_reason = SPLIT_NO_PREFIX
+            return
         lm.kv_settings = self.settings.kv
         if not self.settings.prefix_cache:
             lm.disable_prefix_cache()
@@ -190,10 +198,12 @@ class ModelPool:
                             "phases": timeline.durations(), "kv_notice": lm.kv_notice})
         return lm
 
-    def load_across(self, name: str, waiters: Sequence[str]) -> LoadedModel:
+    def load_across(self, name: str, waiters: Sequence[str], key: str | None = None
+                    ) -> LoadedModel:
         """`name` split across this Mac (rank 0) and the Macs waiting at `waiters` ("host:port",
         engine.runtime.cluster_find), in the paged KV mode if one is set, as the loaded model
-        until the next load or unload. No prefix cache and no drafts on a split model yet."""
+        until the next load or unload. `key`: the server's key, for Macs off loopback (default
+        $STRATA_API_KEY). No prefix cache (SPLIT_NO_PREFIX) and no drafts on a split model."""
         # Start-up: the cluster's transport loads when a model is split, not with the pool.
         from engine.runtime.cluster_find import start_invited
 
@@ -204,9 +214,11 @@ class ModelPool:
         kv = self.settings.kv if self.settings.kv and self.settings.kv.mode != "mlx" else None
         timeline = Timeline()
         with timeline.phase("ranks and weights"):
-            cluster = start_invited(manifest["name"], list(waiters), self.library, kv=kv)
+            cluster = start_invited(manifest["name"], list(waiters), self.library, kv=kv,
+                                    key=key)
         cluster.watch()
         self.cluster, self.lm = cluster, cluster.lm
+        self._apply(cluster.lm)
         ranks = list(cluster.ranks)
         self.weights_bytes = (int(ranks[0]["weights_bytes"]) if ranks
                               else parameter_bytes(cluster.lm.model))
@@ -401,8 +413,11 @@ class ModelPool:
         if prefix is not None:
             with contextlib.suppress(StrataError):
                 budget = int(self.prefix_settings().budget_mb * (1 << 20))
-        return memory_snapshot(self.weights_bytes, kv, kv_ssd, prefix, kv_reason,
+        snap = memory_snapshot(self.weights_bytes, kv, kv_ssd, prefix, kv_reason,
                                prefix_reason, shared, hits, lookups, budget)
+        if self.cluster is not None:  # a split model: a row per Mac (its weights and KV)
+            return self.cluster.snapshot(snap, kv)
+        return snap
 
     def status(self) -> dict[str, Any]:
         """The loaded model and the server's prompt caches (most recent first)."""
