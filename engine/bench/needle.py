@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import sys
@@ -206,10 +207,9 @@ def run_needle(lm: Any, lengths: Sequence[int], depths: Sequence[float],
     # Engine imports here: the suite's parent process and this module's prompt functions
     # (used by tests) need no KV machinery.
     from engine.bench.fill import paged_cache
-    from engine.kv import KVSettings, close_caches
+    from engine.kv import KVSettings, close_caches, remap
 
     model = model if model is not None else lm.model
-    tok = lm.tokenizer
     least = sink_tokens + window_tokens + page_tokens
     base = KVSettings(mode="exact", page_tokens=page_tokens, sink_tokens=sink_tokens,
                       window_tokens=window_tokens, budget_tokens=max([least, *budgets]),
@@ -218,49 +218,83 @@ def run_needle(lm: Any, lengths: Sequence[int], depths: Sequence[float],
     runs += [("sparse", b) for b in budgets if "sparse" in modes]
     cells: list[NeedleCell] = []
     for length in lengths:
+        # Past the trained length sparse mode remaps positions in prefill too (engine/kv/
+        # remap.py), so each sparse budget prefills on its own; exact keeps its prefill.
+        probe, _ = paged_cache(model, base)
+        spec = remap.attached(probe[0].store)
+        close_caches(probe)
+        remapped = spec is not None and remap.ENABLED and length > spec.trained
+        groups = ([(base, runs)] if not remapped else
+                  [(base, [r for r in runs if r[0] == "exact"])] +
+                  [(base.with_(mode="sparse", budget_tokens=max(least, b)), [("sparse", b)])
+                   for m, b in runs if m == "sparse"])
         for kind in kinds:
-            # One prose per (length, kind) and one cache: the depths run deepest first, and
-            # each prompt keeps the pages it shares with the one before (the prose up to its
-            # own fact), so only the rest is prefilled again (about half the prefill work of
-            # ten depths). Facts differ per depth, so no answer carries over.
-            order = sorted(((i, d) for i, d in enumerate(depths)
-                            if only is None or d in only), key=lambda x: -x[1])
-            cache, store = paged_cache(model, base)
-            held: list[int] = []
-            try:
-                for di, depth in order:
-                    if cancel is not None and cancel():
-                        return cells
-                    fact = facts(seed * 1000 + di)[KINDS.index(kind)]
-                    ids, _ = needle_prompt(tok, length, depth, fact, seed, text)
-                    keep = _common(held, ids[:-1])
-                    for c in cache:
-                        c.trim(c.offset - keep)
-                    t = time.perf_counter()
-                    for i in range(keep, len(ids) - 1, 512):
-                        model(mx.array(ids[i:min(i + 512, len(ids) - 1)])[None], cache=cache)
-                        mx.eval([c.state for c in cache])
-                    prefill = (len(ids) - 1 - keep) / max(1e-9, time.perf_counter() - t)
-                    held = ids[:-1]
-                    for mode, budget in runs:
-                        for c in cache:
-                            c.trim(c.offset - len(held))  # back to the prompt's pages
-                        store.settings = base.with_(
-                            mode=mode, budget_tokens=max(least, budget) if mode == "sparse"
-                            else base.budget_tokens)
-                        out, tps = _answer(model, lm.eos_ids, cache, ids[-1], MAX_ANSWER_TOKENS)
-                        reply = tok.decode(out).strip()
-                        cell = NeedleCell(len(ids), length, depth, kind, mode,
-                                          budget if mode == "sparse" else len(ids), rope,
-                                          fact.answer, reply, _found(fact.answer, reply),
-                                          round(prefill, 2), round(tps, 2), keep)
-                        cells.append(cell)
-                        if on_cell is not None:
-                            on_cell(cell)
-                    for c in cache:
-                        c.trim(c.offset - len(held))
-            finally:
-                close_caches(cache)
+            for pre, group in groups:
+                if not group:
+                    continue
+                if cancel is not None and cancel():
+                    return cells
+                cells += _depths(lm, model, base, pre, group, length, kind, depths, only,
+                                 least, seed, text, "remap" if remapped and pre.mode ==
+                                 "sparse" else rope, on_cell, cancel)
+    return cells
+
+
+def _depths(lm: Any, model: Any, base: Any, pre: Any, runs: Sequence[tuple[str, int]],
+            length: int, kind: str, depths: Sequence[float], only: Collection[float] | None,
+            least: int, seed: int, text: Path, rope: str,
+            on_cell: Callable[[NeedleCell], None] | None,
+            cancel: Callable[[], bool] | None) -> list[NeedleCell]:
+    """The depths of one (length, kind), prefilled with settings `pre`, each run of `runs`
+    answering from those pages (see run_needle)."""
+    from engine.bench.fill import paged_cache  # as in run_needle
+    from engine.kv import close_caches
+
+    tok = lm.tokenizer
+    cells: list[NeedleCell] = []
+    # One prose per (length, kind) and one cache: the depths run deepest first, and each
+    # prompt keeps the pages it shares with the one before (the prose up to its own fact),
+    # so only the rest is prefilled again (about half the prefill work of ten depths). Facts
+    # differ per depth, so no answer carries over.
+    order = sorted(((i, d) for i, d in enumerate(depths)
+                    if only is None or d in only), key=lambda x: -x[1])
+    cache, store = paged_cache(model, pre)
+    held: list[int] = []
+    try:
+        for di, depth in order:
+            if cancel is not None and cancel():
+                return cells
+            fact = facts(seed * 1000 + di)[KINDS.index(kind)]
+            ids, _ = needle_prompt(tok, length, depth, fact, seed, text)
+            keep = _common(held, ids[:-1])
+            for c in cache:
+                c.trim(c.offset - keep)
+            store.settings = pre
+            t = time.perf_counter()
+            for i in range(keep, len(ids) - 1, 512):
+                model(mx.array(ids[i:min(i + 512, len(ids) - 1)])[None], cache=cache)
+                mx.eval([c.state for c in cache])
+            prefill = (len(ids) - 1 - keep) / max(1e-9, time.perf_counter() - t)
+            held = ids[:-1]
+            for mode, budget in runs:
+                for c in cache:
+                    c.trim(c.offset - len(held))  # back to the prompt's pages
+                store.settings = base.with_(
+                    mode=mode, budget_tokens=max(least, budget) if mode == "sparse"
+                    else base.budget_tokens)
+                out, tps = _answer(model, lm.eos_ids, cache, ids[-1], MAX_ANSWER_TOKENS)
+                reply = tok.decode(out).strip()
+                cell = NeedleCell(len(ids), length, depth, kind, mode,
+                                  budget if mode == "sparse" else len(ids), rope,
+                                  fact.answer, reply, _found(fact.answer, reply),
+                                  round(prefill, 2), round(tps, 2), keep)
+                cells.append(cell)
+                if on_cell is not None:
+                    on_cell(cell)
+            for c in cache:
+                c.trim(c.offset - len(held))
+    finally:
+        close_caches(cache)
     return cells
 
 
@@ -331,7 +365,9 @@ def run(args: argparse.Namespace) -> int:
 
     def show(c: NeedleCell) -> None:
         say(f"  {c.target} {c.depth:.0%} {c.kind} {c.rope} {c.mode} {c.budget_tokens}: "
-            f"{'found' if c.found else 'missed'} ({c.reply!r})")
+            f"{'found' if c.found else 'missed'} ({c.reply!r}; prefill {c.prefill_tok_s} "
+            f"tok/s, decode {c.decode_tok_s} tok/s, load {os.getloadavg()[0]:.1f}, "
+            f"{time.strftime('%H:%M:%S')})")
 
     complete = True
     try:
