@@ -23,6 +23,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.cluster.memory_rows import MacsBox
 from app.format import UNAVAILABLE, human_bytes
 from app.memory.chart import LatencyChart, MemoryBar
 from engine.platform import MemorySnapshot
@@ -121,6 +122,8 @@ class MemoryPanel(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(12, 12, 12, 12)
         layout.addLayout(figures)
+        self.macs = MacsBox()  # a split model: a row a Mac (hidden otherwise)
+        layout.addWidget(self.macs)
         layout.addWidget(self.bar)
         layout.addWidget(chart_box, 1)
         layout.addWidget(self.updated_label)
@@ -159,6 +162,7 @@ class MemoryPanel(QWidget):
         self.snapshot = s
         for key, text in snapshot_figures(s).items():
             self.values[key].setText(text)
+        self.macs.show_ranks(getattr(s, "ranks", ()))  # engine.runtime.cluster's snapshot
         for key, figure, reason in (("kv_ssd", s.kv_ssd_bytes, s.kv_ssd_reason),
                                     ("prefix_disk", s.prefix_disk_bytes, s.prefix_disk_reason)):
             hint = reason if figure is None and reason else self._notes[key]

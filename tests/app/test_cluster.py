@@ -118,3 +118,40 @@ def test_run_across_loads_the_model_split_and_replies_as_one_process(
         window.engine.reply(ReplyRequest(chat_id=7, model=starter["name"], text=question,
                                          temperature=0.0, max_tokens=8))
     assert "".join(deltas) == want
+    # The memory panel: a row a Mac, each with its share's weights and its own KV (Mac 2's
+    # asked on the control line while the model stays loaded).
+    rows = window.memory.macs.rows
+
+    def both_rows() -> None:
+        assert not window.memory.macs.isHidden() and len(rows) == 2
+        assert "KV not reported yet" not in rows[1].text(), rows[1].text()
+
+    qtbot.wait_until(both_rows, timeout=10_000)
+    assert rows[0].text().startswith("this Mac") and rows[1].text().startswith("Mac 2")
+    assert window.memory.values["prefix_disk"].toolTip().startswith("prefix cache off on a "
+                                                                      "model split across")
+
+
+def test_the_memory_panel_shows_a_row_a_mac_for_a_split_model(qtbot: Any) -> None:
+    from app.memory.view import MemoryPanel  # the panel's own module, as the window uses it
+    from engine.platform import memory_snapshot
+    from engine.runtime.cluster import ClusterMemorySnapshot
+
+    panel = MemoryPanel()
+    qtbot.addWidget(panel)
+    one = memory_snapshot(326_000_000, 1_200_000)
+    panel.show_snapshot(one)
+    assert panel.macs.isHidden()  # one Mac: no rows
+    fields = {f: getattr(one, f) for f in one.__dataclass_fields__}
+    ranks = ({"rank": 0, "host": "mac-1", "weights_bytes": 326_000_000, "kv_bytes": 1_200_000,
+              "rss_bytes": 516_000_000, "total_bytes": 24_000_000_000},
+             {"rank": 1, "host": "mac-2", "weights_bytes": 212_000_000, "kv_bytes": None,
+              "rss_bytes": 356_000_000, "total_bytes": 64_000_000_000})
+    panel.show_snapshot(ClusterMemorySnapshot(**fields, ranks=ranks))
+    assert not panel.macs.isHidden()
+    assert panel.macs.title() == "Each Mac (model split across 2)"
+    texts = [label.text() for label in panel.macs.rows]
+    assert texts[0].startswith("this Mac (mac-1): weights 326") and "KV 1.2" in texts[0]
+    assert texts[1].startswith("Mac 2 (mac-2): weights 212") and "KV not reported yet" in texts[1]
+    panel.show_snapshot(one)  # back on one Mac
+    assert panel.macs.isHidden()
