@@ -30,8 +30,7 @@ import pytest
 
 from engine.runtime.cluster import free_ports
 from engine.runtime.cluster_find import probe
-
-from .test_cluster_find import wait_for, waiter_env
+from tests.engine.runtime.cluster_fixtures import wait_for, waiter_env
 
 REPO = Path(__file__).resolve().parents[3]
 TOKENS = 6
