@@ -18,6 +18,11 @@ figures). A processor that raises fails its row alone (`Row.fail`, after the tok
 sampled is out); the other rows decode on. While rows decode, OpenBLAS runs one thread
 (DECODE_BLAS_THREADS); a prefill gets the process's own count unless two rows decode. Engine
 thread only, like all MLX work. No HTTP here.
+A row drafts (`Row.drafter`, engine.runtime.speculative) while it decodes alone in the batch:
+a step then verifies the drafts in one pass over mlx-lm's batch cache and trims the rejected
+ones, as `generate` does. Rows decoding together never draft: mlx-lm's batch cache trims every
+row by the same count, so each row would keep only the fewest drafts any row kept (and open
+chat, which drafts nothing, would keep none) for a verify pass of every row's length.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from engine.platform import blas_threads, set_blas_threads
 from engine.runtime.generate import LoadedModel, PromptCache, _stop_split, generate
 from engine.runtime.model import ensure_mlx_lm
 from engine.runtime.sampling import LogitsProcessor, Sampler, SamplingParams
+from engine.runtime.speculative import Drafter, Speculator, for_reply
 from engine.runtime.tokenizer import StreamingDetokenizer
 from engine.telemetry import GenerationEvent
 
@@ -73,6 +79,8 @@ class Row:
     # A processor raised mid-reply (after the row's last token was emitted); None: the row
     # ends with an event whose finish_reason is "error".
     fail: Callable[[Exception], None] | None = None
+    # Speculative decoding while the row decodes alone ("auto", "lookup", a Drafter; "off").
+    drafter: str | Drafter = "off"
 
 
 def _greedy(logprobs: Any) -> Any:
@@ -105,6 +113,18 @@ class _Live:
     done: bool = False
     history: list[int] = field(default_factory=list)
     error: Exception | None = None  # a processor raised in the last step
+    sampler: Sampler | None = None  # the row's own, for a verify pass's positions
+    spec: Speculator | None = None  # made the first time the row decodes alone
+    spec_tried: bool = False
+
+
+@dataclass
+class _RowCache:
+    """The lone row of mlx-lm's batch as a speculator's cache view (rebuilt every step: a
+    join or a filter replaces the batch's cache list)."""
+
+    cache: Any
+    tokens: list[int]
 
 
 class _RowLogits:
@@ -243,6 +263,7 @@ class Batch:
                  if live.row.processors or params.repetition_penalty != 1.0 else [])
         layers: list[Any] = list(pc.cache)  # mlx-lm's caches here (batchable checked)
         caches = [c.merge([c]) for c in layers]
+        live.sampler = sampler
         self._rows[live.uid] = live  # before the first step: a processor may fail it
         try:
             joined = GenerationBatch(
@@ -275,6 +296,10 @@ class Batch:
             return
         self.peak_rows = max(self.peak_rows, len(self._gen.uids))
         self._blas(DECODE_BLAS_THREADS)
+        if len(self._gen.uids) == 1 and self._alone_step():
+            self.steps += 1
+            self._drop()
+            return
         responses = self._gen.next()
         self.steps += 1
         self.rows_stepped += len(responses)
@@ -286,6 +311,47 @@ class Batch:
             if live.error is not None and not live.done:
                 self._failed(live)
         self._drop()
+
+    def _alone_step(self) -> bool:
+        """The lone row's step with drafts, as `generate` runs one: its next token (mlx-lm's,
+        sampled but not yet fed) and the drafts after it in one pass, the rejected ones trimmed
+        from the batch cache. False when the row does not draft or a plain step is the faster
+        one now (then mlx-lm's pipelined step runs)."""
+        gen = self._gen
+        live = self._rows.get(gen.uids[0])
+        if live is None or live.done or live.sampler is None:
+            return False
+        if not live.spec_tried:
+            live.spec_tried = True
+            row = live.row
+            live.spec = for_reply(
+                self.lm, row.drafter, row.params, row.processors, live.sampler,
+                _RowCache(gen.prompt_cache, gen.tokens[0]),
+                lambda x: self.lm.model(x, cache=self._gen.prompt_cache), live.stats)
+        spec = live.spec
+        if spec is None or spec.rest(live.history):
+            return False
+        # mlx-lm's batch state, read and kept as its own step keeps it (mlx-lm 0.32): the
+        # next token waits in _next_tokens; tokens, _num_tokens and _matchers count what the
+        # cache holds.
+        tok = int(gen._next_tokens.item())
+        if not self._fed(live, tok):
+            return True
+        spec.pc = _RowCache(gen.prompt_cache, gen.tokens[0])
+        ahead, y = spec.step(tok, live.history, live.row.max_tokens - live.n)
+        gen._next_tokens = y.astype(mx.uint32)
+        for t in ahead:
+            if live.row.cancel() or not self._fed(live, t):
+                break  # a Stop between two accepted tokens: the next step drops the row
+        return True
+
+    def _fed(self, live: _Live, tok: int) -> bool:
+        """Count `tok` in mlx-lm's batch and emit it; False when the row finished."""
+        self._gen._num_tokens[0] += 1
+        self._gen._matchers[0].advance(tok)
+        self.rows_stepped += 1
+        live.done = not self._take(live, tok)
+        return not live.done
 
     def _failed(self, live: _Live) -> None:
         """End a row whose processor raised: its `fail`, else an event ending with 'error'."""

@@ -57,6 +57,14 @@ EMA = 0.3  # weight of a new timing
 DRAFT_SETTINGS = ("auto", "off", "lookup")
 
 
+class CacheView(Protocol):
+    """What a speculator reads and trims: the target's layer caches and the ids they hold (a
+    PromptCache, or one row of a decode batch)."""
+
+    cache: Any  # the layer caches, in order
+    tokens: list[int]
+
+
 class DraftRefused(StrataError):
     """A draft model that cannot draft for this target (another vocabulary)."""
 
@@ -316,7 +324,7 @@ def expected_tokens(alpha: float, k: int) -> float:
 class Speculator:
     """One reply's speculation over the target's cache: drafts, verifies, trims, decides."""
 
-    def __init__(self, lm: LoadedModel, drafter: Drafter, sampler: Sampler, pc: PromptCache,
+    def __init__(self, lm: LoadedModel, drafter: Drafter, sampler: Sampler, pc: CacheView,
                  forward: Callable[[Any], Any], stats: dict[str, Any], forced: bool,
                  k_max: int = K_MAX) -> None:
         self.lm, self.drafter, self.sampler, self.pc = lm, drafter, sampler, pc
@@ -421,7 +429,7 @@ class Speculator:
 
 
 def for_reply(lm: LoadedModel, drafter: str | Drafter | None, params: SamplingParams,
-              processors: Sequence[LogitsProcessor], sampler: Sampler, pc: PromptCache,
+              processors: Sequence[LogitsProcessor], sampler: Sampler, pc: CacheView,
               forward: Callable[[Any], Any], stats: dict[str, Any]) -> Speculator | None:
     """The reply's speculator, or None for plain decoding: drafter "off" (or None), logits
     processors or a repetition penalty (they need each token before the next is drafted), or
