@@ -304,6 +304,12 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(row)
         for x in ratios:
             lines.append(f"strata / {x['peer']}: same greedy tokens: {x.get('same_tokens')}")
+        for r in runs:  # speculative decoding's share (Strata's auto drafter)
+            kept = [f"{d['depth']}: {d['accepted_tokens']}/{d['drafted_tokens']}"
+                    for d in r.get("depths") or [] if d.get("drafted_tokens")]
+            if kept:
+                lines.append(f"{r['subject']}: drafts kept/drafted per depth, all trials: "
+                             + ", ".join(kept))
         for r in runs:
             if r.get("status") != "complete":
                 lines.append(f"{r['subject']} [{r['setting']}]: {r.get('status')}"

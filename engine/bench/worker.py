@@ -73,6 +73,7 @@ class Subject:
         self.job = job
         self.model_dir = Path(job["model_dir"])
         self.phases: dict[str, float] = {}  # of the last stream()
+        self.drafts = (0, 0)  # (accepted, drafted) tokens of the last stream(): Strata drafts
 
     def files(self) -> list[Path]:
         return weight_files(self.model_dir)
@@ -168,8 +169,10 @@ class StrataSubject(Subject):
         from engine.runtime.sampling import SamplingParams
 
         tl = Timeline()
+        self.drafts = (0, 0)
         for ev in generate(self.lm, ids, SamplingParams(temperature=0), max_tokens,
                            prompt_cache=cache, timeline=tl):
+            self.drafts = (ev.accepted_tokens, ev.drafted_tokens)
             if ev.token is not None:
                 yield ev.token
         self.phases = tl.durations()
@@ -327,7 +330,8 @@ def measure(subject: Subject, ids: Sequence[int], cache: Any, max_tokens: int,
     span = times[-1] - times[0]
     return {"ttft_s": ttft, "prompt_tps": new_tokens / ttft if ttft > 0 else 0.0,
             "decode_tps": (len(times) - 1) / span if span > 0 and len(times) > 1 else 0.0,
-            "generated_tokens": len(tokens), "tokens": tokens, "phases": dict(subject.phases)}
+            "generated_tokens": len(tokens), "tokens": tokens, "phases": dict(subject.phases),
+            "accepted_tokens": subject.drafts[0], "drafted_tokens": subject.drafts[1]}
 
 
 class Runner:
@@ -452,6 +456,9 @@ class Runner:
                      "prompt_tps": stat(r["prompt_tps"] for r in runs),
                      "decode_tps": stat(r["decode_tps"] for r in runs),
                      "generated_tokens": runs[0]["generated_tokens"],
+                     # Speculative decoding (Strata's "auto"), summed over the trials.
+                     "drafted_tokens": sum(r["drafted_tokens"] for r in runs),
+                     "accepted_tokens": sum(r["accepted_tokens"] for r in runs),
                      "mlx_peak_bytes": int(mx.get_peak_memory()) if mx is not None else None,
                      "kv_bytes": kv}
             if d == job["depths"][0]:
