@@ -122,10 +122,20 @@ def block_deltas(top: Any, sink: int, hi: int, n_pages: int, P: int, b: int) -> 
 
 def rerotate(k: Any, delta: Any, spec: RopeSpec) -> Any:
     """Keys k (H, n, b, D), cached rotated at their own positions, rotated further by delta
-    (H, n) positions each block (every token of a block alike): one mx.fast.rope over the
-    gathered rows, each its own batch entry of length 1 so that each takes its own offset."""
-    h, n, b, d = k.shape
-    offs = mx.broadcast_to(delta[..., None], (h, n, b)).reshape(-1)
-    out = mx.fast.rope(k.reshape(h * n * b, 1, d), spec.dims, traditional=spec.traditional,
-                       base=spec.base, scale=spec.scale, offset=offs)
-    return out.reshape(h, n, b, d)
+    (H, n) positions each block (every token of a block alike), with the frequencies
+    mx.fast.rope uses (base^(-2i/dims), positions times scale). The angles are computed once
+    per block, not per token: mx.fast.rope with one offset per row (each token its own
+    batch entry) cost 5-18 ms a layer for a 2,048 budget at load 11, this about 1 ms."""
+    half = spec.dims // 2
+    inv = spec.base ** (-mx.arange(0, spec.dims, 2, dtype=mx.float32) / spec.dims)
+    ang = (delta.astype(mx.float32) * spec.scale)[..., None, None] * inv  # (H, n, 1, half)
+    c, s = mx.cos(ang).astype(k.dtype), mx.sin(ang).astype(k.dtype)
+    rot, rest = k[..., :spec.dims], k[..., spec.dims:]
+    if spec.traditional:  # pairs (2i, 2i + 1)
+        x = rot.reshape(*rot.shape[:-1], half, 2)
+        x1, x2 = x[..., 0], x[..., 1]
+        out = mx.stack([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).reshape(rot.shape)
+    else:  # halves (i, i + dims / 2)
+        x1, x2 = rot[..., :half], rot[..., half:]
+        out = mx.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1)
+    return out if rest.shape[-1] == 0 else mx.concatenate([out, rest], axis=-1)
