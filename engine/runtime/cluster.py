@@ -579,6 +579,14 @@ class Cluster:
         self.split.broken = line
         return ClusterError(line)
 
+    def explain(self, exc: BaseException) -> BaseException:
+        """`exc` from a step as the cluster's one line (`lost`) when it is MLX's error from a
+        lost rank or the split model's own; anything else unchanged."""
+        if isinstance(exc, RuntimeError) or (isinstance(exc, ClusterError)
+                                              and self.split.broken):
+            return self.lost(exc)
+        return exc
+
     def __enter__(self) -> Cluster:
         return self
 

@@ -175,6 +175,13 @@ def in_step(pc: PromptCache) -> bool:
     return all(getattr(c, "offset", n) == n for c in pc.cache)
 
 
+def _lost_rank(models: Models, exc: Exception) -> Exception:
+    """On a model split across Macs (ModelPool.cluster), MLX's error from a lost rank as the
+    cluster's one line (which rank, after how many steps), not an internal error."""
+    cluster = getattr(models, "cluster", None)
+    return exc if cluster is None else cluster.explain(exc)  # type: ignore[no-any-return]
+
+
 def _cache(models: Models, lm: LoadedModel, ids: list[int]) -> PromptCache:
     """The prompt cache for `ids`; one whose KV is out of step with its tokens is dropped."""
     pc = models.cache_for(lm, ids)
@@ -282,7 +289,7 @@ class GenerationJob(_Cancellable):
                     self.emit(scores.take(ev.token, lm.tokenizer))
                 self.emit(ev)
         except Exception as exc:
-            self._failed(exc, models, pc)
+            self._failed(_lost_rank(models, exc), models, pc)
         if pc is not None and not in_step(pc):
             # A grammar that refuses mid-reply raises after the step that fed its last token
             # (KV one position past the cache's tokens): a later prompt must not reuse it.
