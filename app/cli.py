@@ -103,17 +103,26 @@ def cmd_cache(args: argparse.Namespace) -> int:
     if args.json:
         _print(info, True)
     elif args.clear:
-        print(f"removed {info['removed_runs']} runs ({info['removed_bytes'] / 2**20:.1f} MB) "
+        print(f"removed {info['removed_runs']} files ({info['removed_bytes'] / 2**20:.1f} MB) "
               f"from {folder}")
     else:  # MB as the budget setting counts them (2^20 bytes)
         live = summary["session_bytes"]
-        print(f"page store: {folder}: {runs} runs, {summary['pages']} pages, "
+        rate = summary["hit_rate"]
+        print(f"page store: {folder}: {summary['pages']} pages in {runs} runs "
+              f"({summary['shared_pages']} shared by more than one stored prompt), "
               f"{summary['tails']} prompt tails, {size / 2**20:.1f} MB stored + "
               f"{live / 2**20:.1f} MB in {summary['sessions']} live sessions of a "
-              f"{s.budget_mb:g} MB budget (STRATA_PREFIX_MB; stored runs make room for "
+              f"{s.budget_mb:g} MB budget (STRATA_PREFIX_MB; stored pages make room for "
               "sessions)")
+        print(f"  live sessions: {summary['ram_pages']} pages in RAM "
+              f"({summary['ram_bytes'] / 2**20:.1f} MB), {summary['held_pages']} stored "
+              "pages mapped (never evicted while mapped)")
+        print("  hit rate: " + ("no prompt yet" if rate is None else
+                                f"{summary['found_pages']} of {summary['asked_pages']} pages "
+                                f"asked for were stored ({100 * rate:.0f}%)"))
         for m in summary["models"]:
-            print(f"  {m['name'] or 'unnamed model'}: {m['pages']} pages in {m['runs']} runs, "
+            print(f"  {m['name'] or 'unnamed model'}: {m['pages']} pages "
+                  f"({m['shared_pages']} shared) in {m['runs']} runs, "
                   f"{m['bytes'] / 2**20:.1f} MB")
         if summary["stale_files"]:
             print(f"  {summary['stale_files']} files of an older format "

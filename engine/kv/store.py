@@ -18,12 +18,14 @@ tier has a free slot stays in RAM (nothing is evicted for it).
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import json
 import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +91,8 @@ class KVStore:
         # Mapped pages (a restored prefix): per layer, page -> (fd, record offset, file name).
         self._mapped: list[dict[int, tuple[int, int, str]]] = [{} for _ in range(n_layers)]
         self._held_fds: list[int] = []
+        self._on_close: list[Callable[[], None]] = []
+        self._ram_reported = -1e9
         self._layouts: dict[int, RecordFile] = {}
         self.prefetcher: Prefetcher | None = Prefetcher(self._read_np, settings.prefetch_depth)
         if settings.ssd:
@@ -227,6 +231,10 @@ class KVStore:
         """Keep `fd` (a mapped run file) open until the store closes: a file removed from
         its folder meanwhile (eviction, another process) stays readable through it."""
         self._held_fds.append(fd)
+
+    def on_close(self, release: Callable[[], None]) -> None:
+        """Call `release` when the store closes (the page table drops its holds then)."""
+        self._on_close.append(release)
 
     @property
     def mapped_pages(self) -> int:
@@ -426,6 +434,10 @@ class KVStore:
         for fd in self._held_fds:
             os.close(fd)
         self._held_fds.clear()
+        releases, self._on_close = self._on_close, []
+        for release in releases:
+            with contextlib.suppress(Exception):  # a hold left behind dies with the pid
+                release()
         if self.folder is not None and not self.settings.keep_files:
             shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -460,11 +472,25 @@ class KVStore:
             kk = self.codec.decode(tuple(mx.array(a) for a in k))
             table.add_summary(kk.min(axis=1)[None], kk.max(axis=1)[None])
 
+    def _report_ram(self, ram_pages: int) -> None:
+        """What this session holds in RAM, for `strata cache` in another process (`ram.json`
+        in its tier folder, at most every 2 s; engine.kv.prefix_table.session_ram)."""
+        now = time.monotonic()
+        if self.folder is None or now - self._ram_reported < 2.0:
+            return
+        self._ram_reported = now
+        with contextlib.suppress(OSError):
+            tmp = self.folder / ".ram.json"
+            tmp.write_text(json.dumps({"pages_ram": ram_pages,
+                                       "bytes_ram": ram_pages * self.page_bytes}))
+            os.replace(tmp, self.folder / "ram.json")
+
     def stats(self) -> dict[str, Any]:
         """Pages and bytes per tier (encoded sizes: quantized pages count as stored)."""
         ram_pages = sum(t.n_resident for t in self.tables)
         ssd_pages = sum(t.n_on_disk for t in self.tables)
         mapped = self.mapped_pages
+        self._report_ram(ram_pages)
         return {"pages_ram": ram_pages, "pages_ssd": ssd_pages,
                 "bytes_ram": ram_pages * self.page_bytes,
                 # This session's own pages on the SSD; mapped ones are the prefix cache's.

@@ -320,7 +320,8 @@ def test_a_new_budget_evicts_and_clear_empties_the_folder(starter_lm: Any,
     assert prefix.disk_bytes() == 0 and prefix.lookup(y).hit_pages == 0
 
 
-def test_eviction_removes_whole_runs_and_the_runs_that_continue_them(tmp_path: Path) -> None:
+def test_eviction_takes_leaf_pages_least_recent_first_and_keeps_chains_whole(
+        tmp_path: Path) -> None:
     from tests.reliability.common import PAGE, new_prefix_cache, prefix_prompt, write_prefix_pages
 
     pc = new_prefix_cache(tmp_path / "ev")
@@ -341,14 +342,18 @@ def test_eviction_removes_whole_runs_and_the_runs_that_continue_them(tmp_path: P
         assert [r.first for r in pc.lookup(x).runs] == [0, 2]
         z = prefix_prompt(2, seed=2)
         write_prefix_pages(pc, z, 2, seed=2)
-        # X is the least recently used: it goes, and Y with it (its parent page is gone).
-        old = time.time_ns() - 10**9
-        os.utime(pc.path(plan.hashes[0]), ns=(old, old))
-        pc.settings = replace(pc.settings, budget_mb=pc.disk_bytes() / (1 << 20) - 0.001)
+        # X's chain (X, then Y) is the least recently used. Eviction takes leaves only: Y's
+        # pages 3 and 2 (Y's file goes), then X's page 1 before any of Z's, never X's page 0
+        # while page 1 is stored (a page whose parent is gone could never be reached).
+        pc.flush()
+        pc.table.touch(pc.lookup(x).hashes, time.time_ns() - 10**9)
+        pc.settings = replace(pc.settings, budget_mb=(pc.disk_bytes() - 2 * pc.page_bytes
+                                                      - pc.run_head_bytes(2) - 1) / (1 << 20))
         pc._evict()
-        assert pc.stats.evicted_runs == 2 and pc.stats.evicted_pages == 4
-        assert [p.name for p in pc.folder.glob("*.kvp")] == [pc.path(pc.lookup(z).hashes[0]).name]
-        assert pc.lookup(x).hit_pages == 0 and pc.lookup(z).hit_pages == 2
+        assert pc.stats.evicted_runs == 1 and pc.stats.evicted_pages == 3
+        assert sorted(p.name for p in pc.folder.glob("*.kvp")) == sorted(
+            pc.path(h).name for h in (plan.hashes[0], pc.lookup(z).hashes[0]))
+        assert pc.lookup(x).hit_pages == 1 and pc.lookup(z).hit_pages == 2
     finally:
         pc.close()
 
