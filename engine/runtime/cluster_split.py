@@ -233,6 +233,7 @@ class SplitModel:
         self.group = group
         self.steps = 0
         self.decode_steps = 0
+        self._last = (0, 0)  # the last step's cache id and the offset it ended at
         self.sent_bytes = 0  # what rank 0 sent (step_bytes), every step so far
         self.broken: str | None = None
         # Asked before each step: why a rank is gone (None: all there).
@@ -296,7 +297,11 @@ class SplitModel:
             raise ClusterError(self.broken) from exc
         self.steps += 1
         # Decode steps (one token each) since the last prompt chunk: what a lost rank cost.
-        self.decode_steps = self.decode_steps + 1 if n == 1 else 0
+        # A one-token step on another cache, or after a trim (a prompt all but its last token
+        # cached), starts a reply as a prompt chunk does.
+        going_on = n == 1 and (cid, offset) == self._last
+        self.decode_steps = self.decode_steps + 1 if going_on else 0
+        self._last = (cid, offset + n)
         x = x.astype(mx.int32)
         inner = self.inner.model
         if self.plan.mode == "tensor":

@@ -139,6 +139,8 @@ def test_the_model_is_shipped_then_server_requests_and_chats_match_one_process(
     assert len(out["fault"]) == 1 and out["fault_s"] < 10, out
     assert out["fault"][0].startswith("the reply stopped after "), out["fault"]
     assert "rank 1" in out["fault"][0] and out["fault_tokens"] < 64
+    steps = int(out["fault"][0].split("after ")[1].split(" decode")[0])
+    assert steps <= out["fault_tokens"] + 1, out  # this reply's steps, not the earlier ones'
 
 
 # -- a rank 0 that drops the line, or lies about the fingerprint ---------------------------
