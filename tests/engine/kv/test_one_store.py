@@ -303,3 +303,52 @@ def test_paged_sessions_share_stored_pages_in_every_mode_and_width(
         for s in stores:
             s.close()
         pc.close()
+
+
+_WRITER = """
+import sys
+from pathlib import Path
+from tests.reliability.common import new_prefix_cache, prefix_pages, prefix_prompt, PAGE
+from dataclasses import replace
+folder, seed = Path(sys.argv[1]), int(sys.argv[2])
+pc = new_prefix_cache(folder)
+pc.settings = replace(pc.settings, budget_mb=float(sys.argv[3]))
+common = prefix_prompt(2, seed=99)[:2 * PAGE]
+for i in range(12):
+    own = prefix_prompt(2, seed=1000 * seed + i)
+    prompt = common + own
+    plan = pc.lookup(prompt)
+    s = plan.hit_pages
+    ks, vs = prefix_pages(4, seed=seed)
+    pc.store_pages(prompt, plan, s, [k[:, s * PAGE:] for k in ks], [v[:, s * PAGE:] for v in vs])
+pc.close()
+"""
+
+
+def test_processes_storing_and_evicting_at_once_leave_a_table_that_matches_the_files(
+        tmp_path: Path) -> None:
+    folder = tmp_path / "pages"
+    probe = new_prefix_cache(folder)
+    budget = (10 * probe.page_bytes + 8 * probe.run_head_bytes(2)) / (1 << 20)
+    probe.close()
+    repo = Path(__file__).resolve().parents[3]
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(folder), str(seed),
+                               str(budget)], cwd=repo) for seed in (1, 2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    pc = new_prefix_cache(folder)
+    try:
+        pc.flush()
+        # Every page the table lists is in its file, and every run file is listed.
+        from engine.kv.prefix_table import run_header
+
+        files = {p.name: run_header(p) for p in folder.glob("*.kvp")}
+        rows = list(pc.table.db.execute("SELECT run, COUNT(*) FROM pages GROUP BY run"))
+        assert {r: n for r, n in rows} == {name: len(h[6]) for name, h in files.items()
+                                           if h is not None}
+        assert pc.disk_bytes() <= budget * (1 << 20)
+        # The common prefix is stored once and still leads somewhere.
+        common = prefix_prompt(2, seed=99)[:2 * PAGE] + [1]
+        assert pc.lookup(common).hit_pages == 2
+        assert len([h for h in files.values() if h is not None and h[2] == 0]) == 1
+    finally:
+        pc.close()
