@@ -5,12 +5,17 @@ Contract: rank 0 (the window, or `generate --ranks N`) calls `start(model, hosts
 rank runs `join()`. Before anything loads, a handshake over a plain TCP control socket (JSON
 lines, rank 0 listening; every wait has a deadline of ours) checks that all ranks run the same
 Strata, MLX and mlx-lm versions, compute profile and model fingerprint (the library
-manifest's), and refuses in one line naming what differs; only then does every rank call
+manifest's), and refuses in one line naming what differs. Off loopback both sides first prove
+the server's key (`cluster_key`: HMAC of the other's fresh nonce; nothing about the job before
+it); a rank with no copy of a library model is sent its folder on the same line
+(`send_model` / `receive_model`: installed atomically, kept only with the announced
+fingerprint). Only then does every rank call
 `mx.distributed.init(backend="ring", strict=True)` (MLX_HOSTFILE: a JSON list of
 ["ip:port"], MLX_RANK), load its share (engine.runtime.cluster_split) and, on rank 0, become a
 `LoadedModel` whose forward drives every rank (`kv`: engine.kv's paged settings, which every
 rank's caches then use over its own heads or layers). Each rank reports its share's weight
-bytes and memory once loaded (`Cluster.ranks`). Tensors travel only over MLX's transport. A
+bytes and memory once loaded (`Cluster.ranks`), and its memory and KV when asked
+(`Cluster.rank_memory`, the memory panel's rows). Tensors travel only over MLX's transport. A
 rank that dies mid-reply ends the reply on rank 0 with one line (`Cluster` as a context
 manager turns MLX's RuntimeError into `ClusterError`); `Cluster.close()` stops the others and
 reaps the processes it started. `python -m engine.runtime.cluster` is `join()` from the

@@ -10,7 +10,8 @@ facts in its TXT record. On rank 0's side, `browse(seconds)` lists the waiters m
 port on each, invites them and starts the split (engine.runtime.cluster.start);
 `preflight(model, peers)` says whether the model fits this Mac and across the peers, per Mac.
 Every wait has a deadline; a waiter that cannot be reached or refuses is one ClusterError
-line.
+line. From off loopback, `reserve` and `invite` first prove the server's key (the waiter
+answers a challenge; `ask(..., key=)`); `info` stays open, as mDNS publishes it anyway.
 """
 
 from __future__ import annotations
