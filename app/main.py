@@ -294,7 +294,8 @@ class MainWindow(QMainWindow):
     @Slot(str, list)
     def _on_run_across_requested(self, model: str, waiters: list[str]) -> None:
         self.status_label.setText(f"Loading {model} across {len(waiters) + 1} Macs…")
-        self.engine.load_across(model, waiters)
+        # Macs off loopback must prove the server's key before they are handed the model.
+        self.engine.load_across(model, waiters, key=self.store.setting("server_api_key") or None)
 
     @Slot(bool)
     def _on_server_toggled(self, on: bool) -> None:

@@ -189,9 +189,10 @@ class EngineWorker(QObject):
     def _on_load_requested(self, job: int, name: str) -> None:
         self._run(job, "load", self._load_steps(name))
 
-    @Slot(int, str, list)
-    def _on_load_across_requested(self, job: int, name: str, waiters: list[str]) -> None:
-        self._run(job, "load", self._load_across_steps(name, waiters))
+    @Slot(int, str, list, str)
+    def _on_load_across_requested(self, job: int, name: str, waiters: list[str],
+                                  key: str) -> None:
+        self._run(job, "load", self._load_across_steps(name, waiters, key or None))
 
     @Slot(int, object)
     def _on_reply_requested(self, job: int, request: ReplyRequest) -> None:
@@ -315,9 +316,11 @@ class EngineWorker(QObject):
         return
         yield  # a generator with no steps of its own
 
-    def _load_across_steps(self, name: str, waiters: list[str]) -> Iterator[Step]:
-        """`name` split across this Mac and the waiting Macs; model_loaded carries `ranks`."""
-        self.pool.load_across(name, waiters)
+    def _load_across_steps(self, name: str, waiters: list[str], key: str | None
+                           ) -> Iterator[Step]:
+        """`name` split across this Mac and the waiting Macs; model_loaded carries `ranks`.
+        `key`: the server's key, which Macs off loopback must be shown (None: $STRATA_API_KEY)."""
+        self.pool.load_across(name, waiters, key=key)
         return
         yield  # a generator with no steps of its own
 
@@ -525,7 +528,7 @@ class Engine(QObject):
 
     starter_requested = Signal(int, bool)
     load_requested = Signal(int, str)
-    load_across_requested = Signal(int, str, list)  # job, model, waiters ("host:port")
+    load_across_requested = Signal(int, str, list, str)  # job, model, waiters, key ("": none)
     reply_requested = Signal(int, object)
     import_planned_requested = Signal(int, str)
     import_requested = Signal(int, str, str, int)  # job, path, recipe ("": as stored), context
@@ -600,10 +603,11 @@ class Engine(QObject):
         self.load_requested.emit(job, name)
         return job
 
-    def load_across(self, name: str, waiters: list[str]) -> int:
-        """Load `name` split across this Mac and the Macs waiting at `waiters`."""
+    def load_across(self, name: str, waiters: list[str], key: str | None = None) -> int:
+        """Load `name` split across this Mac and the Macs waiting at `waiters`; `key` is the
+        server's key, proved to Macs off loopback (None: $STRATA_API_KEY)."""
         job = self._next()
-        self.load_across_requested.emit(job, name, list(waiters))
+        self.load_across_requested.emit(job, name, list(waiters), key or "")
         return job
 
     def reply(self, request: ReplyRequest) -> int:
