@@ -1,6 +1,7 @@
 """Speculative decoding on the real starter model: greedy text identical to plain decoding
-(prompt lookup in mlx-lm's cache and in paged exact mode, a draft model), sampled text with
-the target's distribution, a draft model of another vocabulary refused, cancel mid-reply."""
+(prompt lookup over 256 tokens, a draft model over 64, in mlx-lm's cache and in paged exact
+mode), sampled text with the target's distribution, a draft model of another vocabulary
+refused, cancel mid-reply."""
 
 from __future__ import annotations
 
@@ -13,8 +14,15 @@ import pytest
 
 from engine.kv import KVSettings
 from engine.runtime.generate import LoadedModel, PromptCache, generate
-from engine.runtime.sampling import SamplingParams
-from engine.runtime.speculative import DraftModels, DraftRefused, LookupDrafter, ModelDrafter
+from engine.runtime.sampling import Sampler, SamplingParams
+from engine.runtime.speculative import (
+    DraftModels,
+    DraftRefused,
+    LookupDrafter,
+    ModelDrafter,
+    Speculator,
+    StepCosts,
+)
 from engine.telemetry import GenerationEvent
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -78,39 +86,59 @@ def test_lookup_follows_the_copy_it_drafted_from() -> None:
     assert d.propose([*src, 1, 2, 3, 4, 5, 8, 4, 5], 1) == [8]
 
 
+class _NoCache:
+    """A speculator's cache view that no step reads (only its decisions are tested)."""
+
+    cache: list[Any] = []
+    tokens: list[int] = []
+
+
+def test_a_followed_copy_and_a_fresh_match_are_priced_apart(starter_lm: LoadedModel) -> None:
+    """A summary's fresh n-gram matches fail once it paraphrases while the copies it quotes
+    hold: the speculator keeps one acceptance for each, and stops drafting on fresh matches
+    alone once they fail."""
+    d = LookupDrafter(min_n=2, max_n=2)
+    src = [1, 2, 3, 4, 5, 6, 9]
+    spec = Speculator(starter_lm, d, Sampler(GREEDY), _NoCache(), lambda x: x, {},
+                      forced=False)
+    assert d.propose([*src, 1, 2], 2) == [3, 4]
+    assert spec.kind([*src, 1, 2, 3]) == "follow"  # the copy goes on
+    assert spec.kind([*src, 1, 2, 3, 7]) == "fresh"  # it left the copy: a fresh search next
+    spec.costs = StepCosts({1: 0.05, 2: 0.055, 3: 0.06, 5: 0.07, 9: 0.09, 17: 0.13})
+    spec.acceptance["follow"] = [9.0, 10.0]
+    spec.acceptance["fresh"] = [0.5, 5.0]
+    assert spec.best_k(16, "follow") >= 8
+    assert spec.best_k(16, "fresh") == 0
+
+
 @pytest.mark.parametrize("mode", ["mlx", "exact"])
-def test_lookup_greedy_matches_plain_decoding(starter_lm: LoadedModel, copy_ids: list[int],
-                                              mode: str, request: pytest.FixtureRequest
-                                              ) -> None:
-    # 96 tokens (not 256) per subject keeps the four replies within the suite's budget; the
-    # prompt is prefilled once, each reply trims the last one's tokens.
+def test_greedy_matches_plain_decoding_over_256_tokens(starter_lm: LoadedModel,
+                                                      copy_ids: list[int], mode: str,
+                                                      request: pytest.FixtureRequest) -> None:
+    """Prompt lookup over 256 tokens and a draft model over the first 64, against plain
+    decoding, in mlx-lm's cache and in paged exact mode (the prompt is prefilled once; each
+    reply trims the last one's tokens). The draft model's replies are shorter for the suite's
+    budget: the draft model is the starter itself (the same vocabulary, nearly every draft
+    kept), so each of its tokens costs about a plain step more."""
     lm = request.getfixturevalue("exact") if mode == "exact" else starter_lm
     assert lm.paged == (mode == "exact")
     cache = lm.new_cache()
+    drafter = ModelDrafter(lm, lm)
     try:
-        plain, last_plain = _run(lm, copy_ids, "off", 96, cache=cache)
-        spec, last = _run(lm, copy_ids, "lookup", 96, cache=cache)
-    finally:
-        cache.close()
-    assert last_plain.drafted_tokens == 0
-    assert last.drafted_tokens > last.accepted_tokens > 20  # drafts kept, and some rejected
-    assert spec == plain
-
-
-def test_draft_model_greedy_matches_plain_and_keeps_its_cache(starter_lm: LoadedModel,
-                                                              copy_ids: list[int]) -> None:
-    # The starter drafting for itself: same vocabulary, nearly every draft accepted.
-    drafter = ModelDrafter(starter_lm, starter_lm)
-    try:
-        plain, _ = _run(starter_lm, copy_ids, "off", 16)
-        spec, last = _run(starter_lm, copy_ids, drafter, 16)
-        assert spec == plain
-        assert last.accepted_tokens >= last.drafted_tokens // 2 > 0
+        plain, last_plain = _run(lm, copy_ids, "off", 256, cache=cache)
+        spec, last = _run(lm, copy_ids, "lookup", 256, cache=cache)
+        by_model, last_model = _run(lm, copy_ids, drafter, 64, cache=cache)
         # The draft's cache holds exactly the tokens it has run.
-        assert drafter.pc.tokens == (copy_ids + spec)[:len(drafter.pc.tokens)]
+        assert drafter.pc.tokens == (copy_ids + by_model)[:len(drafter.pc.tokens)]
         assert all(c.offset == len(drafter.pc.tokens) for c in drafter.pc.cache)
     finally:
         drafter.close()
+        cache.close()
+    assert len(plain) == 256 and last_plain.drafted_tokens == 0
+    assert last.drafted_tokens > last.accepted_tokens > 100  # drafts kept, and some rejected
+    assert last_model.accepted_tokens >= last_model.drafted_tokens // 2 > 0
+    assert spec == plain
+    assert by_model == plain[:64]
 
 
 def test_draft_setting_resolves_to_a_drafter_loaded_once(starter_lm: LoadedModel) -> None:
