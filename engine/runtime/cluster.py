@@ -43,6 +43,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -52,12 +53,15 @@ import mlx.core as mx
 from engine import __version__ as STRATA_VERSION
 from engine.errors import StrataError
 from engine.kv import KVGeometry, KVSettings
+from engine.kv.prefix import PrefixCache, PrefixSettings, model_key
+from engine.kv.prefix import settings_from_env as prefix_settings_from_env
 from engine.library import Library, Manifest
 from engine.library.store import MANIFEST
 from engine.library.store import fingerprint as store_fingerprint
 from engine.platform import ComputeProfile, MemorySnapshot, compute_profile, memory_facts
 from engine.runtime.cluster_split import (
     ClusterError,
+    ClusterPrefixCache,
     Follower,
     SplitModel,
     SplitPlan,
@@ -65,9 +69,16 @@ from engine.runtime.cluster_split import (
     load_share,
     share_bytes,
     share_geometry,
+    split_identity,
 )
 from engine.runtime.generate import LoadedModel
-from engine.runtime.model import ensure_mlx_lm, mlx_lm_version, read_config, weights_fingerprint
+from engine.runtime.model import (
+    ensure_mlx_lm,
+    mlx_lm_version,
+    model_identity,
+    read_config,
+    weights_fingerprint,
+)
 from engine.runtime.tokenizer import Tokenizer
 from engine.telemetry import Timeline
 
@@ -466,7 +477,8 @@ def _kv_from_json(d: dict[str, Any] | None) -> KVSettings | None:
 
 class SplitLoadedModel(LoadedModel):
     """A LoadedModel over a SplitModel: the KV geometry is rank 0's share's (its KV heads or
-    its layers), read without running a step on the other ranks."""
+    its layers), read without running a step on the other ranks. Its prefix cache holds rank
+    0's part under a key naming the split, and drives every rank's (ClusterPrefixCache)."""
 
     @property
     def kv_geometry(self) -> KVGeometry:
@@ -474,6 +486,26 @@ class SplitLoadedModel(LoadedModel):
         if self._geometry is None:
             self._geometry = share_geometry(split.inner, split.plan, self.profile.dtype)
         return self._geometry
+
+    def prefix_key(self) -> bytes:
+        """The model's key with the split and rank 0's part in it (`split_identity`)."""
+        bits, group = self.kv_encoding()
+        ident = model_identity(self.manifest, self.config, self.profile, bits, group)
+        return model_key(split_identity(ident, self.model.plan, 0))
+
+    def new_prefix_cache(self, settings: PrefixSettings | None = None) -> PrefixCache:
+        """As LoadedModel's, a ClusterPrefixCache: each lookup, restore and store also runs
+        on every other rank, over its own page store (stored tails off: pages only)."""
+        s = replace(settings or prefix_settings_from_env(), tails=False)
+        if self.paged and self.kv_settings is not None:
+            s = replace(s, page_tokens=self.kv_settings.page_tokens)
+        bits, group = self.kv_encoding()
+        pc = ClusterPrefixCache.for_geometry(self.kv_geometry, self.prefix_key(), s, bits, group)
+        assert isinstance(pc, ClusterPrefixCache)  # for_geometry builds its own class
+        pc.split = self.model
+        pc.label(f"{self.manifest['name']} (split: {self.model.plan.mode} over "
+                 f"{self.model.plan.ranks}, rank 0)")
+        return pc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -859,7 +891,7 @@ def join(hostfile: str | Path | None = None, rank: int | None = None,
             faulthandler.cancel_dump_traceback_later()
     share, config = load_share(folder, plan, group, profile)
     follower = Follower(share, config, plan, group, getattr(mx, profile.dtype),
-                        _kv_from_json(job.get("kv")))
+                        _kv_from_json(job.get("kv")), manifest, profile)
     done = threading.Event()
     try:
         line.send(_loaded(rank, share))

@@ -14,13 +14,24 @@ caches over rank 0's share; each is tagged with an id the followers key their ow
 (a paged one on rank 0 makes a paged one, over the rank's own heads or layers, on every rank);
 a trim on rank 0 reaches them as a lower offset. A broken group (a rank died) raises from MLX
 as RuntimeError; `SplitModel.broken` then says why. `step_bytes` counts what a rank sends.
+
+The prefix cache on a split model (`ClusterPrefixCache` on rank 0, `Follower`'s own on the
+others): every rank keeps the pages of its own heads or layers in its own page store, keyed by
+the model and the split (`split_identity`: kind, ranks, this rank, its layers or head slice).
+Three more steps, in line with the forward steps: a lookup (the prompt's tokens sent as an
+all_sum; every rank looks up its own store; the restore length is the minimum over the ranks,
+an all_min), a restore (every rank restores exactly that many tokens into its cache of that id;
+the tokens each really restored go through a second all_min and a rank past it trims back, so a
+rank whose page fails its check leaves every rank at the length all of them hold), a store
+(every rank queues its own new pages). Stored tails are off on a split model: pages only.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,12 +40,16 @@ import mlx.core as mx
 
 from engine.errors import StrataError
 from engine.kv import KVSettings, close_caches, geometry_of, make_paged_cache
+from engine.kv.codec import codec_for
+from engine.kv.prefix import Plan, PrefixCache, model_key, settings_from_env
+from engine.library import Manifest
 from engine.platform import ComputeProfile
 from engine.runtime.model import (
     apply_profile,
     build_model,
     cache_module,
     ensure_mlx_lm,
+    model_identity,
     model_module,
     read_config,
     weight_files,
@@ -49,7 +64,7 @@ class ClusterError(StrataError):
 # caches freed.
 HEADER = 8
 FREED_SLOTS = HEADER - 5
-OP_STEP, OP_QUIT = 1, 2
+OP_STEP, OP_QUIT, OP_LOOKUP, OP_RESTORE, OP_STORE = 1, 2, 3, 4, 5
 KIND_MLX, KIND_PAGED = 0, 1
 
 
@@ -180,6 +195,83 @@ def share_bytes(model: Any) -> int:
     return sum(int(a.nbytes) for _, a in flat)
 
 
+# -- the prefix cache on a split model -----------------------------------------------------
+def split_identity(identity: dict[str, Any], plan: SplitPlan, rank: int) -> dict[str, Any]:
+    """`identity` (engine.runtime.model.model_identity) with the split named: its kind, the
+    ranks, this rank and what it holds (pipeline: its layer range; tensor: its slice of the
+    heads), so a rank never restores pages stored by another split or another rank."""
+    part: dict[str, Any] = {"mode": plan.mode, "ranks": plan.ranks, "rank": rank}
+    if plan.mode == "pipeline":
+        part["layers"] = list(plan.layers[rank])
+    else:
+        part["heads"] = [rank, plan.ranks]  # slice `rank` of `ranks` equal slices
+    return {**identity, "split": part}
+
+
+def kv_encoding(kv: KVSettings | None, geometry: Any) -> tuple[int, int]:
+    """(bits, group) of the pages a paged cache over `geometry` holds ((16, 64) otherwise), as
+    LoadedModel.kv_encoding says for rank 0."""
+    if kv is None or kv.mode == "mlx" or geometry.unpaged is not None or kv.bits == 16:
+        return 16, 64
+    return kv.bits, codec_for(kv.bits, kv.group(), geometry.dtype, geometry.head_dim).group
+
+
+def _ints(a: Any) -> list[int]:
+    """A 1-d MLX integer array as Python ints."""
+    row: list[Any] = list(a.tolist())
+    return [int(v) for v in row]
+
+
+def _kind(cache: list[Any]) -> int:
+    return KIND_PAGED if hasattr(cache[0], "store") else KIND_MLX
+
+
+def _verified(prefix: PrefixCache, caches: list[Any], start: int, end: int) -> int:
+    """A paged cache's pages start..end (tokens) as restored: mapped pages are checked when
+    first read, and a follower cannot recompute one alone, so they are read now; returns the
+    tokens that verify (the first damaged page is cut from the store)."""
+    full = [caches[i] for i in prefix.full]
+    if not full or not hasattr(full[0], "store"):
+        return end
+    for page in range(start // prefix.P, end // prefix.P):
+        try:
+            for c in full:
+                c.store.page_np(c.layer, page)
+        except StrataError:
+            return page * prefix.P
+    return end
+
+
+class ClusterPrefixCache(PrefixCache):
+    """Rank 0's prefix cache on a split model: its own store holds rank 0's heads or layers,
+    and each lookup, restore and store runs on every rank (`split`, set by the runtime) so
+    that every rank restores the same length. Tails are off (pages only)."""
+
+    split: SplitModel | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tails = False
+
+    def lookup(self, prompt: Sequence[int]) -> Plan:
+        plan = super().lookup(prompt)
+        if self.split is not None:
+            plan.hit_pages = self.split.prefix_lookup(prompt, self.P, plan.hit_pages)
+        return plan
+
+    def restore(self, caches: list[Any], prompt: Sequence[int], plan: Plan, cached: int
+                ) -> int:
+        if self.split is None:
+            return super().restore(caches, prompt, plan, cached)
+        return self.split.prefix_restore(self, caches, prompt, plan, cached)
+
+    def store(self, caches: list[Any], prompt: Sequence[int], plan: Plan,
+              window: Any = None, tail: Any = None) -> int:
+        if self.split is not None:
+            self.split.prefix_store(caches, len(prompt))
+        return super().store(caches, prompt, plan, window, None)
+
+
 # -- steps ------------------------------------------------------------------------------------
 def _attention_mask(h: Any, cache: Any) -> Any:
     ensure_mlx_lm()
@@ -267,27 +359,88 @@ class SplitModel:
         row = [op, cid, offset, n, kind, *freed] + [0] * (FREED_SLOTS - len(freed))
         mx.eval(mx.distributed.all_sum(mx.array(row, dtype=mx.int32), group=self.group))
 
-    def __call__(self, x: Any, cache: list[Any] | None = None) -> Any:
+    def _ready(self) -> None:
+        """Before a header: the last step's work done (a rank lost during it has failed its
+        collectives, and a header posted after that would wait forever), no rank gone."""
         if self.broken:
             raise ClusterError(self.broken)
-        # The last step's work done first: a rank lost during it has failed its collectives,
-        # and a header posted after that would wait forever.
         mx.synchronize()
         gone = self.check()
         if gone:
             self.broken = gone
             raise ClusterError(gone)
+
+    def _collective(self, op: int, cid: int = 0, offset: int = 0, n: int = 0,
+                    kind: int = KIND_MLX) -> None:
+        self._ready()
+        try:
+            self._header(op, cid, offset, n, kind)
+        except RuntimeError as exc:
+            self.broken = f"a rank of the cluster was lost ({exc})"
+            raise ClusterError(self.broken) from exc
+
+    def _cache_id(self, cache: list[Any]) -> int:
+        cid = int(getattr(cache[0], "cluster_id", 0))
+        if not cid and _kind(cache) == KIND_PAGED:
+            cid = self._tag(cache)  # engine.kv's paged caches over rank 0's share
+        if not cid:
+            raise ClusterError("this cache was not made by the split model (make_cache)")
+        return cid
+
+    def _min(self, values: list[int]) -> list[int]:
+        """The minimum over the ranks of each value (an all_min)."""
+        got = mx.distributed.all_min(mx.array(values, dtype=mx.int32), group=self.group)
+        mx.eval(got)
+        return _ints(got)
+
+    def prefix_lookup(self, prompt: Sequence[int], page_tokens: int, hit_pages: int) -> int:
+        """Every rank looks the prompt up in its own store (pages of `page_tokens`); returns
+        the full pages every rank holds (the minimum, rank 0's `hit_pages` included)."""
+        self._collective(OP_LOOKUP, 0, 0, len(prompt), page_tokens)
+        try:
+            mx.eval(mx.distributed.all_sum(mx.array(list(prompt), dtype=mx.int32),
+                                           group=self.group))
+            return self._min([hit_pages])[0]
+        except RuntimeError as exc:
+            self.broken = f"a rank of the cluster was lost ({exc})"
+            raise ClusterError(self.broken) from exc
+
+    def prefix_restore(self, prefix: PrefixCache, caches: list[Any], prompt: Sequence[int],
+                       plan: Plan, cached: int) -> int:
+        """Every rank restores plan.hit_pages (the agreed length) into its cache of this id;
+        then the tokens every rank really holds (a second minimum) are what all keep: a rank
+        past it trims back. Returns that length."""
+        cid, kind = self._cache_id(caches), _kind(caches)
+        self._collective(OP_RESTORE, cid, cached, plan.hit_tokens, kind)
+        got = PrefixCache.restore(prefix, caches, prompt, plan, cached)
+        try:
+            common = self._min([got])[0]
+        except RuntimeError as exc:
+            self.broken = f"a rank of the cluster was lost ({exc})"
+            raise ClusterError(self.broken) from exc
+        if got > common:
+            for c in caches:
+                c.trim(got - common)
+        return common
+
+    def prefix_store(self, caches: list[Any], n: int) -> None:
+        """Every other rank stores its own new pages of the prompt it last looked up (`n`
+        tokens) from its cache of this id. Nothing once the group is broken."""
+        if self.broken:
+            return
+        cid = int(getattr(caches[0], "cluster_id", 0))
+        if cid:
+            self._collective(OP_STORE, cid, 0, n, _kind(caches))
+
+    def __call__(self, x: Any, cache: list[Any] | None = None) -> Any:
+        self._ready()
         if x.ndim != 2 or x.shape[0] != 1:
             raise ClusterError(f"a split model runs one sequence at a time (got {x.shape})")
         cid = offset = 0
         kind = KIND_MLX
         if cache is not None:
-            kind = KIND_PAGED if hasattr(cache[0], "store") else KIND_MLX
-            cid = int(getattr(cache[0], "cluster_id", 0))
-            if not cid and kind == KIND_PAGED:
-                cid = self._tag(cache)  # engine.kv's paged caches over rank 0's share
-            if not cid:
-                raise ClusterError("this cache was not made by the split model (make_cache)")
+            kind = _kind(cache)
+            cid = self._cache_id(cache)
             offset = int(cache[0].offset)
         n = int(x.shape[1])
         try:
@@ -340,8 +493,15 @@ class Follower:
     `kv`: the paged KV settings for the caches rank 0 makes paged (None: none are)."""
 
     def __init__(self, model: Any, config: dict[str, Any], plan: SplitPlan, group: Any,
-                 dtype: Any, kv: KVSettings | None = None) -> None:
+                 dtype: Any, kv: KVSettings | None = None, manifest: Manifest | None = None,
+                 profile: ComputeProfile | None = None) -> None:
         self.model = model
+        self.config = config
+        # The prefix cache of this rank's heads or layers (its own page store), by page size;
+        # None: it cannot be had here (no manifest, or the store refused), so it finds none.
+        self.manifest, self.profile = manifest, profile
+        self.prefixes: dict[int, PrefixCache | None] = {}
+        self._looked: tuple[list[int], Plan | None, PrefixCache | None] | None = None
         self.plan = plan
         self.group = group
         self.hidden = int(config["hidden_size"])
@@ -357,10 +517,74 @@ class Follower:
         if self.kv is None:
             raise ClusterError(f"rank {self.group.rank()}: rank 0 made a paged KV cache but "
                                "sent no KV settings")
+        return list(make_paged_cache(self.model, self.kv, self.geometry()))
+
+    def geometry(self) -> Any:
         if self._geometry is None:
             name = {mx.float16: "float16", mx.bfloat16: "bfloat16"}.get(self.dtype, "float32")
             self._geometry = share_geometry(self.model, self.plan, name)
-        return list(make_paged_cache(self.model, self.kv, self._geometry))
+        return self._geometry
+
+    def prefix(self, page_tokens: int) -> PrefixCache | None:
+        """This rank's prefix cache for pages of `page_tokens` (its environment's page store:
+        STRATA_PREFIX_DIR, else its STRATA_HOME's), keyed by the model and this rank's part."""
+        if page_tokens not in self.prefixes:
+            pc = None
+            if self.manifest is not None and self.profile is not None:
+                try:
+                    geometry = self.geometry()
+                    bits, group = kv_encoding(self.kv, geometry)
+                    ident = model_identity(self.manifest, self.config, self.profile, bits,
+                                           group)
+                    key = model_key(split_identity(ident, self.plan, self.group.rank()))
+                    settings = settings_from_env(page_tokens=page_tokens, tails=False)
+                    pc = ClusterPrefixCache.for_geometry(geometry, key, settings, bits, group)
+                except StrataError as exc:  # no store here: this rank holds nothing
+                    print(f"strata: rank {self.group.rank()}: prefix cache off ({exc})",
+                          file=sys.stderr, flush=True)
+            self.prefixes[page_tokens] = pc
+        return self.prefixes[page_tokens]
+
+    def _lookup(self, n: int, page_tokens: int) -> None:
+        got = mx.distributed.all_sum(mx.zeros((n,), dtype=mx.int32), group=self.group)
+        mx.eval(got)
+        prompt = _ints(got)
+        pc = self.prefix(page_tokens)
+        plan = pc.lookup(prompt) if pc is not None else None
+        hit = self._min([plan.hit_pages if plan is not None else 0])
+        if plan is not None:
+            plan.hit_pages = min(plan.hit_pages, hit)
+        self._looked = (prompt, plan, pc)
+
+    def _min(self, values: list[int]) -> int:
+        got = mx.distributed.all_min(mx.array(values, dtype=mx.int32), group=self.group)
+        mx.eval(got)
+        return _ints(got)[0]
+
+    def _restore(self, cid: int, cached: int, tokens: int, kind: int) -> None:
+        caches = self._caches(cid, cached, kind)
+        assert caches is not None  # rank 0 restores into a cache of its own (an id)
+        got = cached
+        prompt, plan, pc = self._looked or ([], None, None)
+        if plan is not None and pc is not None and tokens == plan.hit_tokens:
+            got = pc.restore(caches, prompt, plan, cached)
+            if got > cached:
+                ok = _verified(pc, caches, (cached // pc.P) * pc.P, got)
+                if ok < got:
+                    pc.damaged(plan, ok // pc.P)
+                    for c in caches:
+                        c.trim(got - max(ok, cached))
+                    got = max(ok, cached)
+        common = self._min([got])
+        if got > common:
+            for c in caches:
+                c.trim(got - common)
+
+    def _store(self, cid: int, n: int) -> None:
+        prompt, plan, pc = self._looked or ([], None, None)
+        caches = self.caches.get(cid)
+        if caches is not None and plan is not None and pc is not None and len(prompt) == n:
+            pc.store(caches, prompt, plan)
 
     def _caches(self, cid: int, offset: int, kind: int) -> list[Any] | None:
         if cid == 0:
@@ -393,6 +617,10 @@ class Follower:
         for caches in self.caches.values():
             close_caches(caches)
         self.caches.clear()
+        for pc in self.prefixes.values():
+            if pc is not None:
+                pc.close()  # queued pages written first (bounded by its flush_s)
+        self.prefixes.clear()
 
     def serve(self) -> int:
         """Run steps until rank 0 says quit; returns the steps run. A lost rank raises
@@ -411,6 +639,15 @@ class Follower:
                         close_caches(self.caches.pop(f))
                 if op == OP_QUIT:
                     return self.steps
+                if op == OP_LOOKUP:
+                    self._lookup(n, kind)
+                    continue
+                if op == OP_RESTORE:
+                    self._restore(cid, offset, n, kind)
+                    continue
+                if op == OP_STORE:
+                    self._store(cid, n)
+                    continue
                 if op != OP_STEP:
                     raise ClusterError(f"rank {rank}: unknown step {op} from rank 0")
                 caches = self._caches(cid, offset, kind)

@@ -55,8 +55,6 @@ log = logging.getLogger(__name__)
 MIN_SHARED = 32
 SESSIONS = 8  # chats whose KV stays in RAM; older ones prefill again when reopened
 CACHES = 4  # the server's prompt caches per model
-SPLIT_NO_PREFIX = ("prefix cache off on a model split across Macs (each Mac holds only its "
-                   "own heads or layers of the KV)")
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -148,13 +146,9 @@ class ModelPool:
 
     def _apply(self, lm: LoadedModel) -> None:
         """Give `lm` the KV settings and the prefix cache (or take it away)."""
-        if self.cluster is not None and lm is self.cluster.lm:
-            # Split: the ranks keep the KV settings they started with; stored prefixes are
-            # one machine's whole KV, and each rank holds only its own heads or layers.
-            lm.disable_prefix_cache()
-            self._prefix_reason = SPLIT_NO_PREFIX
-            return
-        lm.kv_settings = self.settings.kv
+        split = self.cluster is not None and lm is self.cluster.lm
+        if not split:  # split: the ranks keep the KV settings they started with
+            lm.kv_settings = self.settings.kv
         if not self.settings.prefix_cache:
             lm.disable_prefix_cache()
             self._prefix_reason = "prefix cache off in the settings"
@@ -203,7 +197,8 @@ class ModelPool:
         """`name` split across this Mac (rank 0) and the Macs waiting at `waiters` ("host:port",
         engine.runtime.cluster_find), in the paged KV mode if one is set, as the loaded model
         until the next load or unload. `key`: the server's key, for Macs off loopback (default
-        $STRATA_API_KEY). No prefix cache (SPLIT_NO_PREFIX) and no drafts on a split model."""
+        $STRATA_API_KEY). No drafts on a split model; its prefix cache keeps each Mac's own
+        heads or layers in that Mac's page store (engine.runtime.cluster_split)."""
         # Start-up: the cluster's transport loads when a model is split, not with the pool.
         from engine.runtime.cluster_find import start_invited
 
