@@ -512,7 +512,8 @@ class SplitLoadedModel(LoadedModel):
 class ClusterMemorySnapshot(MemorySnapshot):
     """A split model's MemorySnapshot (rank 0's process) with a row a rank, rank 0 first:
     host, weights_bytes (its share), kv_bytes (its caches: its heads or layers; None before
-    it answered), rss_bytes, total_bytes, available_bytes."""
+    it answered), prefix_bytes (its own page store on disk; None: no prefix cache there),
+    rss_bytes, total_bytes, available_bytes."""
 
     ranks: tuple[dict[str, Any], ...] = ()
 
@@ -564,8 +565,10 @@ class Cluster:
         last figures (at first, its report once loaded, without KV)."""
         facts = memory_facts()
         if self.ranks:
+            pc = self.lm.prefix_cache
             self.ranks[0] = {**self.ranks[0], "rss_bytes": facts.process_rss_bytes,
-                             "available_bytes": facts.available_bytes, "kv_bytes": kv0}
+                             "available_bytes": facts.available_bytes, "kv_bytes": kv0,
+                             "prefix_bytes": None if pc is None else pc.disk_bytes()}
         if self.split.broken or self._closing.is_set():
             return [dict(r) for r in self.ranks]
         # At most one answer outstanding a rank: data left unread on a line would hide its
@@ -929,7 +932,9 @@ def _watch_rank0(line: _Line, done: threading.Event, rank: int,
                 facts = memory_facts()
                 line.send({**(memory or {"rank": rank}), "rss_bytes": facts.process_rss_bytes,
                            "available_bytes": facts.available_bytes,
-                           "kv_bytes": follower.kv_bytes() if follower is not None else None})
+                           "kv_bytes": follower.kv_bytes() if follower is not None else None,
+                           "prefix_bytes": (follower.prefix_bytes() if follower is not None
+                                            else None)})
         else:
             if done.wait(RANK0_GRACE_S):
                 return

@@ -612,6 +612,17 @@ class Follower:
                 continue
         return 0
 
+    def prefix_bytes(self) -> int | None:
+        """Bytes of this rank's page store folder (None: no prefix cache here yet), read from
+        another thread (the memory panel's row)."""
+        folders = {pc.folder: pc for pc in list(self.prefixes.values()) if pc is not None}
+        if not folders:
+            return None
+        try:
+            return sum(pc.disk_bytes() for pc in folders.values())
+        except OSError:
+            return None
+
     def close(self) -> None:
         """Release the paged caches' threads and session files."""
         for caches in self.caches.values():
