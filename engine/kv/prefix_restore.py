@@ -23,6 +23,7 @@ import queue
 import sqlite3
 import struct
 import time
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -456,23 +457,30 @@ class PrefixRestorer(PrefixLayout):
             self.table.sync([run.path.name])  # the table lists only what the file holds
 
     def _hold(self, store: Any, run: _Run, pages: int) -> None:
-        """Hold `pages` pages of `run` for `store` in the page table until the store closes
-        (a table that cannot be written leaves only the open descriptor's protection)."""
+        """Hold `pages` pages of `run` for `store` in the page table until the store closes.
+        Written by the writer thread, in order with the release (a first SQLite write can
+        take 5-15 ms here: not on the way to the first token). Meanwhile the open descriptor
+        keeps an unlinked run readable, and a page another process truncated fails its check
+        when read and is recomputed (`damaged`): never a wrong page."""
         token = f"{id(store):x}"
-        try:
-            self.table.hold(token, run.path.name, run.ino, pages)
-        except sqlite3.Error:
+        if self._closed:
             return
-        if token not in self._holders:
-            self._holders.add(token)
-            table = self.table
-            holders = self._holders
+        self._q.put(_Job([], [], [], 0, hold=(token, run.path.name, run.ino, pages)))
+        if token in self._holders:
+            return
+        self._holders.add(token)
+        ref = weakref.ref(self)
+        table = self.table
 
-            def release() -> None:
-                holders.discard(token)
+        def release() -> None:
+            cache = ref()
+            if cache is not None and not cache._closed:
+                cache._holders.discard(token)
+                cache._q.put(_Job([], [], [], 0, release=token))
+            else:
                 table.release(token)
 
-            store.on_close(release)
+        store.on_close(release)
 
     def _touch(self, runs: Sequence[_Run], hit_pages: int, now: int | None = None) -> int:
         """Mark the runs' pages up to `hit_pages` used now in the page table (on the writer

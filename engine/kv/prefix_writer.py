@@ -65,6 +65,8 @@ class _Job:
     tip: bytes | None = None
     counts: tuple[int, int] | None = None
     evict: bool = False  # a job with nothing else: evict down to the (new) budget
+    hold: tuple[str, str, int, int] | None = None  # store token, run name, inode, pages
+    release: str | None = None  # a store token whose holds end
 
 
 class PrefixWriter(PrefixLayout):
@@ -235,6 +237,10 @@ class PrefixWriter(PrefixLayout):
                 self.table.note_prompt(self.key, job.tip)
             if job.counts is not None:
                 self.table.count(*job.counts)
+            if job.hold is not None:
+                self.table.hold(*job.hold)
+            if job.release is not None:
+                self.table.release(job.release)
         except sqlite3.Error as exc:
             self.stats.table_errors.append(f"{self.folder / TABLE_NAME}: {exc}")
 

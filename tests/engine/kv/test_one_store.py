@@ -163,6 +163,7 @@ def test_a_page_a_live_session_maps_is_never_evicted(tmp_path: Path) -> None:
         plan = pc.lookup(x)
         assert pc.restore(caches, x, plan, 0) == 3 * PAGE
         assert store.mapped_pages == 3 * 2
+        pc.flush()  # (the writer thread records the holds)
         assert folder_summary(pc.folder)["held_pages"] == 3
         pc.set_budget(0)
         pc.flush()
@@ -298,6 +299,7 @@ def test_paged_sessions_share_stored_pages_in_every_mode_and_width(
                 got = sc[0].store.page_np(layer, p)
                 assert np.array_equal(np.asarray(want[0]), np.asarray(got[0]))
                 assert np.array_equal(np.asarray(want[1]), np.asarray(got[1]))
+        pc.flush()
         assert folder_summary(pc.folder)["held_pages"] == 4
     finally:
         for s in stores:
