@@ -11,9 +11,11 @@ greedy text is the plain decode's, sampled text keeps the target's distribution.
 positions are trimmed from the cache (mlx-lm's KVCache trim, the paged cache's trim).
 `for_reply` decides per reply whether speculation runs at all ("off", logits processors or a
 repetition penalty: never), and the speculator decides per step how many tokens to draft
-from the acceptance rate it has seen and the measured cost of a verify pass of each length
-against a plain step (per model), resting (plain, pipelined decode) when drafting would be
-slower. Counts go to the reply's stats (`drafted_tokens`, `accepted_tokens`).
+from the acceptance rate it has seen for that kind of proposal (a lookup continuing the copy
+it follows, a fresh n-gram match, a draft model's) and the measured cost of a verify pass of
+each length against a plain step (per model), resting (plain, pipelined decode) when drafting
+would be slower. The speculator reads a `CacheView` (a prompt cache, or the lone row of the
+server's decode batch). Counts go to the reply's stats (`drafted_tokens`, `accepted_tokens`).
 `DraftModels` turns a setting ("auto", "off", "lookup" or a library model's name) into what
 `generate` takes, loading a draft model once and keeping it while the target stays.
 """
