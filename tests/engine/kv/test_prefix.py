@@ -98,7 +98,8 @@ def test_restart_reuses_the_prefix_and_output_is_unchanged(starter: Any, tmp_pat
     assert model["name"] == starter["name"] and model["pages"] == info["pages"] > 0
     text = subprocess.run(show[:-1], capture_output=True, text=True, env=env, cwd=REPO,
                           timeout=60).stdout
-    assert f"{starter['name']}: {info['pages']} pages in 1 runs" in text
+    assert f"{starter['name']}: {info['pages']} pages (0 shared) in 1 runs" in text
+    assert f"hit rate: {info['pages']} of {2 * info['pages']} pages asked for" in text
     r = subprocess.run([*show, "--clear"], capture_output=True, text=True, env=env, cwd=REPO,
                        timeout=60)
     assert json.loads(r.stdout)["removed_runs"] == 1
