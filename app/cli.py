@@ -257,6 +257,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                               prefix_cache=args.prefix_cache))
     cluster = _start_cluster(args, timeline) if args.ranks > 1 else None
     lm = cluster.lm if cluster is not None else pool.get(args.model, timeline=timeline)
+    if cluster is not None and args.prefix_cache:
+        lm.enable_prefix_cache(pool.prefix_settings())  # each rank keeps its own share's pages
     messages = ([{"role": "system", "content": system}] if system else [])
     messages.append({"role": "user", "content": prompt_text})
     ids = (lm.tokenizer.encode(prompt_text) if args.raw else lm.tokenizer.encode_chat(messages))
