@@ -91,13 +91,19 @@ def cmd_cache(args: argparse.Namespace) -> int:
     """`strata cache`: where the page store is and what it holds (stored runs, live sessions);
     --clear removes the stored runs (a live session's pages stay)."""
     from engine.kv.prefix import clear_folder, folder_summary, settings_from_env  # start-up
+    from engine.kv.settings import settings_from_env as kv_settings  # start-up: as above
 
     s = settings_from_env()
     folder = s.root()
     summary = folder_summary(folder)
     runs, size = summary["runs"], summary["bytes"]
+    try:  # the RAM tier's budget per session (a bad setting is the chat's to report)
+        ram = kv_settings().ram_bytes()
+    except (ValueError, StrataError):
+        ram = None
     info: dict[str, Any] = {"folder": str(folder), **summary,
-                            "budget_bytes": int(s.budget_mb * (1 << 20))}
+                            "budget_bytes": int(s.budget_mb * (1 << 20)),
+                            "ram_budget_bytes": ram}
     if args.clear:
         info["removed_runs"], info["removed_bytes"] = clear_folder(folder)
     if args.json:
@@ -115,8 +121,10 @@ def cmd_cache(args: argparse.Namespace) -> int:
               f"{s.budget_mb:g} MB budget (STRATA_PREFIX_MB; stored pages make room for "
               "sessions)")
         print(f"  live sessions: {summary['ram_pages']} pages in RAM "
-              f"({summary['ram_bytes'] / 2**20:.1f} MB), {summary['held_pages']} stored "
-              "pages mapped (never evicted while mapped)")
+              f"({summary['ram_bytes'] / 2**20:.1f} MB"
+              + ("" if ram is None else f" of a {ram / 2**20:.0f} MB budget per session, "
+                 "STRATA_KV_RAM_MB") + f"), {summary['held_pages']} stored pages mapped "
+              "(never evicted while mapped)")
         print("  hit rate: " + ("no prompt yet" if rate is None else
                                 f"{summary['found_pages']} of {summary['asked_pages']} pages "
                                 f"asked for were stored ({100 * rate:.0f}%)"))
