@@ -287,7 +287,26 @@ class PageTable:
         # Tails and windows by mtime, oldest first; pages by the table's LRU.
         others = sorted((mt, size, p) for mt, size, p in entries if p.suffix != ".kvp")
         skip: set[tuple[str, int]] = set()
-        while total > budget:
+        garbage: list[Any] = []
+        while total > budget or garbage:
+            if not garbage:
+                self._drop_orphan_windows()
+                garbage = [x for x in self._garbage() if (x[0], x[1]) not in skip
+                           and x[1] >= held.get(x[0], 0)]
+            if garbage:  # pages no lookup can use: before any page that one could
+                run, idx, _used, pbytes, ino, head = garbage.pop(0)
+                if self._drop(run, idx, ino, head, pbytes):
+                    total -= pbytes + (head if idx == 0 else 0)
+                    pages += 1
+                    runs += idx == 0
+                else:
+                    skip.add((run, idx))
+                if not garbage:
+                    garbage = [x for x in self._garbage() if (x[0], x[1]) not in skip
+                               and x[1] >= held.get(x[0], 0)]
+                continue
+            if total <= budget:
+                break
             with self._lock:
                 leaf = self.db.execute(
                     "SELECT p.run, p.idx, p.used, p.bytes, r.ino, r.head FROM pages p "
@@ -316,6 +335,25 @@ class PageTable:
                 on_page(run)
         self._drop_orphan_windows()
         return pages, runs
+
+    def _garbage(self) -> list[Any]:
+        """Leaf pages of a sliding-window model (a key with window files) that have no
+        window file: a lookup ends at the deepest page with its window, so these pages can
+        never be restored (a chain's window left with its last page)."""
+        windows = set()
+        for _, _, p in _scan(self.folder):
+            if p.suffix == ".kvw":
+                with contextlib.suppress(ValueError):
+                    windows.add(bytes.fromhex(p.stem))
+        with self._lock:
+            rows = self.db.execute(
+                "SELECT p.run, p.idx, p.used, p.bytes, r.ino, r.head, p.hash, p.key "
+                "FROM pages p JOIN runs r ON r.name = p.run WHERE NOT EXISTS (SELECT 1 "
+                "FROM pages c WHERE c.parent = p.hash) AND p.idx = r.n - 1 "
+                "ORDER BY p.used").fetchall()
+            keys = {bytes(k) for (h, k) in self.db.execute("SELECT hash, key FROM pages")
+                    if bytes(h) in windows}
+        return [x[:6] for x in rows if bytes(x[7]) in keys and bytes(x[6]) not in windows]
 
     def _drop(self, run: str, idx: int, ino: int, head: int, pbytes: int) -> bool:
         """Remove page `idx` (the last) of `run`: truncate the file before it, or unlink it
