@@ -107,10 +107,14 @@ def test_a_tiny_quick_run_writes_a_complete_valid_result(starter: dict[str, Any]
     runs = {r["subject"]: r for r in result["runs"]}
     llama = result["machine"]["llama_cpp_python"] is not None  # an optional extra
     assert set(runs) == {"strata", "mlx-lm"} | ({"llama.cpp"} if llama else set())
-    for r in runs.values():
+    for name, r in runs.items():
         assert r["status"] == "complete"
         assert [d["depth"] for d in r["depths"]] == [0, 32]
         assert all(d["generated_tokens"] == 4 for d in r["depths"])  # EOS ignored
+        # Draft counts: every drafted token is kept or rejected; the peers never draft.
+        assert all(d["drafted_tokens"] >= d["accepted_tokens"] >= 0 for d in r["depths"])
+        if name != "strata":
+            assert all(d["drafted_tokens"] == 0 for d in r["depths"])
         assert r["ttft"]["cached"]["cached_tokens"] == 24
         assert r["memory"]["rss_peak_bytes"] > 50e6
         assert r["load"]["cold_s"]["median"] > 0
