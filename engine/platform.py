@@ -257,6 +257,12 @@ class MemorySnapshot:
     prefix_lookups: int | None = None
     # The page store's one SSD budget (stored prefixes; live sessions' tiers count in it).
     store_budget_bytes: int | None = None
+    # The page table (engine.kv.prefix_table): stored full pages, those on the chains of more
+    # than one stored prompt, and this process's page hit rate (found of asked).
+    store_pages: int | None = None
+    store_shared_pages: int | None = None
+    store_asked_pages: int | None = None
+    store_found_pages: int | None = None
 
 
 def memory_snapshot(weights_bytes: int | None = None,

@@ -42,6 +42,8 @@ PROCESS_ROWS = (
     ("kv_shared", "KV shared with the prefix cache",
      "stored pages a chat reads in place, not copied"),
     ("prefix_hits", "Prefix cache hits", "prompts that found stored pages, this session"),
+    ("store_pages", "Stored pages", "full pages in the page store; shared: on the chains of "
+     "more than one stored prompt; hit rate: pages found of pages asked for, this session"),
     ("rest", "Rest of the process", "resident memory minus weights and KV cache"),
     ("rss", "Process resident (RSS)", "what the operating system counts for Strata"),
     ("mlx_active", "MLX active", "memory MLX has allocated and in use"),
@@ -66,6 +68,16 @@ def _hit_rate(hits: int | None, lookups: int | None) -> str:
     return f"{hits} of {lookups} prompts ({100 * hits / lookups:.0f}%)"
 
 
+def _store_pages(s: MemorySnapshot) -> str:
+    if s.store_pages is None:
+        return "prefix cache off" if s.store_asked_pages is None else "page table unreadable"
+    text = f"{s.store_pages:,} pages, {s.store_shared_pages or 0:,} shared"
+    asked, found = s.store_asked_pages or 0, s.store_found_pages or 0
+    if asked:
+        text += f"; {found:,} of {asked:,} pages asked found ({100 * found / asked:.0f}%)"
+    return text
+
+
 def snapshot_figures(s: MemorySnapshot) -> dict[str, str]:
     """Label texts for every row key, from one snapshot."""
     rest: int | None = None
@@ -84,6 +96,7 @@ def snapshot_figures(s: MemorySnapshot) -> dict[str, str]:
         "kv_shared": human_bytes(s.kv_shared_bytes) if s.kv_shared_bytes is not None
         else "paged KV off",
         "prefix_hits": _hit_rate(s.prefix_hits, s.prefix_lookups),
+        "store_pages": _store_pages(s),
         "rest": human_bytes(rest),
         "rss": human_bytes(s.process_rss_bytes),
         "mlx_active": human_bytes(s.mlx_active_bytes),

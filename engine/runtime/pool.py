@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sqlite3
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -33,7 +34,7 @@ from typing import Any
 from engine.errors import Cancelled, StrataError
 from engine.kv import KVSettings, shared_bytes, ssd_bytes
 from engine.kv import settings_from_env as kv_settings_from_env
-from engine.kv.prefix import PrefixSettings, clear_folder, prefix_folder_bytes
+from engine.kv.prefix import PrefixCache, PrefixSettings, clear_folder, prefix_folder_bytes
 from engine.kv.prefix import settings_from_env as prefix_settings_from_env
 from engine.kv.settings import SESSIONS_DIR, store_root
 from engine.library import Library, Manifest
@@ -55,6 +56,7 @@ log = logging.getLogger(__name__)
 MIN_SHARED = 32
 SESSIONS = 8  # chats whose KV stays in RAM; older ones prefill again when reopened
 CACHES = 4  # the server's prompt caches per model
+STORE_SUMMARY_S = 5.0  # how stale the panel's stored-page counts may be
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -117,6 +119,7 @@ class ModelPool:
         # The draft setting's model, loaded once (engine.runtime.speculative).
         self.drafts = DraftModels(lambda name: LoadedModel.load(name, library=self.library))
         self.cluster: Any = None  # the loaded model split across Macs (engine.runtime.cluster)
+        self._store_summary: tuple[float, int | None, int | None] = (-STORE_SUMMARY_S, None, None)
 
     # -- settings -------------------------------------------------------------------------
     def prefix_settings(self) -> PrefixSettings:
@@ -410,9 +413,27 @@ class ModelPool:
                 budget = int(self.prefix_settings().budget_mb * (1 << 20))
         snap = memory_snapshot(self.weights_bytes, kv, kv_ssd, prefix, kv_reason,
                                prefix_reason, shared, hits, lookups, budget)
+        if lm is not None and lm.prefix_cache is not None:
+            pages, shared_pages = self._store_pages(lm.prefix_cache)
+            st = lm.prefix_cache.stats
+            snap = replace(snap, store_pages=pages, store_shared_pages=shared_pages,
+                                       store_asked_pages=st.asked_pages,
+                                       store_found_pages=st.found_pages)
         if self.cluster is not None:  # a split model: a row per Mac (its weights and KV)
             return self.cluster.snapshot(snap, kv)
         return snap
+
+    def _store_pages(self, prefix: PrefixCache) -> tuple[int | None, int | None]:
+        """(stored pages, shared pages) from the page table, read at most every
+        STORE_SUMMARY_S: the panel asks every second and a summary walks every chain."""
+        now = time.monotonic()
+        if now - self._store_summary[0] >= STORE_SUMMARY_S:
+            try:
+                s = prefix.table.summary()
+                self._store_summary = (now, int(s["pages"]), int(s["shared_pages"]))
+            except (OSError, sqlite3.Error):  # a store being swept or a full disk: no figure
+                self._store_summary = (now, None, None)
+        return self._store_summary[1], self._store_summary[2]
 
     def status(self) -> dict[str, Any]:
         """The loaded model and the server's prompt caches (most recent first)."""

@@ -67,6 +67,10 @@ def test_a_system_prompt_stays_warm_across_a_restart(
     # After a reply with the prefix cache on, the panel shows what it holds on disk.
     qtbot.waitUntil(lambda: _bytes(again.memory.value_text("prefix_disk")) > 0,
                     timeout=10_000)
+    # The page table's row: the stored pages, and the restore's pages counted as found.
+    qtbot.waitUntil(lambda: "found" in again.memory.value_text("store_pages"), timeout=10_000)
+    pages = again.memory.value_text("store_pages")
+    assert int(pages.split(" pages")[0].replace(",", "")) >= 2, pages
 
 
 def test_kv_settings_are_stored_and_reach_the_engine(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from app.main import MainWindow
@@ -48,6 +49,10 @@ def test_missing_counters_read_unavailable_never_zero() -> None:
     figures = snapshot_figures(memory_snapshot(kv_shared_bytes=3_000_000, prefix_hits=3,
                                                prefix_lookups=4))
     assert figures["kv_shared"] == "3.0 MB" and figures["prefix_hits"] == "3 of 4 prompts (75%)"
+    assert figures["store_pages"] == "prefix cache off"
+    figures = snapshot_figures(replace(memory_snapshot(), store_pages=1200, store_shared_pages=14,
+                                       store_asked_pages=32, store_found_pages=14))
+    assert figures["store_pages"] == "1,200 pages, 14 shared; 14 of 32 pages asked found (44%)"
 
 
 def test_the_chart_takes_each_replys_phases(qtbot: Any) -> None:
