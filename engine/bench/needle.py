@@ -364,6 +364,7 @@ def run(args: argparse.Namespace) -> int:
     cells: list[NeedleCell] = []
 
     def show(c: NeedleCell) -> None:
+        cells.append(c)  # here, not from run_needle's return: an interrupt keeps these
         say(f"  {c.target} {c.depth:.0%} {c.kind} {c.rope} {c.mode} {c.budget_tokens}: "
             f"{'found' if c.found else 'missed'} ({c.reply!r}; prefill {c.prefill_tok_s} "
             f"tok/s, decode {c.decode_tok_s} tok/s, load {os.getloadavg()[0]:.1f}, "
@@ -380,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
                 name = f"yarn x{config['rope_scaling']['factor']:g}"
                 subjects = ([] if args.needle_rope == "yarn" else subjects) + [(name, scaled)]
             for rope, model in subjects:
-                cells += run_needle(lm, [length], depths, modes, budgets, kinds=kinds,
+                run_needle(lm, [length], depths, modes, budgets, kinds=kinds,
                                     model=model, rope=rope, seed=args.seed, text=text,
                                     page_tokens=args.page_tokens, on_cell=show)
     except KeyboardInterrupt:
