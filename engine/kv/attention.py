@@ -143,10 +143,10 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
         raise NotImplementedError("paged KV cache: batch size 1 only")
     h = store.kv_heads
     contig = getattr(cache, "contig", None)
-    if contig is not None and (store.settings.mode != "sparse" or L > SPARSE_MAX_L
-                               or contig[0].shape[2] <= store.settings.budget_tokens):
-        # Every position in the cache's contiguous buffer: one fused call, as mlx-lm's cache.
-        # (The cache wrote the block summaries as it committed the pages.)
+    if contig is not None:
+        # Every position in the cache's contiguous buffer (in sparse mode at most the budget,
+        # so attending to all of it is what sparse selection would do): one fused call, as
+        # mlx-lm's cache. (The cache wrote the block summaries as it committed the pages.)
         return _fused_all(queries, contig[0], contig[1], scale, sinks)
     # The tail plus the chunk (1, H, T, D): the cache built it as it committed the pages.
     both = getattr(cache, "recent", None)

@@ -182,7 +182,6 @@ class PagedLayerCache:
             end = self.offset + keys.shape[2]
             t0 = n_pages * p
             bk, bv = self.buf_k, self.buf_v
-            k, v = bk[:, :, t0:end], bv[:, :, t0:end]
             full = (end - t0) // p
             for i in range(full):
                 # Copies, evaluated now: a page held as a slice of the buffer (in the
@@ -191,10 +190,8 @@ class PagedLayerCache:
                 pk, pv = mx.contiguous(bk[0, :, a:b]), mx.contiguous(bv[0, :, a:b])
                 mx.eval(pk, pv)
                 self.store.commit(self.layer, pk, pv)
-            tail = self.offset - t0
-            self.view = (n_pages, bk[:, :, t0:self.offset] if tail else None,
-                         bv[:, :, t0:self.offset] if tail else None)
-            self.recent = (k, v)
+            # Attention reads `contig` alone (no tail or recent slices to build each step).
+            self.view = (n_pages, None, None)
             self.contig = (bk[:, :, :end], bv[:, :, :end])
             self.offset = end
             return keys, values
