@@ -4,7 +4,10 @@ Contract: `LayerCache` is the vocabulary both mlx_lm.models.cache.KVCache and
 `PagedLayerCache` speak (offset, update_and_fetch, state, trim, is_trimmable, nbytes): the
 typed seam between the runtime and any layer cache. `update_and_fetch` commits every page the
 chunk completes and returns the chunk itself; the hooked attention then reads what the cache
-held before the chunk (`view`) plus the chunk, so nothing is gathered twice.
+held before the chunk (`view`) plus the chunk, so nothing is gathered twice. While the layer
+holds at most CONTIG_MAX full-precision positions that its RAM tier could hold, they are also
+in one contiguous buffer written in place, and `contig` (all positions, the chunk's last) is
+what attention reads instead: mlx-lm's KVCache ops, the pages still committed to the store.
 `WindowLayerCache` is a sliding-window layer's KV, bounded and in RAM (a window of W
 positions never pages): it keeps the last W - 1 positions plus `slack` (so that a follow-up
 prompt may trim that many), returns from `update_and_fetch` exactly the positions the chunk
