@@ -143,6 +143,12 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
     if b != 1:
         raise NotImplementedError("paged KV cache: batch size 1 only")
     h = store.kv_heads
+    contig = getattr(cache, "contig", None)
+    if contig is not None:
+        # Every position in the cache's contiguous buffer (in sparse mode at most the budget,
+        # so attending to all of it is what sparse selection would do): one fused call, as
+        # mlx-lm's cache. (The cache wrote the block summaries as it committed the pages.)
+        return _fused_all(queries, contig[0], contig[1], scale, sinks)
     # The tail plus the chunk (1, H, T, D): the cache built it as it committed the pages.
     both = getattr(cache, "recent", None)
     if both is None or both[0].shape[2] != L + (0 if tail_k is None else tail_k.shape[2]):
@@ -178,6 +184,15 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
         acc = _merge(acc, _sink_partial(sinks, h, L, dv, acc[2].dtype))
     out = acc[2] / acc[1][..., None]
     return out.reshape(1, hq, L, dv).astype(queries.dtype)
+
+
+def _fused_all(queries: Any, k: Any, v: Any, scale: float, sinks: Any = None) -> Any:
+    """MLX's fused attention of a chunk over keys and values (1, H, T, D) that end with it."""
+    mask = None if queries.shape[2] == 1 else "causal"  # aligned to the end, as mlx-lm's
+    if sinks is None:
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+    return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask,
+                                                sinks=sinks.astype(queries.dtype))
 
 
 def _fused(queries: Any, keys: Any, values: Any, view: tuple[Any, Any], scale: float,

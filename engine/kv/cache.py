@@ -4,7 +4,10 @@ Contract: `LayerCache` is the vocabulary both mlx_lm.models.cache.KVCache and
 `PagedLayerCache` speak (offset, update_and_fetch, state, trim, is_trimmable, nbytes): the
 typed seam between the runtime and any layer cache. `update_and_fetch` commits every page the
 chunk completes and returns the chunk itself; the hooked attention then reads what the cache
-held before the chunk (`view`) plus the chunk, so nothing is gathered twice.
+held before the chunk (`view`) plus the chunk, so nothing is gathered twice. While the layer
+holds at most CONTIG_MAX full-precision positions that its RAM tier could hold, they are also
+in one contiguous buffer written in place, and `contig` (all positions, the chunk's last) is
+what attention reads instead: mlx-lm's KVCache ops, the pages still committed to the store.
 `WindowLayerCache` is a sliding-window layer's KV, bounded and in RAM (a window of W
 positions never pages): it keeps the last W - 1 positions plus `slack` (so that a follow-up
 prompt may trim that many), returns from `update_and_fetch` exactly the positions the chunk
@@ -14,6 +17,7 @@ function runs on it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -41,6 +45,16 @@ class LayerCache(Protocol):
     def nbytes(self) -> int: ...
 
 
+# While a layer holds at most this many positions (and its pages are full precision), they
+# are also kept in one contiguous buffer, grown CONTIG_STEP positions at a time as mlx-lm's
+# KVCache grows: a decode step then writes its token in place and attention is one fused call
+# over a slice, the ops mlx-lm's cache runs (the page-wise path built twice its graph at depth
+# 0, docs/benchmarks.md). The pages stay the store's (RAM tier, SSD, prefix cache); the buffer
+# is a copy of what attention reads, dropped past the limit.
+CONTIG_MAX = int(os.environ.get("STRATA_KV_CONTIG_MAX") or 16384)
+CONTIG_STEP = 256
+
+
 class PagedLayerCache:
     """One layer's view of a KVStore; positions [0, offset) are in pages plus the tail."""
 
@@ -48,40 +62,165 @@ class PagedLayerCache:
         self.store = store
         self.layer = layer
         self.offset = 0
-        self.tail_k: Any = None  # (1, kv_heads, t, head_dim), t < page_tokens
-        self.tail_v: Any = None
+        self._tail_k: Any = None  # (1, kv_heads, t, head_dim), t < page_tokens
+        self._tail_v: Any = None
         self.view: tuple[int, Any, Any] = (0, None, None)
         # The tail before the last chunk plus that chunk (1, kv_heads, t, head_dim), keys and
         # values: what attention reads besides the pages (built once, here).
         self.recent: tuple[Any, Any] | None = None
+        # The contiguous copy: (1, kv_heads, capacity, head_dim), positions [0, buf_len);
+        # `contig` is positions [0, offset) of it after the last chunk, or None when the
+        # buffer does not hold them (attention then reads the pages).
+        self.buf_k: Any = None
+        self.buf_v: Any = None
+        self.buf_len = 0
+        self.contig: tuple[Any, Any] | None = None
+        s = store.settings
+        self.contig_max = 0 if store.codec.quantized else (
+            min(CONTIG_MAX, s.budget_tokens) if s.mode == "sparse" else CONTIG_MAX)
+
+    # The tail: a slice of the buffer while it is used (a held slice would stop the next
+    # in-place write, which then copies the buffer), else its own arrays. Setting it from
+    # outside (a restored prefix) leaves the buffer behind.
+    @property
+    def tail_k(self) -> Any:
+        return self._buffer_tail(self.buf_k) if self._buffered() else self._tail_k
+
+    @tail_k.setter
+    def tail_k(self, a: Any) -> None:
+        self._drop_buffer(keep_tail=False)
+        self._tail_k = a
+
+    @property
+    def tail_v(self) -> Any:
+        return self._buffer_tail(self.buf_v) if self._buffered() else self._tail_v
+
+    @tail_v.setter
+    def tail_v(self, a: Any) -> None:
+        self._drop_buffer(keep_tail=False)
+        self._tail_v = a
+
+    def _buffered(self) -> bool:
+        return self.buf_k is not None and self.buf_len == self.offset
+
+    def _buffer_tail(self, buf: Any) -> Any:
+        t0 = self.store.tables[self.layer].n_pages * self.store.P
+        return buf[:, :, t0:self.offset] if self.offset > t0 else None
+
+    def _drop_buffer(self, keep_tail: bool = True) -> None:
+        if self.buf_k is None:
+            return
+        if keep_tail and self._buffered():
+            k, v = self._buffer_tail(self.buf_k), self._buffer_tail(self.buf_v)
+            if k is not None:
+                k, v = mx.contiguous(k), mx.contiguous(v)
+                mx.eval(k, v)
+            self._tail_k, self._tail_v = k, v
+        self.buf_k = self.buf_v = None
+        self.buf_len = 0
+        self.contig = None
+
+    def _fill_buffer(self, keys: Any, values: Any) -> bool:
+        """Write the chunk into the buffer (building it from the pages if it does not hold
+        the positions before); False when the buffer cannot be used for it."""
+        prev, n = self.offset, keys.shape[2]
+        # Only while the RAM tier holds every page too: past it the buffer would be RAM the
+        # budget does not allow, and attention reads the pages from the SSD tier as it must.
+        limit = min(self.contig_max, self.store.max_slots * self.store.P)
+        if prev + n > limit or keys.dtype != self.store.dtype:
+            self._drop_buffer()
+            return False
+        if not self._buffered():
+            # Restored, trimmed past, or never built: from resident pages plus the tail.
+            table = self.store.tables[self.layer]
+            parts = [self._tail_k, self._tail_v]
+            view: tuple[Any, Any] = (None, None)
+            if table.n_pages:
+                got = self.store.resident_view(self.layer, table.n_pages)
+                if got is None:
+                    self._drop_buffer()
+                    return False
+                view = got
+            self.buf_k = self.buf_v = None
+            self.buf_len = 0
+            ks, vs = [], []
+            if view[0] is not None:
+                pn, h, p, d = view[0].shape
+                ks.append(view[0].transpose(1, 0, 2, 3).reshape(1, h, pn * p, d))
+                vs.append(view[1].transpose(1, 0, 2, 3).reshape(1, h, pn * p, -1))
+            if parts[0] is not None:
+                ks.append(parts[0])
+                vs.append(parts[1])
+            if ks:
+                k0 = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)
+                v0 = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+                assert k0.shape[2] == prev
+                self._grow(prev + n, keys, values)
+                self.buf_k[:, :, :prev] = k0
+                self.buf_v[:, :, :prev] = v0
+            self._tail_k = self._tail_v = None
+        if self.buf_k is None or prev + n > self.buf_k.shape[2]:
+            self._grow(prev + n, keys, values)
+        self.buf_k[:, :, prev:prev + n] = keys
+        self.buf_v[:, :, prev:prev + n] = values
+        self.buf_len = prev + n
+        return True
+
+    def _grow(self, need: int, keys: Any, values: Any) -> None:
+        cap = min(-(-need // CONTIG_STEP) * CONTIG_STEP, max(need, self.contig_max))
+        b, h, _, dk = keys.shape
+        nk = mx.zeros((b, h, cap, dk), keys.dtype)
+        nv = mx.zeros((b, h, cap, values.shape[3]), values.dtype)
+        if self.buf_k is not None and self.buf_len:
+            nk[:, :, :self.buf_len] = self.buf_k[:, :, :self.buf_len]
+            nv[:, :, :self.buf_len] = self.buf_v[:, :, :self.buf_len]
+        self.buf_k, self.buf_v = nk, nv
 
     # -- the KVCache vocabulary -----------------------------------------------------------
     def update_and_fetch(self, keys: Any, values: Any) -> tuple[Any, Any]:
         table = self.store.tables[self.layer]
-        self.view = (table.n_pages, self.tail_k, self.tail_v)
-        if self.tail_k is None:
+        n_pages, p = table.n_pages, self.store.P
+        self.recent = self.contig = None  # let go of the last step's slices first
+        if self._fill_buffer(keys, values):
+            end = self.offset + keys.shape[2]
+            t0 = n_pages * p
+            bk, bv = self.buf_k, self.buf_v
+            full = (end - t0) // p
+            for i in range(full):
+                # Copies, evaluated now: a page held as a slice of the buffer (in the
+                # store's lazy graph or its summaries) would make every later write copy it.
+                a, b = t0 + i * p, t0 + (i + 1) * p
+                pk, pv = mx.contiguous(bk[0, :, a:b]), mx.contiguous(bv[0, :, a:b])
+                mx.eval(pk, pv)
+                self.store.commit(self.layer, pk, pv)
+            # Attention reads `contig` alone (no tail or recent slices to build each step).
+            self.view = (n_pages, None, None)
+            self.contig = (bk[:, :, :end], bv[:, :, :end])
+            self.offset = end
+            return keys, values
+        self.view = (n_pages, self._tail_k, self._tail_v)
+        if self._tail_k is None:
             k, v = keys, values
         else:
-            k = mx.concatenate([self.tail_k, keys], axis=2)
-            v = mx.concatenate([self.tail_v, values], axis=2)
+            k = mx.concatenate([self._tail_k, keys], axis=2)
+            v = mx.concatenate([self._tail_v, values], axis=2)
         self.recent = (k, v)
-        p = self.store.P
         full = k.shape[2] // p
         for i in range(full):
             self.store.commit(self.layer, k[0, :, i * p:(i + 1) * p], v[0, :, i * p:(i + 1) * p])
         rest = k.shape[2] - full * p
         if rest:
-            self.tail_k, self.tail_v = k[:, :, full * p:], v[:, :, full * p:]
+            self._tail_k, self._tail_v = k[:, :, full * p:], v[:, :, full * p:]
         else:
-            self.tail_k = self.tail_v = None
+            self._tail_k = self._tail_v = None
         self.offset += keys.shape[2]
         return keys, values
 
     @property
     def state(self) -> list[Any]:
         s = self.store
-        arrays = [*(s.pool_k[self.layer] or ()), *(s.pool_v[self.layer] or ()), self.tail_k,
-                  self.tail_v]
+        extra = [self.buf_k, self.buf_v] if self._buffered() else [self._tail_k, self._tail_v]
+        arrays = [*(s.pool_k[self.layer] or ()), *(s.pool_v[self.layer] or ()), *extra]
         return [a for a in arrays if a is not None]
 
     @state.setter
@@ -110,20 +249,27 @@ class PagedLayerCache:
         p = self.store.P
         keep, rest = divmod(target, p)
         table = self.store.tables[self.layer]
+        self.recent = self.contig = None
+        if self._buffered():
+            # The buffer still holds [0, target): only the pages past it go.
+            if keep < table.n_pages:
+                self.store.truncate(self.layer, keep)
+            self.offset = self.buf_len = target
+            return n
         if keep < table.n_pages:
             tail_k = tail_v = None
             if rest:
                 k, v = self.store.page_np(self.layer, keep)
                 tail_k, tail_v = k[None, :, :rest], v[None, :, :rest]
             self.store.truncate(self.layer, keep)
-            self.tail_k, self.tail_v = tail_k, tail_v
-        elif self.tail_k is not None:
-            self.tail_k = self.tail_k[:, :, :rest] if rest else None
-            self.tail_v = self.tail_v[:, :, :rest] if rest else None
-        if self.tail_k is not None:
+            self._tail_k, self._tail_v = tail_k, tail_v
+        elif self._tail_k is not None:
+            self._tail_k = self._tail_k[:, :, :rest] if rest else None
+            self._tail_v = self._tail_v[:, :, :rest] if rest else None
+        if self._tail_k is not None:
             # Detach from the old page buffer so the pool can be updated in place.
-            self.tail_k, self.tail_v = mx.contiguous(self.tail_k), mx.contiguous(self.tail_v)
-            mx.eval(self.tail_k, self.tail_v)
+            self._tail_k, self._tail_v = mx.contiguous(self._tail_k), mx.contiguous(self._tail_v)
+            mx.eval(self._tail_k, self._tail_v)
         self.offset = target
         return n
 
@@ -137,9 +283,12 @@ class PagedLayerCache:
     @property
     def nbytes(self) -> int:
         """RAM held for this layer: resident pages (as stored: quantized pages count their
-        encoded size) plus the tail (as computed)."""
+        encoded size) plus the tail (as computed) or the contiguous buffer."""
         table = self.store.tables[self.layer]
-        tail = 0 if self.tail_k is None else 2 * int(self.tail_k.nbytes)
+        if self.buf_k is not None:
+            tail = int(self.buf_k.nbytes) + int(self.buf_v.nbytes)
+        else:
+            tail = 0 if self._tail_k is None else 2 * int(self._tail_k.nbytes)
         return table.n_resident * self.store.page_bytes + tail
 
 
