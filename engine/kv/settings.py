@@ -136,11 +136,6 @@ class KVGeometry:
 
 
 MODES = ("mlx", "exact", "sparse")
-# The page store in exact mode is the default KV cache: with its contiguous buffer
-# (engine.kv.cache) it runs mlx-lm's ops at every depth up to 16k and reads pages past it,
-# and it keeps prefixes across restarts. 'mlx' (mlx-lm's KVCache) stays the benchmarks' peer
-# and the fallback for models the store cannot page (KVGeometry.unpaged).
-DEFAULT_MODE = "exact"
 BITS = (16, 8, 4)  # KV precision: 16 keeps the compute dtype, 8 and 4 quantize pages
 GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
 # Group size by bits when not set (docs/benchmarks.md, KV bits): at 8 bits the group hardly
@@ -151,8 +146,7 @@ DEFAULT_GROUP = {16: 64, 8: 64, 4: 32}
 
 @dataclass(frozen=True)
 class KVSettings:
-    """How the KV cache is kept (mode: DEFAULT_MODE unless set). mode 'mlx' is mlx-lm's own
-    in-memory KVCache.
+    """How the KV cache is kept. mode 'mlx' is mlx-lm's own in-memory KVCache.
 
     ram_mb: RAM tier budget (None: a quarter of system memory). ssd_mb: SSD tier budget.
     budget_tokens: sparse mode's attention budget per query (sinks and window included).
@@ -162,7 +156,7 @@ class KVSettings:
     modes only.
     """
 
-    mode: str = DEFAULT_MODE
+    mode: str = "mlx"
     page_tokens: int = 128
     ram_mb: int | None = None
     ssd: bool = True
