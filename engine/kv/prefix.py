@@ -97,11 +97,8 @@ class PrefixCache(PrefixRestorer, PrefixWriter):
                  settings: PrefixSettings | None = None, windows: Sequence[int] = (),
                  window_shapes: Sequence[tuple[int, int, int]] = (), bits: int = 16,
                  group: int = 64) -> None:
-        """n_layers, kv_heads, head_dim: the full-attention layers' (those in page records).
-        windows: each model layer's sliding window, 0 for full attention (empty: all full);
-        window_shapes: (kv_heads, key dim, value dim) of each sliding layer, in order.
-        bits, group: the paged KV cache's page encoding (engine.kv.codec); 8 and 4 bits store
-        the quantized page bytes as the paged store holds them (the key must say so too)."""
+        """The arguments are PrefixLayout's (engine.kv.prefix_format); this adds the page
+        table, the writer thread and the checkers' pool."""
         super().__init__(key, n_layers, kv_heads, head_dim, dtype, settings, windows,
                          window_shapes, bits, group)
         # A table that cannot be opened (a full disk) is opened when it can: no figures or
