@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import queue
 import struct
+import tempfile
 import threading
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -330,10 +331,14 @@ def check_writable(folder: Path) -> None:
     """Raise a one-line KVStoreError if the cache folder cannot hold page files."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / ".write-probe"
-        with open(probe, "wb") as f:
-            f.write(b"x")
-        probe.unlink()
+        # A probe of this process's own: processes sharing the folder (the ranks of a split
+        # model, two windows) checked one common name and removed each other's probe.
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=folder)
+        try:
+            os.write(fd, b"x")
+        finally:
+            os.close(fd)
+            os.unlink(probe)
     except OSError as exc:
         raise KVStoreError(f"KV cache folder {folder} is not writable "
                            f"({exc.strerror or exc})") from exc

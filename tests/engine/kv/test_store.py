@@ -180,6 +180,30 @@ def test_unwritable_folder_is_a_clear_error_at_start(tmp_path: Path) -> None:
     assert isinstance(err.value, StrataError)
 
 
+def test_stores_opening_at_once_on_one_folder_all_find_it_writable(tmp_path: Path) -> None:
+    # The ranks of a split model open their stores on one folder at the same moment: a
+    # probe file of one shared name was removed by one under another (the fresh-clone run).
+    import threading
+
+    from engine.kv.pagefile import check_writable
+
+    errors: list[str] = []
+
+    def check() -> None:
+        for _ in range(300):
+            try:
+                check_writable(tmp_path)
+            except KVStoreError as exc:
+                errors.append(str(exc))
+
+    threads = [threading.Thread(target=check) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and list(tmp_path.iterdir()) == []  # no probe left behind
+
+
 def test_full_ssd_budget_stops_spilling_then_ends_cleanly(tmp_path: Path) -> None:
     import mlx.core as mx
 
