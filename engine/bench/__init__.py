@@ -19,14 +19,15 @@ command above.
 Contract of this face: `add_arguments(parser)` adds the suite argument and every suite's
 options to `strata bench`'s parser; `run_cli(args)` runs the chosen suite and returns its
 exit code (0 done, 1 a subject failed, 130 interrupted, having kept what finished). This
-module imports only argparse: every `strata` command builds the parser, and the suites'
-child processes import this package before they choose what to load, so a suite's modules
-are imported when it runs.
+module imports only argparse and importlib: every `strata` command builds the parser, and the
+suites' child processes import this package before they choose what to load, so a suite's
+modules are imported when it runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 
 SUITES = ("quick", "full", "kv", "prefix", "kvbits", "import", "stored", "needle", "serve",
           "spec", "restart", "cluster", "longctx")
@@ -179,49 +180,19 @@ def _add_cluster(p: argparse.ArgumentParser) -> None:
                    help="cluster: force the split (default: tensor where it divides)")
 
 
+# Each suite's module, by suite name (needle: longctx is issue 19's name for the same suite);
+# any other suite (quick, full) is quick.py's.
+SUITE_MODULES = {
+    "kv": "kv", "prefix": "prefix", "import": "importing", "kvbits": "kvbits",
+    "stored": "stored", "spec": "spec", "needle": "needle", "longctx": "needle",
+    "restart": "restart", "cluster": "cluster", "serve": "serve",
+}
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """Run `args.suite` (parsed by a parser `add_arguments` set up); its exit code."""
-    # Each import below is the chosen suite's alone (see the module docstring).
-    if args.suite == "kv":
-        from engine.bench import kv  # the suite's modules load when it runs
-
-        return kv.run(args)
-    if args.suite == "prefix":
-        from engine.bench import prefix  # the suite's modules load when it runs
-
-        return prefix.run(args)
-    if args.suite == "import":
-        from engine.bench import importing  # the suite's modules load when it runs
-
-        return importing.run(args)
-    if args.suite == "kvbits":
-        from engine.bench import kvbits  # the suite's modules load when it runs
-
-        return kvbits.run(args)
-    if args.suite == "stored":
-        from engine.bench import stored  # the suite's modules load when it runs
-
-        return stored.run(args)
-    if args.suite == "spec":
-        from engine.bench import spec  # the suite's modules load when it runs
-
-        return spec.run(args)
-    if args.suite in ("needle", "longctx"):  # longctx: issue 19's name for the same suite
-        from engine.bench import needle  # the suite's modules load when it runs
-
-        return needle.run(args)
-    if args.suite == "restart":
-        from engine.bench import restart  # the suite's modules load when it runs
-
-        return restart.run(args)
-    if args.suite == "cluster":
-        from engine.bench import cluster  # the suite's modules load when it runs
-
-        return cluster.run(args)
-    if args.suite == "serve":
-        from engine.bench import serve  # the suite's modules load when it runs
-
-        return serve.run(args)
-    from engine.bench import quick  # quick and full: the suite's modules load when it runs
-
-    return quick.run(args)
+    # Imported here, the chosen suite's alone (see the module docstring).
+    name = SUITE_MODULES.get(args.suite, "quick")
+    suite = importlib.import_module(f"engine.bench.{name}")
+    code: int = suite.run(args)
+    return code

@@ -53,3 +53,15 @@ def test_the_entry_point_loads_no_suite() -> None:
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == []
     assert engine.bench.__doc__ and "floor 4" in engine.bench.__doc__
+
+
+def test_every_suite_names_a_module_that_runs_it() -> None:
+    """run_cli finds each suite's module by name: a suite added to SUITES without a module
+    (or a module renamed) fails here, not when a user runs it."""
+    import importlib
+
+    for suite in SUITES:
+        name = engine.bench.SUITE_MODULES.get(suite, "quick")
+        module = importlib.import_module(f"engine.bench.{name}")
+        assert callable(getattr(module, "run", None)), (suite, name)
+    assert set(engine.bench.SUITE_MODULES) <= set(SUITES)
