@@ -26,7 +26,7 @@ import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -147,6 +147,59 @@ def chain_hashes(tokens: Sequence[int], page_tokens: int, key: bytes, n_pages: i
         parent = h.digest()
         out.append(parent)
     return out
+
+
+class RunHead(NamedTuple):
+    """A run file's verified header, whatever its layout: its inode and size, page tokens,
+    layers, first depth, pages listed, bytes per page record, parent hash, model key, the
+    hashes it lists and the bytes before its first page record."""
+
+    ino: int
+    size: int
+    ptok: int
+    layers: int
+    first: int
+    n: int
+    pbytes: int
+    parent: bytes
+    key: bytes
+    hashes: list[bytes]
+    head: int
+
+
+def read_run_head(path: Path, remove_link: bool = False) -> RunHead | None:
+    """`path`'s run header if it is a run of this format whose header checksum verifies,
+    else None. A link is never followed (and removed with `remove_link`: the folder's own
+    readers remove what is not theirs; the folder views only look)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    except OSError as exc:
+        if remove_link and exc.errno == errno.ELOOP:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        return None
+    try:
+        st = os.fstat(fd)
+        head = os.pread(fd, 4096, 0)
+        if len(head) < _RUN.size:
+            return None
+        magic, version, ptok, layers, first, n, pbytes, parent, key = _RUN.unpack_from(head)
+        size = _RUN.size + 32 * n + _CRC.size
+        if (magic, version) != (RUN_MAGIC, PREFIX_VERSION) or n < 1 or pbytes < 1 \
+                or size > st.st_size:
+            return None
+        if size > len(head):
+            head += os.pread(fd, size - len(head), len(head))
+        if len(head) < size or zlib.crc32(head[:size - _CRC.size]) != _CRC.unpack_from(
+                head, size - _CRC.size)[0]:
+            return None
+        hashes = [head[_RUN.size + 32 * i:_RUN.size + 32 * (i + 1)] for i in range(n)]
+        return RunHead(st.st_ino, st.st_size, ptok, layers, first, n, pbytes, parent, key,
+                       hashes, size)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -316,40 +369,12 @@ class PrefixLayout:
     def _run_info(self, path: Path) -> _Run | None:
         """The run header of `path` if it is a run of this layout that verifies, else None.
         A link in the folder is not ours: it is removed, never followed."""
-        try:
-            fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                with contextlib.suppress(OSError):
-                    path.unlink()
+        h = read_run_head(path, remove_link=True)
+        if h is None or (h.ptok, h.layers, h.pbytes, h.key) != (
+                self.P, self.n_layers, self.page_bytes, self.key):
             return None
-        try:
-            st = os.fstat(fd)
-            head = os.pread(fd, 4096, 0)
-            if len(head) < _RUN.size:
-                return None
-            (magic, version, ptok, layers, first, n, pbytes, parent,
-             key) = _RUN.unpack_from(head)
-            if (magic, version, ptok, layers, pbytes, key) != (
-                    RUN_MAGIC, PREFIX_VERSION, self.P, self.n_layers, self.page_bytes, self.key):
-                return None
-            size = self.run_head_bytes(n)
-            if n < 1 or size > st.st_size:
-                return None
-            if size > len(head):
-                head += os.pread(fd, size - len(head), len(head))
-            if len(head) < size:
-                return None
-            body = head[:size - _CRC.size]
-            if zlib.crc32(body) != _CRC.unpack_from(head, size - _CRC.size)[0]:
-                return None
-            hashes = [body[_RUN.size + 32 * i:_RUN.size + 32 * (i + 1)] for i in range(n)]
-            present = min(n, (st.st_size - size) // self.page_bytes)
-            return _Run(path, st.st_ino, first, parent, hashes, present, size)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
+        present = min(h.n, (h.size - h.head) // self.page_bytes)
+        return _Run(path, h.ino, h.first, h.parent, h.hashes, present, h.head)
 
     def _walk(self, hashes: Sequence[bytes], start: int) -> tuple[int, list[_Run]]:
         """From page `start` on: the pages stored in a row and the runs that hold them."""

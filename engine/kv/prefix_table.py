@@ -29,12 +29,18 @@ import sqlite3
 import struct
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from engine.kv.prefix_format import _CRC, _NOFOLLOW, _RUN, PREFIX_VERSION, RUN_MAGIC
+from engine.kv.prefix_format import (
+    _CRC,
+    _NOFOLLOW,
+    _RUN,
+    PREFIX_VERSION,
+    RUN_MAGIC,
+    read_run_head,
+)
 from engine.kv.settings import SESSION_NAME, SESSIONS_DIR
 from engine.kv.tail import SUFFIX as TAIL_SUFFIX
 from engine.platform import pid_alive
@@ -72,31 +78,11 @@ def run_header(path: Path) -> tuple[int, int, int, int, bytes, bytes, list[bytes
     """A run file's header if it is one of this format that verifies: (inode, size, first
     depth, bytes per page record, parent hash, model key, the hashes of the pages wholly in
     the file); None for anything else (a link is never followed)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
-    except OSError:
+    h = read_run_head(path)
+    if h is None:
         return None
-    try:
-        st = os.fstat(fd)
-        head = os.pread(fd, 4096, 0)
-        if len(head) < _RUN.size:
-            return None
-        magic, version, _ptok, _layers, first, n, pbytes, parent, key = _RUN.unpack_from(head)
-        if magic != RUN_MAGIC or version != PREFIX_VERSION or n < 1 or pbytes < 1:
-            return None
-        size = _RUN.size + 32 * n + _CRC.size
-        if size > len(head):
-            head += os.pread(fd, size - len(head), len(head))
-        if len(head) < size or zlib.crc32(head[:size - _CRC.size]) != _CRC.unpack_from(
-                head, size - _CRC.size)[0]:
-            return None
-        present = min(n, max(0, st.st_size - size) // pbytes)
-        hashes = [head[_RUN.size + 32 * i:_RUN.size + 32 * (i + 1)] for i in range(present)]
-        return st.st_ino, st.st_size, first, pbytes, parent, key, hashes
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+    present = min(h.n, max(0, h.size - h.head) // h.pbytes)
+    return h.ino, h.size, h.first, h.pbytes, h.parent, h.key, h.hashes[:present]
 
 
 class PageTable:
