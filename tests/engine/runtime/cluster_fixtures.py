@@ -4,11 +4,13 @@ Contract: `waiter` (module scope) is a real `strata join --listen PORT` process 
 mDNS on loopback only (STRATA_MDNS_INTERFACE), yielding its "127.0.0.1:PORT" and checking
 that SIGTERM stops it cleanly; a test module takes it with `waiter = cluster_fixtures.waiter`.
 `waiter_env(home)` is the environment such a process runs in; `wait_for(address, proc)`
-waits until it answers.
+waits until it answers; `keyed_waiter_at(addr, home, key)` runs one holding a server key,
+asked at `addr` (off loopback), for the key and shipping tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -57,3 +59,20 @@ def waiter(strata_home: Path) -> Iterator[str]:
         finally:
             proc.terminate()
             assert proc.wait(10) == 0  # SIGTERM: it left the network and stopped
+
+
+@contextlib.contextmanager
+def keyed_waiter_at(addr: str, home: Path, key: str) -> Iterator[str]:
+    """A real `strata join --api-key KEY` on `home`, not advertised, yielding "ADDR:PORT"
+    once it answers there; the key comes from the flag alone (STRATA_API_KEY dropped)."""
+    port = free_ports(1)[0]
+    env = {k: v for k, v in waiter_env(home).items() if k != "STRATA_API_KEY"}
+    with subprocess.Popen([sys.executable, "-m", "app", "join", "--listen", str(port),
+                           "--no-advertise", "--api-key", key], env=env, cwd=REPO,
+                          stdin=subprocess.DEVNULL) as proc:
+        try:
+            wait_for(f"{addr}:{port}", proc)
+            yield f"{addr}:{port}"
+        finally:
+            proc.terminate()
+            proc.wait(10)

@@ -23,7 +23,7 @@ import pytest
 from engine.runtime.cluster import JOIN_COMMAND, ClusterError, free_ports, start, write_hostfile
 from engine.runtime.cluster_find import ask, local_address
 from engine.telemetry import Timeline
-from tests.engine.runtime.cluster_fixtures import REPO, wait_for, waiter_env
+from tests.engine.runtime.cluster_fixtures import REPO, keyed_waiter_at, wait_for, waiter_env
 
 KEY = "the-server-key-1"
 ADDR = local_address()
@@ -83,17 +83,8 @@ def test_a_wrong_or_missing_key_off_loopback_is_one_line_before_anything_loads(
 def keyed_waiter(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real `strata join` holding KEY, asked at ADDR (not loopback)."""
     home = tmp_path_factory.mktemp("waiter-home")
-    port = free_ports(1)[0]
-    env = {k: v for k, v in waiter_env(home).items() if k != "STRATA_API_KEY"}
-    with subprocess.Popen([sys.executable, "-m", "app", "join", "--listen", str(port),
-                           "--no-advertise", "--api-key", KEY], env=env, cwd=REPO,
-                          stdin=subprocess.DEVNULL) as proc:
-        try:
-            wait_for(f"{ADDR}:{port}", proc)
-            yield f"{ADDR}:{port}"
-        finally:
-            proc.terminate()
-            proc.wait(10)
+    with keyed_waiter_at(ADDR, home, KEY) as address:
+        yield address
 
 
 def test_a_waiter_off_loopback_invites_only_with_the_key(

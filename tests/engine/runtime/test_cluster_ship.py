@@ -29,7 +29,7 @@ from engine.runtime.cluster import JOIN_COMMAND, free_ports, write_hostfile
 from engine.runtime.cluster_find import local_address
 from engine.runtime.generate import generate
 from engine.runtime.sampling import SamplingParams
-from tests.engine.runtime.cluster_fixtures import REPO, wait_for, waiter_env
+from tests.engine.runtime.cluster_fixtures import REPO, keyed_waiter_at
 
 KEY = "the-server-key-2"
 ADDR = local_address()
@@ -89,17 +89,8 @@ def empty_waiter(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str
     """A real `strata join` with the key, on a STRATA_HOME with no models, asked off
     loopback."""
     home = tmp_path_factory.mktemp("empty-home")
-    port = free_ports(1)[0]
-    env = {k: v for k, v in waiter_env(home).items() if k != "STRATA_API_KEY"}
-    with subprocess.Popen([sys.executable, "-m", "app", "join", "--listen", str(port),
-                           "--no-advertise", "--api-key", KEY], env=env, cwd=REPO,
-                          stdin=subprocess.DEVNULL) as proc:
-        try:
-            wait_for(f"{ADDR}:{port}", proc)
-            yield f"{ADDR}:{port}", home
-        finally:
-            proc.terminate()
-            proc.wait(10)
+    with keyed_waiter_at(ADDR, home, KEY) as address:
+        yield address, home
 
 
 @pytest.mark.skipif(ADDR.startswith("127."), reason="no non-loopback address here")
