@@ -76,6 +76,16 @@ TWO_LEVEL_FACTOR = 8
 # so the same context chose other blocks once pages were on the SSD (a restored prefix, a
 # long context), and an answer must not depend on the tier its pages are in.
 RESCORE = max(1, int(os.environ.get("STRATA_SPARSE_RESCORE") or 1))
+# Question votes (SnapKV's idea): a prefill chunk in sparse mode (at most VOTE_PAST_MAX tokens
+# in) records the exact attention weight its last VOTE_QUERIES queries give each block; decode
+# keeps the best-voted VOTE_SHARE of the chosen blocks for the whole reply (beside the per-step
+# choice), so the blocks the question itself looked at stay. 0 turns votes off.
+VOTE_SHARE = float(os.environ.get("STRATA_SPARSE_VOTES") or 0)
+VOTE_QUERIES = 32
+VOTE_PAST_MAX = SPARSE_PREFILL_PAST
+# The step right after the voting chunk (the prompt's last token, which writes the reply's
+# first token) attends exactly: it is still the prompt. STRATA_SPARSE_FIRST_EXACT=0: sparse.
+FIRST_EXACT = (os.environ.get("STRATA_SPARSE_FIRST_EXACT") or "0") != "0"
 
 _Partial = tuple[Any, Any, Any]  # running max (H, R), sum (H, R), output (H, R, D)
 
@@ -157,6 +167,9 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
     rk, rv = both[0][0], both[1][0]
     note_blocks(store, layer, n_pages, rk)
     past = n_pages * store.P
+    if (L > SPARSE_MAX_L and store.settings.mode == "sparse" and VOTE_SHARE > 0
+            and past <= VOTE_PAST_MAX):
+        note_votes(store, layer, queries, scale, n_pages, rk)
     # Sparse past the trained length: every chunk, prefill too, attends sparsely with
     # positions remapped into the trained window (engine/kv/remap.py).
     spec = remap.spec_for(store, past + rk.shape[1]) if n_pages else None
@@ -176,7 +189,12 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
         settings = store.settings
         if settings.mode == "sparse" and (spec is not None or L <= SPARSE_MAX_L or (
                 L <= SPARSE_CHUNK_L and n_pages * store.P > SPARSE_PREFILL_PAST)):
-            acc = _sparse(store, layer, qg, n_pages, recent, spec)
+            start = past + rk.shape[1] - L  # the chunk's first position
+            if (FIRST_EXACT and spec is None and L <= SPARSE_MAX_L
+                    and store.tables[layer].votes_at == start):
+                acc = _exact(store, layer, qg, n_pages, acc)
+            else:
+                acc = _sparse(store, layer, qg, n_pages, recent, spec, start)
         else:
             acc = _exact(store, layer, qg, n_pages, acc)
     assert acc is not None
@@ -287,8 +305,83 @@ def _score(bmin: Any, bmax: Any, qt: Any, m: Any) -> Any:
     return mx.logsumexp(bound - m[:, None, :], axis=-1)
 
 
+def note_votes(store: Any, layer: int, queries: Any, scale: float, n_pages: int,
+               rk: Any) -> None:
+    """The question's votes: the exact softmax weight the chunk's last VOTE_QUERIES queries
+    (1, q_heads, L, D) give each block of the pages [0, n_pages) and of rk (H, T, D), the
+    tail plus the chunk (causal), summed over the group's query heads and those queries, kept
+    in the layer's table (kv_heads, blocks). Keys from either tier, in page order, so the
+    votes do not depend on where the pages live."""
+    table = store.tables[layer]
+    h, t, d = rk.shape
+    _, hq, L, _ = queries.shape
+    lv = min(L, VOTE_QUERIES)
+    q = (queries[0, :, L - lv:] * scale).reshape(h, -1, d)           # (H, R), rows rep-major
+    r = q.shape[1]
+    b = table.block_tokens
+    nb = store.P // b
+    parts: list[tuple[Any, Any, Any]] = []                            # (max, sum, block sums)
+    if n_pages:
+        group = max(1, SCORE_ELEMENTS // (h * r * store.P))
+        for k in _key_groups(store, layer, np.arange(n_pages), group):
+            s = q[None] @ k.swapaxes(-1, -2)                          # (n, H, R, P)
+            m = s.max(axis=(0, 3))
+            e = mx.exp(s - m[None, :, :, None])
+            n = k.shape[0]
+            bs = e.reshape(n, h, r, nb, b).sum(axis=-1).transpose(1, 2, 0, 3).reshape(h, r, -1)
+            parts.append((m, e.sum(axis=(0, 3)), bs))
+    s = q @ rk.swapaxes(-1, -2)                                       # (H, R, T)
+    rows = mx.arange(lv)[:, None] + (t - lv)
+    s = mx.where(rows >= mx.arange(t)[None, :], s.reshape(h, -1, lv, t),
+                 mx.array(-mx.inf, s.dtype)).reshape(h, r, t)
+    m = s.max(axis=-1)
+    e = mx.exp(s - m[..., None])
+    tf = t // b * b  # a partial last block is in the window: no vote
+    parts.append((m, e.sum(axis=-1), e[..., :tf].reshape(h, r, tf // b, b).sum(axis=-1)))
+    top = parts[0][0]
+    for p in parts[1:]:
+        top = mx.maximum(top, p[0])
+    scales = [mx.exp(p[0] - top) for p in parts]
+    z = sum((p[1] * c for p, c in zip(parts, scales, strict=True)), mx.zeros_like(top))
+    votes = mx.concatenate([p[2] * (c / z)[..., None] for p, c in zip(parts, scales,
+                                                                      strict=True)], axis=-1)
+    votes = votes.sum(axis=1).astype(mx.float32)                      # (H, blocks)
+    mx.eval(votes)
+    table.set_votes(votes, n_pages * store.P + t)
+
+
+def _key_groups(store: Any, layer: int, pages: np.ndarray, group: int) -> Any:
+    """Decoded keys (n, H, P, D) of `pages`, groups of at most `group`, in page order, from
+    whichever tier holds each page."""
+    table = store.tables[layer]
+    view = store.resident_parts(layer, int(pages[-1]) + 1) if len(pages) and bool(
+        (np.diff(pages) == 1).all()) and int(pages[0]) == 0 else None
+    if view is not None:
+        for i in range(0, len(pages), group):
+            yield store.codec.decode(tuple(a[i:i + group] for a in view[0]))
+        return
+    res = table.resident(pages)
+    for i, (k, _) in enumerate(store.stream(layer, pages, group)):
+        r = res[i * group:(i + 1) * group]
+        order = np.argsort(np.concatenate([np.flatnonzero(r), np.flatnonzero(~r)]))
+        yield k[mx.array(order)]
+
+
+def _voted(table: Any, lo: int, hi: int, nb: int, k_vote: int, start: int) -> Any:
+    """The k_vote best-voted blocks (H, k_vote) among the candidates [lo, hi) pages, or None
+    (no votes for this context, or too few voted blocks among the candidates)."""
+    votes = table.votes
+    if k_vote <= 0 or votes is None or table.votes_at > start:
+        return None
+    n = min(votes.shape[1], hi * nb) - lo * nb
+    if n <= k_vote:
+        return None
+    pick = mx.argpartition(-votes[:, lo * nb:lo * nb + n], kth=k_vote - 1, axis=-1)
+    return pick[:, :k_vote] + lo * nb
+
+
 def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
-            spec: remap.RopeSpec | None = None) -> _Partial:
+            spec: remap.RopeSpec | None = None, start: int = -1) -> _Partial:
     """Quest over blocks of BLOCK_TOKENS (8): per KV head, the blocks most likely to matter to any
     of its query heads, within the budget; the sinks and the window are read whole.
 
@@ -297,63 +390,26 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     head's strongest recent key (acc's running max), and those are summed over the group:
     one head that needs a block keeps it, where a sum of raw bounds let the other heads'
     indifference drown it. The sinks and the window take at most FIXED_SHARE of the budget;
-    the window's older pages then compete as candidates. With every page in RAM the bound
-    only shortlists: `_rescore` ranks its best by their true logits.
+    the window's older pages then compete as candidates. With RESCORE > 1 the bound only
+    shortlists: `_rescore` ranks its best by their true logits. With question votes (the
+    prompt's last chunk, `note_votes`), VOTE_SHARE of the chosen blocks are the best-voted
+    ones, the same for every step of the reply. Every choice is a function of the summaries,
+    the votes and the keys as stored, never of the tier a page is in: candidate pages are
+    narrowed to the best READ_PAGES_FACTOR x RESCORE x the pages the budget fills on both
+    tiers, and the shortlist's keys are read from either (`_gather_keys`).
     `spec` (past the trained length): the gathered keys are re-rotated so that the sinks,
     the chosen blocks and the window sit contiguously inside the trained window
-    (remap.block_deltas); selection itself ranks by the keys as cached."""
+    (remap.block_deltas); selection itself ranks by the keys as cached. `start`: the
+    position of the step's first query (question votes are for the steps after theirs)."""
+    chosen = select_blocks(store, layer, qg, n_pages, acc, start)
+    if chosen is None:
+        return _exact(store, layer, qg, n_pages, acc)
+    top, sink, hi = chosen
     table = store.tables[layer]
     P = store.P
-    budget = store.settings.budget_tokens
-    sink = min(table.sink_pages, n_pages)
-    win = max(1, min(table.window_pages, int(budget * FIXED_SHARE) // P - sink))
-    win = min(win, n_pages - sink)
     b = table.block_tokens
     nb = P // b
-    k_sel = (budget - (sink + win) * P) // b
-    lo, hi = sink, n_pages - win
-    if (hi - lo) * nb <= k_sel or k_sel <= 0:
-        return _exact(store, layer, qg, n_pages, acc)
-    _catch_up(store, layer, n_pages)
     h, r, d = qg.shape
-    bmin, bmax = table.block_summaries
-    qt = qg.swapaxes(-1, -2)                                        # (H, D, R)
-    c = hi - lo
-    # Candidate blocks: every block of the candidate pages, or with many pages (two levels)
-    # the blocks of the pages whose own bound ranks highest per head.
-    n_first = max(TWO_LEVEL_MIN_PAGES, TWO_LEVEL_FACTOR * -(-k_sel * b // P))
-    if c > 2 * n_first:
-        pmin, pmax = table.kmin[lo:hi], table.kmax[lo:hi]          # (c, H, D)
-        pscore = _score(pmin.transpose(1, 0, 2), pmax.transpose(1, 0, 2), qt, acc[0])
-        first = mx.argpartition(-pscore, kth=n_first - 1, axis=-1)[:, :n_first]  # (H, M)
-        cand = (first[..., None] * nb + mx.arange(nb)).reshape(h, -1) + lo * nb  # (H, M*nb)
-        score = _score(mx.take_along_axis(bmin, cand[..., None], axis=1),
-                       mx.take_along_axis(bmax, cand[..., None], axis=1), qt, acc[0])
-        pages_of, n_cand = first, n_first                          # (H, M) pages - lo
-    else:
-        cand = None
-        score = _score(bmin[:, lo * nb:hi * nb], bmax[:, lo * nb:hi * nb], qt, acc[0])
-        pages_of, n_cand = None, c
-    m = max(1, READ_PAGES_FACTOR * (k_sel * b // P))
-    if m < c and not table.all_resident(n_pages):
-        per_page = score.reshape(h, n_cand, nb).max(axis=-1)        # (H, n_cand)
-        if pages_of is None:
-            best = per_page.max(axis=0)                             # (c,)
-        else:
-            best = mx.full((c,), -mx.inf, per_page.dtype).at[pages_of.reshape(-1)].maximum(
-                per_page.reshape(-1))
-        keep = mx.argpartition(-best, kth=m - 1)[:m]
-        chosen = mx.put_along_axis(mx.zeros((c,), mx.bool_), keep,
-                                   mx.ones(keep.shape, mx.bool_), axis=0)
-        ok = chosen[None] if pages_of is None else chosen[pages_of]  # (1 or H, n_cand)
-        score = mx.where(ok[..., None], score.reshape(h, n_cand, nb),
-                         mx.array(-mx.inf, score.dtype)).reshape(h, n_cand * nb)
-    resident = table.all_resident(n_pages)
-    if resident and RESCORE > 1:
-        top = _rescore(store, layer, qg, acc, score, k_sel, cand, lo, n_pages)
-    else:
-        top = mx.argpartition(-score, kth=k_sel - 1, axis=-1)[:, :k_sel]
-        top = top + lo * nb if cand is None else mx.take_along_axis(cand, top, axis=-1)
     delta = None
     if spec is not None:
         top, delta = remap.block_deltas(top, sink, hi, n_pages, P, b)
@@ -362,6 +418,7 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
                              top.astype(fixed.dtype)], axis=1)       # (H, n_blocks)
     page, blk = blocks // nb, blocks % nb
     heads = mx.arange(h)[:, None]
+    resident = table.all_resident(n_pages)
     if resident:
         # Everything hot: stay lazy (no sync), map pages to slots inside the graph.
         slots = page if table.identity else mx.array(table.slot_of[:n_pages])[page]
@@ -397,30 +454,129 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     return _merge(acc, _partial_flat(qg, k.reshape(h, -1, d), v.reshape(h, -1, v.shape[-1])))
 
 
+def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
+                  start: int = -1) -> tuple[Any, int, int] | None:
+    """The blocks a sparse step over pages [0, n_pages) attends besides the sinks and the
+    window (see `_sparse`): (top (H, k) block indices, sink pages, hi: the window's first
+    page), or None when the budget holds every candidate (the step is then exact). The same
+    summaries, votes and keys choose the same blocks whatever tier each page is in."""
+    table = store.tables[layer]
+    P = store.P
+    budget = store.settings.budget_tokens
+    sink = min(table.sink_pages, n_pages)
+    win = max(1, min(table.window_pages, int(budget * FIXED_SHARE) // P - sink))
+    win = min(win, n_pages - sink)
+    b = table.block_tokens
+    nb = P // b
+    k_sel = (budget - (sink + win) * P) // b
+    lo, hi = sink, n_pages - win
+    if (hi - lo) * nb <= k_sel or k_sel <= 0:
+        return None
+    _catch_up(store, layer, n_pages)
+    h, r, d = qg.shape
+    voted = _voted(table, lo, hi, nb, int(k_sel * VOTE_SHARE), start)
+    k_step = k_sel - (0 if voted is None else voted.shape[1])
+    bmin, bmax = table.block_summaries
+    qt = qg.swapaxes(-1, -2)                                        # (H, D, R)
+    c = hi - lo
+    # Candidate blocks: every block of the candidate pages, or with many pages (two levels)
+    # the blocks of the pages whose own bound ranks highest per head.
+    n_first = max(TWO_LEVEL_MIN_PAGES, TWO_LEVEL_FACTOR * -(-k_sel * b // P))
+    if c > 2 * n_first:
+        pmin, pmax = table.kmin[lo:hi], table.kmax[lo:hi]          # (c, H, D)
+        pscore = _score(pmin.transpose(1, 0, 2), pmax.transpose(1, 0, 2), qt, acc[0])
+        first = mx.argpartition(-pscore, kth=n_first - 1, axis=-1)[:, :n_first]  # (H, M)
+        cand = (first[..., None] * nb + mx.arange(nb)).reshape(h, -1) + lo * nb  # (H, M*nb)
+        score = _score(mx.take_along_axis(bmin, cand[..., None], axis=1),
+                       mx.take_along_axis(bmax, cand[..., None], axis=1), qt, acc[0])
+        pages_of, n_cand = first, n_first                          # (H, M) pages - lo
+    else:
+        cand = None
+        score = _score(bmin[:, lo * nb:hi * nb], bmax[:, lo * nb:hi * nb], qt, acc[0])
+        pages_of, n_cand = None, c
+    ninf = mx.array(-mx.inf, score.dtype)
+    if voted is not None:
+        # The voted blocks are chosen already: the step chooses among the others.
+        mask = mx.put_along_axis(mx.zeros((h, n_pages * nb), mx.bool_), voted,
+                                 mx.ones(voted.shape, mx.bool_), axis=1)
+        taken = mask[:, lo * nb:hi * nb] if cand is None else mx.take_along_axis(mask, cand,
+                                                                                   axis=1)
+        score = mx.where(taken, ninf, score)
+    m = max(2, READ_PAGES_FACTOR * RESCORE * -(-k_sel * b // P))
+    if m < c:
+        # A step reads about what its shortlist holds rather than one page per block (the
+        # pages on the SSD are read whole), on both tiers alike.
+        per_page = score.reshape(h, n_cand, nb).max(axis=-1)        # (H, n_cand)
+        if pages_of is None:
+            best = per_page.max(axis=0)                             # (c,)
+        else:
+            best = mx.full((c,), -mx.inf, per_page.dtype).at[pages_of.reshape(-1)].maximum(
+                per_page.reshape(-1))
+        keep = mx.argpartition(-best, kth=m - 1)[:m]
+        chosen = mx.put_along_axis(mx.zeros((c,), mx.bool_), keep,
+                                   mx.ones(keep.shape, mx.bool_), axis=0)
+        ok = chosen[None] if pages_of is None else chosen[pages_of]  # (1 or H, n_cand)
+        score = mx.where(ok[..., None], score.reshape(h, n_cand, nb),
+                         ninf).reshape(h, n_cand * nb)
+    if RESCORE > 1:
+        top = _rescore(store, layer, qg, acc, score, k_step, cand, lo, n_pages)
+    else:
+        top = mx.argpartition(-score, kth=k_step - 1, axis=-1)[:, :k_step]
+        top = top + lo * nb if cand is None else mx.take_along_axis(cand, top, axis=-1)
+    if voted is not None:
+        top = mx.concatenate([voted.astype(top.dtype), top], axis=1)
+    return top, sink, hi
+
+
+def _gather_keys(store: Any, layer: int, at: Any, n_pages: int) -> Any:
+    """Decoded keys (H, m, b, D) of the blocks `at` (H, m) per head, from whichever tier holds
+    their pages: gathered from the RAM tier, cold pages read through the store's verified
+    path first (kept in RAM when it holds them, else read for this step only)."""
+    table = store.tables[layer]
+    h, _ = at.shape
+    b = table.block_tokens
+    nb = store.P // b
+    page, blk = at // nb, at % nb
+    heads = mx.arange(h)[:, None]
+    if table.all_resident(n_pages):
+        slots = page if table.identity else mx.array(table.slot_of[:n_pages])[page]
+    else:
+        page_np = np.array(page)
+        uniq = np.unique(page_np)
+        if store.ensure_resident(layer, uniq) is None:
+            res = table.resident(uniq)
+            pos_of = np.empty(len(uniq), np.int64)
+            pos_of[np.concatenate([np.flatnonzero(res), np.flatnonzero(~res)])] = np.arange(
+                len(uniq))
+            ku, _ = next(iter(store.stream(layer, uniq, len(uniq))))
+            pos = mx.array(pos_of[np.searchsorted(uniq, page_np)])
+            return ku.reshape(*ku.shape[:2], nb, b, ku.shape[-1])[pos, heads, blk]
+        slots = mx.array(table.slot_of[page_np])
+    return store.codec.decode(tuple(a.reshape(*a.shape[:2], nb, b, a.shape[-1])[slots, heads, blk]
+                                    for a in store.pool_k[layer]))
+
+
 def _rescore(store: Any, layer: int, qg: Any, acc: _Partial, score: Any, k_sel: int,
              cand: Any, lo: int, n_pages: int) -> Any:
     """The k_sel blocks (H, k_sel) among `score`'s candidates (the blocks of pages lo.., or
-    with two levels the blocks `cand` names per head; all resident) chosen by their true
-    largest logit: the RESCORE * k_sel best by bound are read (keys
-    only) and ranked by max q.k against each query head's recent max, summed over the group
-    as the bound is.
+    with two levels the blocks `cand` names per head) chosen by their true largest logit: the
+    RESCORE * k_sel best by bound are read (keys only, from either tier) and ranked by max
+    q.k against each query head's recent max, summed over the group as the bound is; a
+    candidate the bound ruled out (-inf: voted, or outside the pages kept) stays out.
     The box bound of 8 keys in 64 dimensions is loose on natural text: at 4k tokens and a
     768 budget it missed a fact that true logits find (docs/benchmarks.md, issue 19); the
     bound still prunes, so a step reads RESCORE x the chosen blocks' keys, not all keys."""
-    table = store.tables[layer]
     h, r, d = qg.shape
-    b = table.block_tokens
-    nb = store.P // b
+    nb = store.P // store.tables[layer].block_tokens
     m = min(RESCORE * k_sel, score.shape[1])
     pre = mx.argpartition(-score, kth=m - 1, axis=-1)[:, :m]             # (H, m) candidates
     at = pre + lo * nb if cand is None else mx.take_along_axis(cand, pre, axis=-1)
-    page, blk = at // nb, at % nb
-    slots = page if table.identity else mx.array(table.slot_of[:n_pages])[page]
-    heads = mx.arange(h)[:, None]
-    k = store.codec.decode(tuple(a.reshape(*a.shape[:2], nb, b, a.shape[-1])[slots, heads, blk]
-                                 for a in store.pool_k[layer]))          # (H, m, b, D)
+    k = _gather_keys(store, layer, at, n_pages)                          # (H, m, b, D)
+    b = k.shape[2]
     s = (qg @ k.reshape(h, m * b, d).swapaxes(-1, -2)).reshape(h, r, m, b).max(axis=-1)
     true = mx.logsumexp(s - acc[0][:, :, None], axis=1)                  # (H, m)
+    out = mx.take_along_axis(score, pre, axis=-1) == -mx.inf
+    true = mx.where(out, mx.array(-mx.inf, true.dtype), true)
     pick = mx.argpartition(-true, kth=k_sel - 1, axis=-1)[:, :k_sel]
     return mx.take_along_axis(at, pick, axis=-1)
 

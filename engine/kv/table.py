@@ -1,5 +1,5 @@
 """The page table of one layer: metadata only (tier, slot, LRU order, key summaries per page
-and per block of BLOCK_TOKENS).
+and per block of BLOCK_TOKENS, the question's votes per block).
 
 Contract: pages are numbered from 0 in token order; page i holds positions [i*P, (i+1)*P).
 A page is resident when it has a RAM slot, on disk once the writer has stored it. Pinned pages
@@ -54,6 +54,11 @@ class LayerTable:
         self._bmax: Any = None
         self._bpending: list[tuple[Any, Any]] = []
         self.block_pages = 0
+        # Question votes (engine.kv.attention, sparse mode): the exact attention weight the
+        # last prompt queries gave each block, (kv_heads, blocks) float32, computed by the
+        # prompt's last chunk when it ended at token `votes_at`; a later chunk replaces them.
+        self.votes: Any = None
+        self.votes_at = -1
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _grow(self, n: int) -> None:
@@ -181,6 +186,10 @@ class LayerTable:
         if self._pending:
             self._join()
         return self._kmax
+
+    def set_votes(self, votes: Any, at: int) -> None:
+        """The question's votes (kv_heads, blocks) of a chunk that ended at token `at`."""
+        self.votes, self.votes_at = votes, at
 
     def add_blocks(self, bmin: Any, bmax: Any) -> None:
         """Append the block summaries of pages [block_pages, block_pages + n): (n, kv_heads,

@@ -1,10 +1,14 @@
 """Sparse selection that holds on natural text (issue 19): blocks chosen by their true
-largest logit among the bound's best, where the box bound alone ranks decoys first."""
+largest logit among the bound's best, where the box bound alone ranks decoys first; the
+question's votes keeping what the prompt's last chunk attended to; the same blocks chosen
+whether the pages are in RAM or on the SSD."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 import engine  # noqa: F401  (BLAS shim before mlx)
@@ -15,11 +19,12 @@ from engine.kv.store import KVStore
 H, D, P = 1, 16, 8
 
 
-def _decode_over_decoys(tmp_path: Path) -> float:
+def _decode_over_decoys(tmp_path: Path, question: bool = False) -> float:
     """One decode step over pages: a sink, three decoy blocks (each key large in one other
     dimension: box bound 8a, true logit a), the block that matters (every key q.k = 3a, value
     1), three empty blocks, the window. The budget chooses 2 blocks of the 7 candidates.
-    Returns the output (1 when all weight is on the block that matters)."""
+    Returns the output (1 when all weight is on the block that matters). `question`: the
+    pages come as one prefill chunk attended by queries of ones (which record the votes)."""
     import mlx.core as mx
 
     s = KVSettings(mode="sparse", page_tokens=P, ssd_dir=tmp_path / "kv", sink_tokens=P,
@@ -32,7 +37,9 @@ def _decode_over_decoys(tmp_path: Path) -> float:
     keys = [zero, decoy, decoy, decoy, hot, zero, zero, zero, zero]
     vals = [zero, zero, zero, zero, mx.ones((1, H, P, D)), zero, zero, zero, zero]
     cache = PagedLayerCache(store, 0)
-    cache.update_and_fetch(mx.concatenate(keys, axis=2), mx.concatenate(vals, axis=2))
+    k, v = cache.update_and_fetch(mx.concatenate(keys, axis=2), mx.concatenate(vals, axis=2))
+    if question:
+        mx.eval(attention.attend(cache, mx.ones((1, H, k.shape[2], D)), k, v, 1.0))
     z = mx.zeros((1, H, 1, D))
     k, v = cache.update_and_fetch(z, z)
     out = attention.attend(cache, mx.ones((1, H, 1, D)), k, v, 1.0)
@@ -52,3 +59,78 @@ def test_the_bound_alone_chooses_the_decoys(tmp_path: Path,
     """Why the rescoring exists: by the bound alone the two chosen blocks are decoys."""
     monkeypatch.setattr(attention, "RESCORE", 1)
     assert _decode_over_decoys(tmp_path) < 0.05
+
+
+def test_question_votes_keep_a_block_the_bound_drops(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same pages, the bound alone (RESCORE 1), but the prompt's last chunk (queries of
+    ones, prefilled exactly) put its weight on the block that matters: its votes keep that
+    block for the reply, and the decode step's output is that block's value."""
+    monkeypatch.setattr(attention, "RESCORE", 1)
+    monkeypatch.setattr(attention, "FIRST_EXACT", False)  # the step itself stays sparse
+    monkeypatch.setattr(attention, "VOTE_SHARE", 0.5)     # 1 of the 2 chosen blocks voted
+    assert _decode_over_decoys(tmp_path, question=True) > 0.95
+    monkeypatch.setattr(attention, "VOTE_SHARE", 0.0)
+    assert _decode_over_decoys(tmp_path / "off", question=True) < 0.05
+
+
+# -- tiers --------------------------------------------------------------------------------
+TP, TH, TD, REP = 16, 2, 16, 3
+
+
+def _tier_run(tmp_path: Path, slots: int | None) -> tuple[KVStore, list[Any], Any]:
+    """Prefill chunks, then decode steps, through one layer of a store whose RAM tier holds
+    `slots` pages (None: all); the last step's queries and recent max are returned too."""
+    import mlx.core as mx
+
+    s = KVSettings(mode="sparse", page_tokens=TP, ssd_dir=tmp_path / "kv", sink_tokens=TP,
+                   window_tokens=TP, budget_tokens=2 * TP + 6 * 8).validate()
+    store = KVStore(s, n_layers=1, kv_heads=TH, head_dim=TD)
+    if slots is not None:
+        store.max_slots = slots
+    mx.random.seed(7)
+    cache = PagedLayerCache(store, 0)
+    outs = []
+    for n in [200, 300, 150, 1, 1, 1]:
+        # Keys of uneven scale per dimension: the box bound and the true logits disagree.
+        k = mx.random.normal((1, TH, n, TD)) * mx.linspace(0.2, 3.0, TD)
+        v = mx.random.normal((1, TH, n, TD))
+        q = mx.random.normal((1, TH * REP, n, TD))
+        k2, v2 = cache.update_and_fetch(k, v)
+        outs.append(attention.attend(cache, q, k2, v2, TD ** -0.5))
+        mx.eval(outs[-1])
+    return store, outs, (q * TD ** -0.5).reshape(TH, REP, TD)
+
+
+@pytest.mark.parametrize("slots", [5, 24])
+def test_same_blocks_from_ram_and_from_the_ssd(tmp_path: Path, slots: int,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rescoring, votes and the page narrowing choose the same blocks with every page in RAM
+    and with most on the SSD (the shortlist's keys read through the store: for the step only
+    with 5 slots, brought into RAM with 24), so the answer does not depend on the tier."""
+    import mlx.core as mx
+
+    monkeypatch.setattr(attention, "RESCORE", 4)
+    monkeypatch.setattr(attention, "VOTE_SHARE", 0.5)
+    monkeypatch.setattr(attention, "FIRST_EXACT", True)
+    hot, ref, q = _tier_run(tmp_path / "hot", None)
+    cold, outs, _ = _tier_run(tmp_path / "cold", slots)
+    for a, b in zip(ref, outs, strict=True):
+        assert float(mx.abs(a - b).max()) < 1e-5
+    n = hot.tables[0].n_pages
+    assert cold.tables[0].n_resident < n and cold.stats()["ssd_reads"] > 0
+    # The votes came from the keys, wherever they lived.
+    assert float(mx.abs(hot.tables[0].votes - cold.tables[0].votes).max()) < 1e-6
+    acc = (mx.zeros((TH, REP)), None, None)
+    chosen = []
+    for store in (hot, cold):
+        got = attention.select_blocks(store, 0, q, n, acc, start=10 ** 9)
+        assert got is not None
+        chosen.append(np.sort(np.array(got[0]), axis=-1))
+    assert (chosen[0] == chosen[1]).all()
+    # And rescoring ran on the cold store: the bound alone chooses otherwise.
+    monkeypatch.setattr(attention, "RESCORE", 1)
+    got = attention.select_blocks(cold, 0, q, n, acc, start=10 ** 9)
+    assert got is not None and not (np.sort(np.array(got[0]), axis=-1) == chosen[1]).all()
+    for store in (hot, cold):
+        store.close()
