@@ -8,7 +8,8 @@ depth, fact, seed)` builds a chat prompt of about n_tokens with `fact` (a `Fact`
 sentence, the question, the start of the answer, the answer) a paragraph of its own at
 `depth` (0..1) of the prose, returning its ids and the fact's first token index.
 `run_needle(lm, lengths, depths, modes, budgets)` prefills each prompt once through the
-paged cache (all but its last token; the depths of one length share one prose, and a prompt
+paged cache (all but its last token, in sparse mode when a sparse mode answers, so that the
+question's votes are recorded; the depths of one length share one prose, and a prompt
 keeps the pages it shares with the deeper one before it) and lets every mode answer from
 those same pages, each answer token a decode step, so sparse selection is what finds the
 fact; a cell is found when the answer appears in the greedy reply. `run(args)` is the
@@ -224,7 +225,11 @@ def run_needle(lm: Any, lengths: Sequence[int], depths: Sequence[float],
         spec = remap.attached(probe[0].store)
         close_caches(probe)
         remapped = spec is not None and remap.ENABLED and length > spec.trained
-        groups = ([(base, runs)] if not remapped else
+        # One prefill for every mode: in sparse mode when a sparse run answers from it, so
+        # that the prompt's last chunk records the question's votes (engine/kv/attention.py;
+        # prefill chunks attend exactly either way inside the trained window).
+        shared = base.with_(mode="sparse") if any(m == "sparse" for m, _ in runs) else base
+        groups = ([(shared, runs)] if not remapped else
                   [(base, [r for r in runs if r[0] == "exact"])] +
                   [(base.with_(mode="sparse", budget_tokens=max(least, b)), [("sparse", b)])
                    for m, b in runs if m == "sparse"])

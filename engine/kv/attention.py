@@ -8,8 +8,11 @@ sparse mode a decode step (L <= SPARSE_MAX_L; past SPARSE_PREFILL_PAST tokens, a
 to SPARSE_CHUNK_L) reads only the sink pages,
 the recent window and the blocks of BLOCK_TOKENS (engine.kv.table) whose bound on the
 attention weight any query head of the group could give them is highest (with every page in
-RAM, the bound's best RESCORE x the budget re-ranked by their true logits), within the token
-budget; `attend` keeps every layer's block summaries as pages are committed, in every mode.
+RAM or on the SSD, the bound's best RESCORE x the budget re-ranked by their true
+logits; VOTE_SHARE of the budget's blocks fixed for the reply by the question's votes, the
+exact weights of the prompt's last chunk), within the token budget; `attend` keeps every
+layer's block summaries as pages are committed, in every mode, and in sparse mode the votes
+of each prefill chunk.
 `install_hook(model)` routes the model module's scaled_dot_product_attention here for paged
 layers; every other cache (a sliding-window layer's WindowLayerCache, mlx-lm's caches) goes
 to mlx-lm's function with the mask the model built.
@@ -68,23 +71,25 @@ READ_PAGES_FACTOR = 3
 # chunk. A page's bound is at least its best block's, so M generous keeps the top blocks.
 TWO_LEVEL_MIN_PAGES = 64
 TWO_LEVEL_FACTOR = 8
-# Sparse mode with every page in RAM: the blocks are chosen by their true largest logit
-# among this many times the budget's blocks ranked best by the bound (keys read for those
-# only); 1 chooses by the bound alone. At 4k tokens and a 768 budget, a fact exact attention
-# found was missed by the bound alone and with 2, found with 4 and 8 (docs/benchmarks.md).
-# Off (1) unless STRATA_SPARSE_RESCORE says otherwise: it runs only while every page is in RAM,
-# so the same context chose other blocks once pages were on the SSD (a restored prefix, a
-# long context), and an answer must not depend on the tier its pages are in.
-RESCORE = max(1, int(os.environ.get("STRATA_SPARSE_RESCORE") or 1))
+# Sparse mode: the blocks are chosen by their true largest logit among this many times the
+# budget's blocks ranked best by the bound (keys read for those only, from either tier); 1
+# chooses by the bound alone. At 4k tokens and a 768 budget, a fact exact attention found was
+# missed by the bound alone and with 2, found with 4 and 8 (docs/benchmarks.md). It once ran
+# only while every page was in RAM, and the same context chose other blocks once its pages
+# were on the SSD; now the shortlist's keys come from either tier (`_gather_keys`).
+RESCORE = max(1, int(os.environ.get("STRATA_SPARSE_RESCORE") or 4))
 # Question votes (SnapKV's idea): a prefill chunk in sparse mode (at most VOTE_PAST_MAX tokens
 # in) records the exact attention weight its last VOTE_QUERIES queries give each block; decode
 # keeps the best-voted VOTE_SHARE of the chosen blocks for the whole reply (beside the per-step
-# choice), so the blocks the question itself looked at stay. 0 turns votes off.
-VOTE_SHARE = float(os.environ.get("STRATA_SPARSE_VOTES") or 0)
+# choice), so the blocks the question itself looked at stay. With RESCORE 4 it found at 4k
+# and 8k what exact found where rescoring alone missed (docs/benchmarks.md, issue 19's
+# fourth pass). STRATA_SPARSE_VOTES=0 turns votes off.
+VOTE_SHARE = float(os.environ.get("STRATA_SPARSE_VOTES") or 0.5)
 VOTE_QUERIES = 32
 VOTE_PAST_MAX = SPARSE_PREFILL_PAST
-# The step right after the voting chunk (the prompt's last token, which writes the reply's
-# first token) attends exactly: it is still the prompt. STRATA_SPARSE_FIRST_EXACT=0: sparse.
+# STRATA_SPARSE_FIRST_EXACT=1: the step right after the voting chunk (the prompt's last
+# token, which writes the reply's first token) attends exactly, as the rest of the prompt
+# did. Off: at 4k and 8k it changed no answer (docs/benchmarks.md).
 FIRST_EXACT = (os.environ.get("STRATA_SPARSE_FIRST_EXACT") or "0") != "0"
 
 _Partial = tuple[Any, Any, Any]  # running max (H, R), sum (H, R), output (H, R, D)
