@@ -51,11 +51,14 @@ PROMPT = ("Now write a short story about a lighthouse keeper who finds a map in 
 
 SUITES: dict[str, dict[str, Any]] = {
     # quick: under two minutes on the starter model on a 2-core machine, both subjects.
+    # Every Strata row decodes undrafted, as its peers do (like with like); "draft_rows"
+    # adds a row per draft setting beside them (setting "draft=auto"), the drafts' own gain.
     "quick": {"depths": "0,512", "prompt_tokens": 128, "max_tokens": 32, "trials": 3,
-              "load_trials": 2, "prefix_tokens": 384, "suffix_tokens": 128, "kv_modes": ""},
+              "load_trials": 2, "prefix_tokens": 384, "suffix_tokens": 128, "kv_modes": "",
+              "draft_rows": ""},
     "full": {"depths": "0,1024,4096,16384", "prompt_tokens": 512, "max_tokens": 128,
              "trials": 3, "load_trials": 3, "prefix_tokens": 1536, "suffix_tokens": 512,
-             "kv_modes": "exact,sparse"},
+             "kv_modes": "exact,sparse", "draft_rows": "auto"},
 }
 PEERS = ("mlx-lm", "llama.cpp")
 
@@ -131,6 +134,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     base["depths"] = sorted({int(d) for d in str(base["depths"]).split(",") if d.strip()})
     modes = str(base["kv_modes"])
     base["kv_modes"] = [m for m in modes.split(",") if m and m not in ("none", "mlx")]
+    base["draft_rows"] = [d for d in str(base["draft_rows"]).split(",") if d and d != "off"]
     base["peers"] = [p for p in args.peers.split(",") if p and p != "none"]
     for p in base["peers"]:
         if p not in PEERS:
@@ -174,10 +178,15 @@ def run_bench(args: argparse.Namespace, progress: Progress | None = None,
             "depth_ids": prompt_ids(tok, max(settings["depths"] or [0])),
             "prompt_ids": prompt_ids(tok, settings["prompt_tokens"], PROMPT),
         }
-        jobs.append({**common, "subject": "strata", "setting": {"name": "default"}})
+        # Drafting off: mlx-lm's stream_generate and llama.cpp draft nothing.
+        jobs.append({**common, "subject": "strata",
+                     "setting": {"name": "default", "drafter": "off"}})
         for mode in settings["kv_modes"]:
             jobs.append({**common, "subject": "strata",
-                         "setting": {"name": f"kv={mode}", "kv_mode": mode}})
+                         "setting": {"name": f"kv={mode}", "kv_mode": mode, "drafter": "off"}})
+        for d in settings["draft_rows"]:
+            jobs.append({**common, "subject": "strata",
+                         "setting": {"name": f"draft={d}", "drafter": d}})
         for peer in settings["peers"]:
             reason = None
             if peer == "llama.cpp":
@@ -304,11 +313,12 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(row)
         for x in ratios:
             lines.append(f"strata / {x['peer']}: same greedy tokens: {x.get('same_tokens')}")
-        for r in runs:  # speculative decoding's share (Strata's auto drafter)
+        for r in runs:  # speculative decoding's share (a "draft=..." row's)
             kept = [f"{d['depth']}: {d['accepted_tokens']}/{d['drafted_tokens']}"
                     for d in r.get("depths") or [] if d.get("drafted_tokens")]
             if kept:
-                lines.append(f"{r['subject']}: drafts kept/drafted per depth, all trials: "
+                lines.append(f"{r['subject']} [{r['setting']}]: drafts kept/drafted per depth, "
+                             "all trials: "
                              + ", ".join(kept))
         for r in runs:
             if r.get("status") != "complete":

@@ -170,8 +170,10 @@ class StrataSubject(Subject):
 
         tl = Timeline()
         self.drafts = (0, 0)
+        # Undrafted unless the setting names a drafter (bench quick's "draft=..." rows).
+        drafter = (self.job.get("setting") or {}).get("drafter", "off")
         for ev in generate(self.lm, ids, SamplingParams(temperature=0), max_tokens,
-                           prompt_cache=cache, timeline=tl):
+                           prompt_cache=cache, timeline=tl, drafter=drafter):
             self.drafts = (ev.accepted_tokens, ev.drafted_tokens)
             if ev.token is not None:
                 yield ev.token

@@ -107,14 +107,13 @@ def test_a_tiny_quick_run_writes_a_complete_valid_result(starter: dict[str, Any]
     runs = {r["subject"]: r for r in result["runs"]}
     llama = result["machine"]["llama_cpp_python"] is not None  # an optional extra
     assert set(runs) == {"strata", "mlx-lm"} | ({"llama.cpp"} if llama else set())
-    for name, r in runs.items():
+    for r in runs.values():
         assert r["status"] == "complete"
         assert [d["depth"] for d in r["depths"]] == [0, 32]
         assert all(d["generated_tokens"] == 4 for d in r["depths"])  # EOS ignored
-        # Draft counts: every drafted token is kept or rejected; the peers never draft.
-        assert all(d["drafted_tokens"] >= d["accepted_tokens"] >= 0 for d in r["depths"])
-        if name != "strata":
-            assert all(d["drafted_tokens"] == 0 for d in r["depths"])
+        # Draft counts, there for every subject: none drafts in the rows that compare (the
+        # Strata subject's default row decodes undrafted, as mlx-lm's stream_generate does).
+        assert all(d["drafted_tokens"] == d["accepted_tokens"] == 0 for d in r["depths"])
         assert r["ttft"]["cached"]["cached_tokens"] == 24
         assert r["memory"]["rss_peak_bytes"] > 50e6
         assert r["load"]["cold_s"]["median"] > 0
@@ -176,3 +175,18 @@ def test_a_paged_setting_reports_kv_per_tier_and_disk_traffic(starter: dict[str,
         assert {"kv_ram_bytes", "kv_ssd_bytes", "ssd_read_mbs", "ssd_write_mbs"} <= set(figures)
     default = next(r for r in result["runs"] if r["setting"] == "default")
     assert "kv_ram_bytes" not in default["memory"]  # mlx-lm's KVCache has no tiers
+
+
+def test_strata_rows_against_peers_are_undrafted_and_full_adds_a_drafted_row() -> None:
+    """Like with like: quick's Strata rows decode undrafted (the peers draft nothing); the
+    full suite adds a row of its own for Strata's auto drafter."""
+    import argparse
+
+    from engine.bench.quick import plan
+
+    def rows(suite: str) -> list[str]:
+        args = argparse.Namespace(suite=suite, peers="mlx-lm", seed=0)
+        return list(plan(args)["draft_rows"])
+
+    assert rows("quick") == []
+    assert rows("full") == ["auto"]
