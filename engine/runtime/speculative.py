@@ -11,11 +11,14 @@ greedy text is the plain decode's, sampled text keeps the target's distribution.
 positions are trimmed from the cache (mlx-lm's KVCache trim, the paged cache's trim).
 `for_reply` decides per reply whether speculation runs at all ("off", logits processors or a
 repetition penalty: never), and the speculator decides per step how many tokens to draft
-from the acceptance rate it has seen for that kind of proposal (a lookup continuing the copy
-it follows, a fresh n-gram match, a draft model's) and the measured cost of a verify pass of
-each length against a plain step (per model), resting (plain, pipelined decode) when drafting
-would be slower. The speculator reads a `CacheView` (a prompt cache, or the lone row of the
-server's decode batch). Counts go to the reply's stats (`drafted_tokens`, `accepted_tokens`).
+from the acceptance rate it has seen for that kind of proposal (a lookup continuing a copy
+that has held for HELD tokens or a younger one, counting the tokens that copy has matched; a
+fresh n-gram match; a draft model's) and the measured cost of a verify pass of each length
+against a plain step (per model, timed once before the first reply's first token by
+`Speculator.calibrate`, then kept up to date by every pass), resting (plain, pipelined
+decode) when drafting would be slower. The speculator reads a `CacheView` (a prompt cache,
+or the lone row of the server's decode batch). Counts go to the reply's stats
+(`drafted_tokens`, `accepted_tokens`).
 `DraftModels` turns a setting ("auto", "off", "lookup" or a library model's name) into what
 `generate` takes, loading a draft model once and keeping it while the target stays.
 """
@@ -51,11 +54,19 @@ PROBE_EVERY = 32  # plain tokens between two probes while resting
 # A probe drafts this many: one token, always accepted, would raise the acceptance too slowly
 # to ever pay where a verify pass costs much more than a plain step (this CPU under load).
 PROBE_K = 4
-# OpenBLAS threads for a verify pass (0: the process's own). A few-row matmul is too small to
-# split on a few cores, and on a busy machine the spinning workers made a 9-token pass cost
-# 8.8 plain steps on two threads against 2.1 on one (docs/benchmarks.md, issue 23).
+# OpenBLAS threads for a verify pass (0: the process's own), unless the calibration finds the
+# process's own count faster. A few-row matmul is too small to split on a few cores, and on a
+# busy machine the spinning workers made a 9-token pass cost 8.8 plain steps on two threads
+# against 2.1 on one (docs/benchmarks.md, issue 23); an idle machine may split it well.
 VERIFY_BLAS_THREADS = 1
 EMA = 0.3  # weight of a new timing
+# A copy is "held" (priced by the long copies' acceptance) once it has matched this many
+# tokens since a fresh search picked it; younger copies fail far more often (a summary's
+# fresh matches into the wrong sentence hold for a few tokens, then part).
+HELD = 8
+# Pass lengths timed once per model before its first draft, so the first reply drafts on
+# measured costs, not a prior (the plain one twice, the faster kept: a busy moment is no cost).
+CALIBRATE = (1, 1, 5, 17)
 DRAFT_SETTINGS = ("auto", "off", "lookup")
 
 
@@ -107,9 +118,11 @@ class LookupDrafter:
                                                               range(min_n - 1, max_n + 1)}
         self._done = 0  # n-grams ending before this position are indexed
         self._seq: list[int] = []
-        # The copy followed: seq[src] was predicted to be the token at position at.
+        # The copy followed: seq[src] was predicted to be the token at position at; it was
+        # picked (by a fresh search) when the history ended at `_picked`.
         self._src: int | None = None
         self._at = 0
+        self._picked = 0
 
     def _extend(self, history: Sequence[int]) -> None:
         seq = self._seq
@@ -149,6 +162,7 @@ class LookupDrafter:
                 src = self._index[n].get(tuple(seq[h - n:]))
                 if src is not None:
                     break
+            self._picked = h
         if src is None:
             self._src = None
             return []
@@ -159,8 +173,13 @@ class LookupDrafter:
         """Whether a proposal after `history` continues the copy followed so far (every
         token since it was picked matched) rather than starting from a fresh search: the two
         are kept apart by the speculator, a fresh n-gram match being right far less often."""
+        return self.held(history) >= 0
+
+    def held(self, history: Sequence[int]) -> int:
+        """How many tokens the copy followed has matched since a fresh search picked it
+        (-1: the reply left it, the next proposal searches afresh)."""
         self._extend(history)
-        return self._aligned() is not None
+        return len(self._seq) - self._picked if self._aligned() is not None else -1
 
     def may_propose(self, history: Sequence[int]) -> bool:
         m = self.min_n - 1
@@ -285,6 +304,7 @@ class StepCosts:
     """Seconds of a target forward pass (plus sampling) of L tokens, measured per model."""
 
     seconds: dict[int, float] = field(default_factory=dict)
+    threads: int = VERIFY_BLAS_THREADS  # BLAS threads of a verify pass (0: the process's)
 
     def add(self, length: int, seconds: float) -> None:
         old = self.seconds.get(length)
@@ -332,24 +352,87 @@ class Speculator:
         self.lm, self.drafter, self.sampler, self.pc = lm, drafter, sampler, pc
         self.forward, self.stats, self.forced, self.k_max = forward, stats, forced, k_max
         self.costs = costs_of(lm)
-        # (accepted, reached) per kind of proposal: "follow" (a lookup continuing the copy it
-        # drafted from, which a summary keeps for dozens of tokens), "fresh" (a new n-gram
-        # match, often wrong once the reply paraphrases) and "model".
-        self.acceptance = {kind: list(PRIOR_ACCEPT) for kind in ("follow", "fresh", "model")}
+        # (accepted, reached) per kind of proposal: "follow" (a lookup continuing a copy that
+        # has held for HELD tokens, which a summary keeps for dozens), "young" (one that has
+        # held for fewer), "fresh" (a new n-gram match, often wrong once the reply
+        # paraphrases) and "model".
+        self.acceptance = {kind: list(PRIOR_ACCEPT)
+                           for kind in ("follow", "young", "fresh", "model")}
         self._since_probe = 0
         self._probe = False
+        self.calibrated_s = 0.0  # what `calibrate` took for this reply (0: measured before)
+        self._held = 0  # tokens the copy of the latest `kind` call has matched
         stats.setdefault("drafted_tokens", 0)
         stats.setdefault("accepted_tokens", 0)
 
+    def _timed(self, n: int, tok: int, threads: int) -> float:
+        """Seconds of one forward pass of n tokens on `threads` BLAS threads (0: the
+        process's own), trimmed from the cache at once."""
+        old = blas_threads() if threads > 0 else None
+        if old is not None and old != threads:
+            set_blas_threads(threads)
+        try:
+            t0 = time.perf_counter()
+            mx.eval(self.forward(mx.array([[tok] * n]))[:, -1, :])
+            dt = time.perf_counter() - t0
+        finally:
+            if old is not None and old != threads:
+                set_blas_threads(old)
+        for c in self.pc.cache:
+            c.trim(n)
+        return dt
+
+    def calibrate(self) -> float:
+        """Time forward passes of the CALIBRATE lengths over the reply's cache, once per
+        model: plain length on the process's BLAS threads, longer ones on the verify passes'
+        (VERIFY_BLAS_THREADS or the process's own, whichever ran a 5-token pass faster here).
+        The seconds it took (0 when already measured)."""
+        if 1 in self.costs.seconds:
+            return 0.0
+        t_start = time.perf_counter()
+        cache, tokens = self.pc.cache, self.pc.tokens
+        tok = int(tokens[-1]) if len(tokens) else 0
+        lengths = [n for n in CALIBRATE if n - 1 <= self.k_max
+                   and all(trimmable(c, n) for c in cache)]
+        if not lengths:
+            return 0.0
+        choices = [VERIFY_BLAS_THREADS]
+        own = blas_threads()
+        if VERIFY_BLAS_THREADS > 0 and own is not None and own != VERIFY_BLAS_THREADS:
+            choices.append(0)
+        probe = min(lengths[-1], 5)
+        if len(choices) > 1:
+            best: dict[int, float] = {}
+            for _ in range(2):  # interleaved: a busy moment hits both
+                for th in choices:
+                    dt = self._timed(probe, tok, th)
+                    best[th] = min(best.get(th, dt), dt)
+            self.costs.threads = min(choices, key=lambda th: best[th])
+        self._timed(lengths[-1], tok, self.costs.threads)  # untimed: first-call costs
+        seconds: dict[int, float] = {}
+        for n in lengths:
+            dt = self._timed(n, tok, self.costs.threads if n > 1 else 0)
+            seconds[n] = min(seconds.get(n, dt), dt)
+        for n, dt in seconds.items():
+            self.costs.add(n, dt)
+        return time.perf_counter() - t_start
+
     def kind(self, history: Sequence[int]) -> str:
         """Which acceptance prices the proposal that follows `history`."""
-        following = getattr(self.drafter, "following", None)
-        if following is None:
+        held = getattr(self.drafter, "held", None)
+        if held is None:
             return "model"
-        return "follow" if following(history) else "fresh"
+        m = held(history)
+        self._held = max(m, 0)
+        return "fresh" if m < 0 else "follow" if m >= HELD else "young"
 
     def alpha(self, kind: str = "model") -> float:
+        """The acceptance a proposal of `kind` is priced at: the kind's running rate, and for
+        a copy the tokens it has matched so far too (the latest `kind` call's copy), as that
+        many accepted drafts: a copy that has held for 30 tokens drafts long at once."""
         accepted, reached = self.acceptance[kind]
+        if kind in ("follow", "young"):
+            return (accepted + self._held) / (reached + self._held)
         return accepted / reached
 
     def best_k(self, limit: int, kind: str = "model") -> int:
@@ -389,7 +472,6 @@ class Speculator:
         cache = self.pc.cache
         k = 0
         kind = self.kind(history)
-        # Unforced, the first step is a plain one: it measures what drafting must beat.
         if ((self.forced or 1 in self.costs.seconds)
                 and all(trimmable(c, self.k_max) for c in cache)):
             k = (min(PROBE_K, self.k_max, room - 1) if self._probe
@@ -405,13 +487,14 @@ class Speculator:
             return [], ys
         # Nothing is in flight here (a verify step follows a known token): the thread count
         # changes between passes, never during one.
-        threads = blas_threads() if VERIFY_BLAS_THREADS > 0 else None
-        if threads is not None and threads != VERIFY_BLAS_THREADS:
-            set_blas_threads(VERIFY_BLAS_THREADS)
+        want = self.costs.threads
+        threads = blas_threads() if want > 0 else None
+        if threads is not None and threads != want:
+            set_blas_threads(want)
         try:
             out = self.sampler(self.forward(mx.array([[tok, *drafts]]))[0], history).tolist()
         finally:
-            if threads is not None and threads != VERIFY_BLAS_THREADS:
+            if threads is not None and threads != want:
                 set_blas_threads(threads)
         self.costs.add(len(drafts) + 1, time.perf_counter() - t0)
         a = 0
@@ -452,4 +535,7 @@ def for_reply(lm: LoadedModel, drafter: str | Drafter | None, params: SamplingPa
     k_max = K_MAX
     if lm.paged and lm.kv_settings is not None and lm.kv_settings.mode == "sparse":
         k_max = SPARSE_MAX_L - 1  # the sparse attention takes at most this many queries
-    return Speculator(lm, drafter, sampler, pc, forward, stats, forced, k_max)
+    spec = Speculator(lm, drafter, sampler, pc, forward, stats, forced, k_max)
+    # Before the reply's first token: once per model, part of its time to first token.
+    spec.calibrated_s = spec.calibrate()
+    return spec

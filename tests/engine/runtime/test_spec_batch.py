@@ -4,30 +4,12 @@ second row joins, both decode on undrafted and each still equals its plain run."
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from engine.runtime.batch import Batch, Row
-from engine.runtime.generate import LoadedModel, generate
-from engine.runtime.sampling import SamplingParams
+from engine.runtime.generate import LoadedModel
 from engine.telemetry import GenerationEvent
-
-GREEDY = SamplingParams(temperature=0.0)
-SOURCE = Path(__file__).resolve().parents[3] / "engine" / "runtime" / "sampling.py"
-
-
-def _copy_prompt(lm: LoadedModel, lines: int = 30) -> list[int]:
-    """The start of a source file, then a header asking for it again: greedy text copies."""
-    src = "\n".join(SOURCE.read_text().splitlines()[:lines]) + "\n"
-    first = src.splitlines()[0] + "\n"
-    return lm.tokenizer.encode(f"# sampling.py\n{src}\n# sampling.py, once more\n{first}",
-                               add_bos=False)
-
-
-def _plain(lm: LoadedModel, ids: list[int], n: int) -> list[int]:
-    return [ev.token for ev in generate(lm, ids, GREEDY, n, drafter="off")
-            if ev.token is not None]
+from tests.engine.runtime.spec_fixtures import GREEDY, copy_prompt, plain
 
 
 class _Sink:
@@ -48,13 +30,14 @@ class _Sink:
 
 @pytest.fixture(scope="module")
 def copy_ids(starter_lm: LoadedModel) -> list[int]:
-    return _copy_prompt(starter_lm)
+    return copy_prompt(starter_lm)
 
 
 @pytest.fixture(scope="module")
 def plain_copy(starter_lm: LoadedModel, copy_ids: list[int]) -> list[int]:
-    """The copy prompt's plain greedy reply (64 tokens; a shorter one is its start)."""
-    return _plain(starter_lm, copy_ids, 64)
+    """The copy prompt's plain greedy reply (64 tokens; a shorter one is its start), the
+    start of the 256 that test_speculative.py compares with (decoded once for both)."""
+    return plain(starter_lm, copy_ids, 256)[:64]
 
 
 def test_a_row_alone_drafts_and_keeps_the_plain_text(starter_lm: LoadedModel,
@@ -95,4 +78,4 @@ def test_a_second_row_joining_ends_the_drafts_and_both_keep_the_plain_text(
         batch.step()
     assert a.done and b.done
     assert a.tokens == plain_copy[:48]
-    assert b.tokens == _plain(lm, other, 24)
+    assert b.tokens == plain(lm, other, 24)

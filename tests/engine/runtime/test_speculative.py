@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 
 from engine.kv import KVSettings
-from engine.runtime.generate import LoadedModel, PromptCache, generate
+from engine.runtime.generate import LoadedModel, generate
 from engine.runtime.sampling import Sampler, SamplingParams
 from engine.runtime.speculative import (
+    HELD,
     DraftModels,
     DraftRefused,
     LookupDrafter,
@@ -24,35 +25,12 @@ from engine.runtime.speculative import (
     StepCosts,
 )
 from engine.telemetry import GenerationEvent
-
-GREEDY = SamplingParams(temperature=0.0)
-SOURCE = Path(__file__).resolve().parents[3] / "engine" / "runtime" / "sampling.py"
-
-
-def _copy_prompt(lm: LoadedModel, lines: int = 30) -> list[int]:
-    """The start of a source file, then a header asking for it again: greedy text copies."""
-    src = "\n".join(SOURCE.read_text().splitlines()[:lines]) + "\n"
-    first = src.splitlines()[0] + "\n"
-    return lm.tokenizer.encode(f"# sampling.py\n{src}\n# sampling.py, once more\n{first}",
-                               add_bos=False)
-
-
-def _run(lm: LoadedModel, ids: list[int], drafter: Any, n: int,
-         params: SamplingParams = GREEDY, cache: PromptCache | None = None
-         ) -> tuple[list[int], GenerationEvent]:
-    toks: list[int] = []
-    last = None
-    for ev in generate(lm, ids, params, n, drafter=drafter, prompt_cache=cache):
-        if ev.token is not None:
-            toks.append(ev.token)
-        last = ev
-    assert last is not None
-    return toks, last
+from tests.engine.runtime.spec_fixtures import GREEDY, copy_prompt, plain, run
 
 
 @pytest.fixture(scope="module")
 def copy_ids(starter_lm: LoadedModel) -> list[int]:
-    return _copy_prompt(starter_lm)
+    return copy_prompt(starter_lm)
 
 
 @pytest.fixture
@@ -102,13 +80,22 @@ def test_a_followed_copy_and_a_fresh_match_are_priced_apart(starter_lm: LoadedMo
     spec = Speculator(starter_lm, d, Sampler(GREEDY), _NoCache(), lambda x: x, {},
                       forced=False)
     assert d.propose([*src, 1, 2], 2) == [3, 4]
-    assert spec.kind([*src, 1, 2, 3]) == "follow"  # the copy goes on
+    assert spec.kind([*src, 1, 2, 3]) == "young"  # the copy goes on, one token held so far
     assert spec.kind([*src, 1, 2, 3, 7]) == "fresh"  # it left the copy: a fresh search next
     spec.costs = StepCosts({1: 0.05, 2: 0.055, 3: 0.06, 5: 0.07, 9: 0.09, 17: 0.13})
     spec.acceptance["follow"] = [9.0, 10.0]
+    spec.acceptance["young"] = [1.0, 4.0]
     spec.acceptance["fresh"] = [0.5, 5.0]
-    assert spec.best_k(16, "follow") >= 8
+    young = spec.best_k(16, "young")  # the last kind() call held no copy: its rate alone
     assert spec.best_k(16, "fresh") == 0
+    # A copy that has held for HELD tokens is priced by the long copies' rate, and the
+    # tokens it has matched count as accepted drafts: it drafts longer than a young one.
+    long_src = list(range(100, 100 + 2 * HELD))
+    d2 = LookupDrafter(min_n=2, max_n=2)
+    spec.drafter = d2
+    assert d2.propose([*long_src, 7, *long_src[:2]], 2) == long_src[2:4]
+    assert spec.kind([*long_src, 7, *long_src[:2 + HELD]]) == "follow"
+    assert spec.best_k(16, "follow") >= 8 > young
 
 
 @pytest.mark.parametrize("mode", ["mlx", "exact"])
@@ -125,20 +112,41 @@ def test_greedy_matches_plain_decoding_over_256_tokens(starter_lm: LoadedModel,
     cache = lm.new_cache()
     drafter = ModelDrafter(lm, lm)
     try:
-        plain, last_plain = _run(lm, copy_ids, "off", 256, cache=cache)
-        spec, last = _run(lm, copy_ids, "lookup", 256, cache=cache)
-        by_model, last_model = _run(lm, copy_ids, drafter, 64, cache=cache)
+        reference = plain(lm, copy_ids, 256, cache)  # shared with test_spec_batch.py
+        spec, last = run(lm, copy_ids, "lookup", 256, cache=cache)
+        by_model, last_model = run(lm, copy_ids, drafter, 64, cache=cache)
         # The draft's cache holds exactly the tokens it has run.
         assert drafter.pc.tokens == (copy_ids + by_model)[:len(drafter.pc.tokens)]
         assert all(c.offset == len(drafter.pc.tokens) for c in drafter.pc.cache)
     finally:
         drafter.close()
         cache.close()
-    assert len(plain) == 256 and last_plain.drafted_tokens == 0
+    assert len(reference) == 256
     assert last.drafted_tokens > last.accepted_tokens > 100  # drafts kept, and some rejected
     assert last_model.accepted_tokens >= last_model.drafted_tokens // 2 > 0
-    assert spec == plain
-    assert by_model == plain[:64]
+    assert spec == reference
+    assert by_model == reference[:64]
+
+
+def test_calibration_times_the_pass_lengths_and_leaves_the_cache_as_it_was(
+        starter_lm: LoadedModel, copy_ids: list[int]) -> None:
+    """Before a model's first draft its verify passes are timed once over the reply's own
+    cache (so the first reply drafts on measured costs); every timed pass is trimmed again,
+    and the reply's tokens are still the plain decode's."""
+    lm = starter_lm
+    cache = lm.new_cache()
+    try:
+        run(lm, copy_ids[:-4], "off", 1, cache=cache)  # the prompt's start in the cache
+        held = [c.offset for c in cache.cache], list(cache.tokens)
+        spec = Speculator(lm, LookupDrafter(), Sampler(GREEDY), cache,
+                          lambda x: lm.model(x, cache=cache.cache), {}, forced=False)
+        spec.costs = StepCosts()  # as for a model never measured
+        assert spec.calibrate() > 0
+        assert {1, 5, 17} <= set(spec.costs.seconds) and spec.costs.threads in (0, 1)
+        assert spec.calibrate() == 0  # once
+        assert ([c.offset for c in cache.cache], list(cache.tokens)) == held
+    finally:
+        cache.close()
 
 
 def test_draft_setting_resolves_to_a_drafter_loaded_once(starter_lm: LoadedModel) -> None:
@@ -192,7 +200,7 @@ def test_sampled_tokens_keep_the_target_distribution(starter_lm: LoadedModel) ->
         for arm, base in (("off", 1000), ("lookup", 0)):
             for s in range(runs):
                 params = SamplingParams(temperature=0.8, seed=base + s)
-                toks, last = _run(lm, ids, arm, n, params, cache)
+                toks, last = run(lm, ids, arm, n, params, cache)
                 arms[arm].append(toks)
                 if arm == "lookup":
                     drafted += last.drafted_tokens
