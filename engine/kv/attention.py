@@ -523,6 +523,9 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
         ok = chosen[None] if pages_of is None else chosen[pages_of]  # (1 or H, n_cand)
         score = mx.where(ok[..., None], score.reshape(h, n_cand, nb),
                          ninf).reshape(h, n_cand * nb)
+    if k_step <= 0:
+        assert voted is not None
+        return voted, sink, hi
     if RESCORE > 1:
         top = _rescore(store, layer, qg, acc, score, k_step, cand, lo, n_pages)
     else:
