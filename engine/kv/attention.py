@@ -172,9 +172,11 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
     rk, rv = both[0][0], both[1][0]
     note_blocks(store, layer, n_pages, rk)
     past = n_pages * store.P
-    if (L > SPARSE_MAX_L and store.settings.mode == "sparse" and VOTE_SHARE > 0
-            and past <= VOTE_PAST_MAX):
-        note_votes(store, layer, queries, scale, n_pages, rk)
+    if L > SPARSE_MAX_L and store.settings.mode == "sparse":
+        if VOTE_SHARE > 0 and past <= VOTE_PAST_MAX:
+            note_votes(store, layer, queries, scale, n_pages, rk)
+        else:  # an older chunk's votes are not this prompt's question
+            store.tables[layer].set_votes(None, -1)
     # Sparse past the trained length: every chunk, prefill too, attends sparsely with
     # positions remapped into the trained window (engine/kv/remap.py).
     spec = remap.spec_for(store, past + rk.shape[1]) if n_pages else None
