@@ -65,8 +65,9 @@ EMA = 0.3  # weight of a new timing
 # fresh matches into the wrong sentence hold for a few tokens, then part).
 HELD = 8
 # Pass lengths timed once per model before its first draft, so the first reply drafts on
-# measured costs, not a prior (the plain one twice, the faster kept: a busy moment is no cost).
-CALIBRATE = (1, 1, 5, 17)
+# measured costs, not a prior; each twice, the faster kept (a busy moment, or a shape's first
+# call, is no cost). Longer passes are priced on the line through these until they run.
+CALIBRATE = (1, 5, 9, 1, 5, 9)
 DRAFT_SETTINGS = ("auto", "off", "lookup")
 
 
@@ -408,7 +409,6 @@ class Speculator:
                     dt = self._timed(probe, tok, th)
                     best[th] = min(best.get(th, dt), dt)
             self.costs.threads = min(choices, key=lambda th: best[th])
-        self._timed(lengths[-1], tok, self.costs.threads)  # untimed: first-call costs
         seconds: dict[int, float] = {}
         for n in lengths:
             dt = self._timed(n, tok, self.costs.threads if n > 1 else 0)
