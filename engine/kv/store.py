@@ -16,10 +16,13 @@ and verified as this tier's own when attention needs them; a cold page read whil
 tier has a free slot stays in RAM (nothing is evicted for it).
 A layer whose cache keeps its positions in one contiguous buffer (engine.kv.cache,
 `buffer_layer`) has its RAM-tier pages in that buffer: page i is positions [i*P, (i+1)*P)
-of it and the tier holds no second copy (`commit_buffered` registers, summarises and writes
-a page through to the SSD; reads copy out of the buffer). `unbuffer_layer` copies the pages
-into the tier's slots when the buffer goes; an operation that needs slots (a commit from
-outside, `ensure_resident`, a mapped restore) makes the owner let go of it first.
+of it and the tier holds no second copy (`commit_buffered` registers and summarises a page;
+reads copy out of the buffer). Nor is it written to the SSD tier while buffered: nothing
+evicts it there, and the prefix cache writes a stored prompt's pages into its own run, so a
+page of a chat that stays under the buffer's limit is written once, not twice.
+`unbuffer_layer` copies the pages into the tier's slots when the buffer goes and writes
+them through then; an operation that needs slots (a commit from outside, `ensure_resident`,
+a mapped restore) makes the owner let go of it first.
 """
 
 from __future__ import annotations
@@ -285,9 +288,10 @@ class KVStore:
 
     def commit_buffered(self, layer: int, k: Any, v: Any) -> int:
         """Register the next full page of a buffered layer (k, v: that page's positions in
-        the buffer, (kv_heads, P, head_dim), evaluated): summaries taken and evaluated now
-        and a numpy copy to the SSD writer, so nothing holds the slice afterwards; the RAM
-        tier keeps no copy (the buffer is the page). Returns its index."""
+        the buffer, (kv_heads, P, head_dim), evaluated): summaries taken and evaluated now,
+        so nothing holds the slice afterwards; the RAM tier keeps no copy (the buffer is the
+        page) and the SSD tier gets it only if the buffer goes (`unbuffer_layer`). Returns
+        its index."""
         assert self._buffers[layer] is not None
         table = self.tables[layer]
         kmin, kmax = k.min(axis=1), k.max(axis=1)
@@ -295,7 +299,6 @@ class KVStore:
         page = table.add_page(table.n_pages)  # its slot is its place in the buffer
         table.add_summary(kmin[None], kmax[None])
         self._add_blocks(layer, page, (k,), k, now=True)
-        self._write(layer, page, (k,), (v,))
         return page
 
     def commit_parts(self, layer: int, kp: Parts, vp: Parts, kmin: Any, kmax: Any) -> int:
@@ -352,6 +355,26 @@ class KVStore:
         if n:
             kp, vp = self._from_buffer(owner, n, np.arange(n))
             self.pool_k[layer], self.pool_v[layer] = kp, vp
+            # Written through now (the pages may be evicted from here on).
+            for p in self._unwritten(layer):
+                self._write(layer, p, (kp[0][p],), (vp[0][p],))
+
+    def _unwritten(self, layer: int) -> list[int]:
+        """Pages never queued for the SSD tier (not on it, not on their way, not mapped)."""
+        table, ser, mapped = self.tables[layer], self._serials[layer], self._mapped[layer]
+        return [int(p) for p in np.flatnonzero(~table.on_disk[:table.n_pages])
+                if int(p) not in ser and int(p) not in mapped]
+
+    def _write_buffered(self, layer: int) -> None:
+        """Write a buffered layer's pages not on the SSD yet (a manifest is to list them)."""
+        owner = self._buffers[layer]
+        table = self.tables[layer]
+        todo = self._unwritten(layer)
+        if owner is None or not todo:
+            return
+        kp, vp = self._from_buffer(owner, table.n_pages, np.array(todo))
+        for i, p in enumerate(todo):
+            self._write(layer, p, (kp[0][i],), (vp[0][i],))
 
     def _leave_buffer(self, layer: int) -> None:
         owner = self._buffers[layer]
@@ -571,6 +594,8 @@ class KVStore:
     def save_manifest(self, n_tokens: int, extra: dict[str, Any] | None = None) -> None:
         """Record what the page files hold, so a later store can open them (after flush)."""
         assert self.folder is not None
+        for layer in range(self.n_layers):
+            self._write_buffered(layer)
         self.flush()
         doc = {"format": 1, "layers": self.n_layers, "kv_heads": self.kv_heads,
                "head_dim": self.head_dim, "page_tokens": self.P, "dtype": self.np_dtype.name,
