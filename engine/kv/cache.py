@@ -8,9 +8,10 @@ held before the chunk (`view`) plus the chunk, so nothing is gathered twice. Whi
 holds at most CONTIG_MAX full-precision positions that its RAM tier could hold, they are also
 in one contiguous buffer written in place, and `contig` (all positions, the chunk's last) is
 what attention reads instead: mlx-lm's KVCache ops. The buffer is then the store's RAM tier
-for the layer (KVStore.buffer_layer): its full pages are committed (summaries, SSD tier,
-prefix cache) without a second copy in RAM, and copied into the tier's slots only when the
-buffer goes (past CONTIG_MAX, or when the store needs slots).
+for the layer (KVStore.buffer_layer): its full pages are committed (summaries; the prefix
+cache reads them from it) without a second copy in RAM, and copied into the tier's slots,
+and written to the SSD tier, only when the buffer goes (past CONTIG_MAX, or when the store
+needs slots).
 `WindowLayerCache` is a sliding-window layer's KV, bounded and in RAM (a window of W
 positions never pages): it keeps the last W - 1 positions plus `slack` (so that a follow-up
 prompt may trim that many), returns from `update_and_fetch` exactly the positions the chunk
@@ -210,8 +211,8 @@ class PagedLayerCache:
                 mx.eval(bk, bv)
             for i in range(full):
                 # The page is these positions of the buffer: the store takes its summaries
-                # and a numpy copy for the SSD now, so no slice outlives this call (a held
-                # slice would make the next in-place write copy the whole buffer).
+                # now, so no slice outlives this call (a held slice would make the next
+                # in-place write copy the whole buffer).
                 a, b = t0 + i * p, t0 + (i + 1) * p
                 self.store.commit_buffered(self.layer, bk[0, :, a:b], bv[0, :, a:b])
             # Attention reads `contig` alone (no tail or recent slices to build each step).
