@@ -122,10 +122,10 @@ KV_BITS = (16, 8, 4)
 class EngineSettings:
     """App-wide engine settings, kept in the settings table (issue 5: the CLI's KV flags).
 
-    kv_mode: 'mlx' (mlx-lm's cache in RAM), 'exact' or 'sparse' (the paged KV cache with an
-    SSD tier). kv_bits: 16 keeps the paged cache's pages as computed, 8 or 4 quantizes them
-    (paged modes only; ignored with 'mlx'). kv_ram_mb: the paged cache's RAM budget, 0 for
-    automatic (a quarter of RAM).
+    kv_mode: 'exact' (the default) or 'sparse' (the paged KV cache with an SSD tier), 'mlx'
+    (mlx-lm's cache in RAM). kv_bits: 16 keeps the paged cache's pages as computed, 8 or 4
+    quantizes them (paged modes only; ignored with 'mlx'). kv_ram_mb: the paged cache's RAM
+    budget, 0 for automatic (a quarter of RAM).
     kv_budget_tokens: sparse attention's budget per query. prefix_cache: keep prompt prefixes'
     KV on disk (STRATA_HOME/prefix) so system prompts stay warm across restarts. prefix_mb: that
     folder's disk budget in MB (2^20 bytes); least recently used prefixes leave past it.
@@ -133,7 +133,7 @@ class EngineSettings:
     pays), 'off', 'lookup' (always) or a library model's name (a draft model).
     """
 
-    kv_mode: str = "mlx"
+    kv_mode: str = "exact"  # the engine's default (engine.kv.settings.DEFAULT_MODE)
     kv_bits: int = 16
     kv_ram_mb: int = 0
     kv_budget_tokens: int = 2048

@@ -7,7 +7,11 @@ chunk completes and returns the chunk itself; the hooked attention then reads wh
 held before the chunk (`view`) plus the chunk, so nothing is gathered twice. While the layer
 holds at most CONTIG_MAX full-precision positions that its RAM tier could hold, they are also
 in one contiguous buffer written in place, and `contig` (all positions, the chunk's last) is
-what attention reads instead: mlx-lm's KVCache ops, the pages still committed to the store.
+what attention reads instead: mlx-lm's KVCache ops. The buffer is then the store's RAM tier
+for the layer (KVStore.buffer_layer): its full pages are committed (summaries; the prefix
+cache reads them from it) without a second copy in RAM, and copied into the tier's slots,
+and written to the SSD tier, only when the buffer goes (past CONTIG_MAX, or when the store
+needs slots).
 `WindowLayerCache` is a sliding-window layer's KV, bounded and in RAM (a window of W
 positions never pages): it keeps the last W - 1 positions plus `slack` (so that a follow-up
 prompt may trim that many), returns from `update_and_fetch` exactly the positions the chunk
@@ -49,8 +53,8 @@ class LayerCache(Protocol):
 # are also kept in one contiguous buffer, grown CONTIG_STEP positions at a time as mlx-lm's
 # KVCache grows: a decode step then writes its token in place and attention is one fused call
 # over a slice, the ops mlx-lm's cache runs (the page-wise path built twice its graph at depth
-# 0, docs/benchmarks.md). The pages stay the store's (RAM tier, SSD, prefix cache); the buffer
-# is a copy of what attention reads, dropped past the limit.
+# 0, docs/benchmarks.md). The buffer is the layer's RAM tier meanwhile (one copy of the KV);
+# past the limit its pages move into the tier's slots and the buffer is dropped.
 CONTIG_MAX = int(os.environ.get("STRATA_KV_CONTIG_MAX") or 16384)
 CONTIG_STEP = 256
 
@@ -79,12 +83,13 @@ class PagedLayerCache:
         self.contig_max = 0 if store.codec.quantized else (
             min(CONTIG_MAX, s.budget_tokens) if s.mode == "sparse" else CONTIG_MAX)
 
-    # The tail: a slice of the buffer while it is used (a held slice would stop the next
-    # in-place write, which then copies the buffer), else its own arrays. Setting it from
-    # outside (a restored prefix) leaves the buffer behind.
+    # The tail: while the buffer is used, a copy of its positions after the last page (a
+    # held slice would keep the buffer alive past the next in-place write, which then
+    # copies it: a second KV in RAM while, say, a reply's tail snapshot waits), else its
+    # own arrays. Setting it from outside (a restored prefix) leaves the buffer behind.
     @property
     def tail_k(self) -> Any:
-        return self._buffer_tail(self.buf_k) if self._buffered() else self._tail_k
+        return self._buffer_tail(self.buf_k, copy=True) if self._buffered() else self._tail_k
 
     @tail_k.setter
     def tail_k(self, a: Any) -> None:
@@ -93,7 +98,7 @@ class PagedLayerCache:
 
     @property
     def tail_v(self) -> Any:
-        return self._buffer_tail(self.buf_v) if self._buffered() else self._tail_v
+        return self._buffer_tail(self.buf_v, copy=True) if self._buffered() else self._tail_v
 
     @tail_v.setter
     def tail_v(self, a: Any) -> None:
@@ -103,18 +108,30 @@ class PagedLayerCache:
     def _buffered(self) -> bool:
         return self.buf_k is not None and self.buf_len == self.offset
 
-    def _buffer_tail(self, buf: Any) -> Any:
+    def _buffer_tail(self, buf: Any, copy: bool = False) -> Any:
         t0 = self.store.tables[self.layer].n_pages * self.store.P
-        return buf[:, :, t0:self.offset] if self.offset > t0 else None
+        if self.offset <= t0:
+            return None
+        if not copy:
+            return buf[:, :, t0:self.offset]
+        # A gather, not mx.contiguous: a slice that is already contiguous (one KV head)
+        # would come back as the same view of the buffer.
+        out = mx.take(buf, mx.arange(t0, self.offset), axis=2)
+        mx.eval(out)
+        return out
+
+    def release_buffer(self) -> None:
+        """Let go of the buffer, its pages copied into the store's slots and the tail kept
+        (the store asks, before an operation that needs slots)."""
+        self._drop_buffer()
 
     def _drop_buffer(self, keep_tail: bool = True) -> None:
         if self.buf_k is None:
             return
+        self.store.unbuffer_layer(self.layer)  # its pages into the RAM tier's slots first
         if keep_tail and self._buffered():
-            k, v = self._buffer_tail(self.buf_k), self._buffer_tail(self.buf_v)
-            if k is not None:
-                k, v = mx.contiguous(k), mx.contiguous(v)
-                mx.eval(k, v)
+            k = self._buffer_tail(self.buf_k, copy=True)
+            v = self._buffer_tail(self.buf_v, copy=True)
             self._tail_k, self._tail_v = k, v
         self.buf_k = self.buf_v = None
         self.buf_len = 0
@@ -141,8 +158,7 @@ class PagedLayerCache:
                     self._drop_buffer()
                     return False
                 view = got
-            self.buf_k = self.buf_v = None
-            self.buf_len = 0
+            self._drop_buffer(keep_tail=False)
             ks, vs = [], []
             if view[0] is not None:
                 pn, h, p, d = view[0].shape
@@ -158,7 +174,12 @@ class PagedLayerCache:
                 self._grow(prev + n, keys, values)
                 self.buf_k[:, :, :prev] = k0
                 self.buf_v[:, :, :prev] = v0
+                mx.eval(self.buf_k, self.buf_v)  # the pages' slots go next: copy them now
+            else:
+                self._grow(prev + n, keys, values)
             self._tail_k = self._tail_v = None
+            # The buffer is the layer's RAM tier from here: its slots are freed.
+            self.store.buffer_layer(self.layer, self)
         if self.buf_k is None or prev + n > self.buf_k.shape[2]:
             self._grow(prev + n, keys, values)
         self.buf_k[:, :, prev:prev + n] = keys
@@ -186,13 +207,14 @@ class PagedLayerCache:
             t0 = n_pages * p
             bk, bv = self.buf_k, self.buf_v
             full = (end - t0) // p
+            if full:
+                mx.eval(bk, bv)
             for i in range(full):
-                # Copies, evaluated now: a page held as a slice of the buffer (in the
-                # store's lazy graph or its summaries) would make every later write copy it.
+                # The page is these positions of the buffer: the store takes its summaries
+                # now, so no slice outlives this call (a held slice would make the next
+                # in-place write copy the whole buffer).
                 a, b = t0 + i * p, t0 + (i + 1) * p
-                pk, pv = mx.contiguous(bk[0, :, a:b]), mx.contiguous(bv[0, :, a:b])
-                mx.eval(pk, pv)
-                self.store.commit(self.layer, pk, pv)
+                self.store.commit_buffered(self.layer, bk[0, :, a:b], bv[0, :, a:b])
             # Attention reads `contig` alone (no tail or recent slices to build each step).
             self.view = (n_pages, None, None)
             self.contig = (bk[:, :, :end], bv[:, :, :end])
@@ -219,7 +241,8 @@ class PagedLayerCache:
     @property
     def state(self) -> list[Any]:
         s = self.store
-        extra = [self.buf_k, self.buf_v] if self._buffered() else [self._tail_k, self._tail_v]
+        extra = [self.buf_k, self.buf_v] if self.buf_k is not None else [self._tail_k,
+                                                                         self._tail_v]
         arrays = [*(s.pool_k[self.layer] or ()), *(s.pool_v[self.layer] or ()), *extra]
         return [a for a in arrays if a is not None]
 
@@ -282,13 +305,13 @@ class PagedLayerCache:
 
     @property
     def nbytes(self) -> int:
-        """RAM held for this layer: resident pages (as stored: quantized pages count their
-        encoded size) plus the tail (as computed) or the contiguous buffer."""
-        table = self.store.tables[self.layer]
+        """RAM held for this layer: the contiguous buffer (its pages and tail: the RAM tier
+        holds no other copy of them), or resident pages (as stored: quantized pages count
+        their encoded size) plus the tail (as computed)."""
         if self.buf_k is not None:
-            tail = int(self.buf_k.nbytes) + int(self.buf_v.nbytes)
-        else:
-            tail = 0 if self._tail_k is None else 2 * int(self._tail_k.nbytes)
+            return int(self.buf_k.nbytes) + int(self.buf_v.nbytes)
+        table = self.store.tables[self.layer]
+        tail = 0 if self._tail_k is None else 2 * int(self._tail_k.nbytes)
         return table.n_resident * self.store.page_bytes + tail
 
 

@@ -136,6 +136,12 @@ class KVGeometry:
 
 
 MODES = ("mlx", "exact", "sparse")
+# The page store in exact mode is the default KV cache: up to CONTIG_MAX positions a layer
+# its RAM tier is one contiguous buffer on which attention runs mlx-lm's ops (engine.kv.cache;
+# no second copy of the KV), past it pages, and it keeps prefixes across restarts. 'mlx'
+# (mlx-lm's KVCache) stays the benchmarks' peer and the fallback for models the store cannot
+# page (KVGeometry.unpaged).
+DEFAULT_MODE = "exact"
 BITS = (16, 8, 4)  # KV precision: 16 keeps the compute dtype, 8 and 4 quantize pages
 GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
 # Group size by bits when not set (docs/benchmarks.md, KV bits): at 8 bits the group hardly
@@ -146,7 +152,8 @@ DEFAULT_GROUP = {16: 64, 8: 64, 4: 32}
 
 @dataclass(frozen=True)
 class KVSettings:
-    """How the KV cache is kept. mode 'mlx' is mlx-lm's own in-memory KVCache.
+    """How the KV cache is kept (mode: DEFAULT_MODE unless set). mode 'mlx' is mlx-lm's own
+    in-memory KVCache.
 
     ram_mb: RAM tier budget (None: a quarter of system memory). ssd_mb: SSD tier budget.
     budget_tokens: sparse mode's attention budget per query (sinks and window included).
@@ -156,7 +163,7 @@ class KVSettings:
     modes only.
     """
 
-    mode: str = "mlx"
+    mode: str = DEFAULT_MODE
     page_tokens: int = 128
     ram_mb: int | None = None
     ssd: bool = True

@@ -14,6 +14,15 @@ Pages of a stored prefix are mapped, not copied (`map_pages`): the table lists t
 pages whose records live in the prefix cache's run files (engine.kv.prefix), read in place
 and verified as this tier's own when attention needs them; a cold page read while the RAM
 tier has a free slot stays in RAM (nothing is evicted for it).
+A layer whose cache keeps its positions in one contiguous buffer (engine.kv.cache,
+`buffer_layer`) has its RAM-tier pages in that buffer: page i is positions [i*P, (i+1)*P)
+of it and the tier holds no second copy (`commit_buffered` registers and summarises a page;
+reads copy out of the buffer). Nor is it written to the SSD tier while buffered: nothing
+evicts it there, and the prefix cache writes a stored prompt's pages into its own run, so a
+page of a chat that stays under the buffer's limit is written once, not twice.
+`unbuffer_layer` copies the pages into the tier's slots when the buffer goes and writes
+them through then; an operation that needs slots (a commit from outside, `ensure_resident`,
+a mapped restore) makes the owner let go of it first.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -57,6 +66,16 @@ class MappedPageCorrupt(PageCorrupt):
     def __init__(self, message: str, layer: int, page: int, name: str) -> None:
         super().__init__(message)
         self.layer, self.page, self.name = layer, page, name
+
+
+class BufferOwner(Protocol):
+    """A layer cache whose contiguous buffer holds the layer's pages (engine.kv.cache)."""
+
+    buf_k: Any  # (1, kv_heads, capacity, head_dim): positions [0, n_pages * P) are pages
+    buf_v: Any
+
+    def release_buffer(self) -> None:
+        """Let go of the buffer (the store's `unbuffer_layer` first), keeping the tail."""
 
 
 class KVStore:
@@ -94,6 +113,8 @@ class KVStore:
         self._on_close: list[Callable[[], None]] = []
         self._ram_reported = -1e9
         self._layouts: dict[int, RecordFile] = {}
+        # Per layer: the cache whose buffer holds its resident pages (no slots), or None.
+        self._buffers: list[BufferOwner | None] = [None] * n_layers
         self.prefetcher: Prefetcher | None = Prefetcher(self._read_np, settings.prefetch_depth)
         if settings.ssd:
             root = settings.folder()
@@ -213,6 +234,7 @@ class KVStore:
         another file: (fd, offset) per page, key summaries (n, kv_heads, head_dim). They are
         read in place when needed and never written to this store's files; the fds must
         stay open while the store lives (`hold` them)."""
+        self._leave_buffer(layer)
         table = self.tables[layer]
         start, n = table.n_pages, len(records)
         if not n:
@@ -243,9 +265,14 @@ class KVStore:
 
     def commit(self, layer: int, k: Any, v: Any) -> int:
         """Store a full page (k, v: (kv_heads, P, head_dim) MLX arrays); returns its index."""
+        self._leave_buffer(layer)  # a page from outside goes to a slot
         # Summaries from the keys as computed: quantization error stays out of the bounds.
         kp = self.codec.encode(k)
         page = self.commit_parts(layer, kp, self.codec.encode(v), k.min(axis=1), k.max(axis=1))
+        self._add_blocks(layer, page, kp, k)
+        return page
+
+    def _add_blocks(self, layer: int, page: int, kp: Parts, k: Any, now: bool = False) -> None:
         table = self.tables[layer]
         if table.block_pages == page:
             # Sparse selection's block summaries, from the keys as stored (so a process that
@@ -254,7 +281,24 @@ class KVStore:
             kept = self.codec.decode(kp) if self.codec.quantized else k.astype(self.dtype)
             h, p, d = kept.shape
             kb = kept.reshape(h, p // table.block_tokens, table.block_tokens, d)
-            table.add_blocks(kb.min(axis=2)[None], kb.max(axis=2)[None])
+            lo, hi = kb.min(axis=2)[None], kb.max(axis=2)[None]
+            if now:
+                mx.eval(lo, hi)
+            table.add_blocks(lo, hi)
+
+    def commit_buffered(self, layer: int, k: Any, v: Any) -> int:
+        """Register the next full page of a buffered layer (k, v: that page's positions in
+        the buffer, (kv_heads, P, head_dim), evaluated): summaries taken and evaluated now,
+        so nothing holds the slice afterwards; the RAM tier keeps no copy (the buffer is the
+        page) and the SSD tier gets it only if the buffer goes (`unbuffer_layer`). Returns
+        its index."""
+        assert self._buffers[layer] is not None
+        table = self.tables[layer]
+        kmin, kmax = k.min(axis=1), k.max(axis=1)
+        mx.eval(kmin, kmax)
+        page = table.add_page(table.n_pages)  # its slot is its place in the buffer
+        table.add_summary(kmin[None], kmax[None])
+        self._add_blocks(layer, page, (k,), k, now=True)
         return page
 
     def commit_parts(self, layer: int, kp: Parts, vp: Parts, kmin: Any, kmax: Any) -> int:
@@ -262,11 +306,16 @@ class KVStore:
         n), MLX arrays) with its key summaries ((kv_heads, head_dim) element-wise min and max
         of the keys as computed); returns its index. A restored page enters as a computed one
         does: a RAM slot (evicting as usual), written through to the SSD tier."""
+        self._leave_buffer(layer)
         table = self.tables[layer]
         slot = self._slot(layer)
         self._put(layer, slot, kp, vp)
         page = table.add_page(slot)
         table.add_summary(kmin[None], kmax[None])
+        self._write(layer, page, kp, vp)
+        return page
+
+    def _write(self, layer: int, page: int, kp: Parts, vp: Parts) -> None:
         if self.writer is not None and self.writer.full_reason is None:
             mx.eval(*kp, *vp)
             serial = self.writer.put(layer, page, page * self.P,
@@ -274,7 +323,77 @@ class KVStore:
                                      tuple(np.array(a) for a in vp))
             if serial:
                 self._serials[layer][page] = serial
-        return page
+
+    # -- buffered layers ------------------------------------------------------------------
+    def buffered(self, layer: int) -> bool:
+        """Whether the layer's resident pages live in its cache's buffer (no slots)."""
+        return self._buffers[layer] is not None
+
+    def buffer_layer(self, layer: int, owner: BufferOwner) -> None:
+        """From now on `owner`'s buffer holds pages [0, n_pages) of the layer (all of them
+        resident before, and copied into it by the owner): the slots and their pool go."""
+        table = self.tables[layer]
+        n = table.n_pages
+        assert table.all_resident(n), "a buffered layer's pages must all be in RAM"
+        self.pool_k[layer] = self.pool_v[layer] = None
+        self._free[layer] = []
+        table.slot_of[:n] = np.arange(n, dtype=np.int32)
+        table.page_of_slot = list(range(n))
+        table.identity = True
+        self._buffers[layer] = owner
+
+    def unbuffer_layer(self, layer: int) -> None:
+        """Copy the buffered pages into slots of the layer's pool (page i in slot i), before
+        the owner drops its buffer; the layer is an ordinary one again."""
+        owner = self._buffers[layer]
+        if owner is None:
+            return
+        self._buffers[layer] = None
+        table = self.tables[layer]
+        n = table.n_pages
+        table.page_of_slot = list(range(n))
+        if n:
+            kp, vp = self._from_buffer(owner, n, np.arange(n))
+            self.pool_k[layer], self.pool_v[layer] = kp, vp
+            # Written through now (the pages may be evicted from here on).
+            for p in self._unwritten(layer):
+                self._write(layer, p, (kp[0][p],), (vp[0][p],))
+
+    def _unwritten(self, layer: int) -> list[int]:
+        """Pages never queued for the SSD tier (not on it, not on their way, not mapped)."""
+        table, ser, mapped = self.tables[layer], self._serials[layer], self._mapped[layer]
+        return [int(p) for p in np.flatnonzero(~table.on_disk[:table.n_pages])
+                if int(p) not in ser and int(p) not in mapped]
+
+    def _write_buffered(self, layer: int) -> None:
+        """Write a buffered layer's pages not on the SSD yet (a manifest is to list them)."""
+        owner = self._buffers[layer]
+        table = self.tables[layer]
+        todo = self._unwritten(layer)
+        if owner is None or not todo:
+            return
+        kp, vp = self._from_buffer(owner, table.n_pages, np.array(todo))
+        for i, p in enumerate(todo):
+            self._write(layer, p, (kp[0][i],), (vp[0][i],))
+
+    def _leave_buffer(self, layer: int) -> None:
+        owner = self._buffers[layer]
+        if owner is not None:
+            owner.release_buffer()
+            assert self._buffers[layer] is None
+
+    def _from_buffer(self, owner: BufferOwner, n_pages: int, pages: np.ndarray
+                     ) -> tuple[Parts, Parts]:
+        """Copies of `pages` out of a buffer holding n_pages pages, page-major (len(pages),
+        kv_heads, P, n) as the pool holds them, evaluated: nothing keeps the buffer."""
+        idx = mx.array(np.asarray(pages, np.int32))
+        out = []
+        for buf in (owner.buf_k, owner.buf_v):
+            _, h, _, d = buf.shape
+            a = buf[0, :, :n_pages * self.P].reshape(h, n_pages, self.P, d)
+            out.append(mx.contiguous(mx.take(a, idx, axis=1).transpose(1, 0, 2, 3)))
+        mx.eval(out)
+        return (out[0],), (out[1],)
 
     def _put(self, layer: int, slot: int, kp: Parts, vp: Parts) -> None:
         """Write one page's encoded parts (MLX arrays) into `slot` of the layer's pools."""
@@ -285,7 +404,11 @@ class KVStore:
                 a[slot] = part
 
     def truncate(self, layer: int, n_pages: int) -> None:
-        for s in self.tables[layer].truncate(n_pages):
+        freed = self.tables[layer].truncate(n_pages)
+        if self._buffers[layer] is not None:
+            self.tables[layer].page_of_slot = list(range(n_pages))  # places, not slots
+            freed = []
+        for s in freed:
             heapq.heappush(self._free[layer], s)
         ser = self._serials[layer]
         for p in [p for p in ser if p >= n_pages]:
@@ -297,6 +420,10 @@ class KVStore:
     def page_np(self, layer: int, page: int) -> tuple[Any, Any]:
         """One page's (k, v) as MLX arrays (kv_heads, P, head_dim), from either tier."""
         slot = int(self.tables[layer].slot_of[page])
+        owner = self._buffers[layer]
+        if slot >= 0 and owner is not None:
+            kb, vb = self._from_buffer(owner, self.tables[layer].n_pages, np.array([page]))
+            return kb[0][0], vb[0][0]
         pk, pv = self.pool_k[layer], self.pool_v[layer]
         if slot >= 0 and pk is not None and pv is not None:
             return (self.codec.decode(tuple(a[slot] for a in pk)),
@@ -309,6 +436,10 @@ class KVStore:
         """One page's encoded (k, v) parts as numpy arrays (kv_heads, P, n), from either tier
         (a cold page is read and verified, not brought into RAM)."""
         slot = int(self.tables[layer].slot_of[page])
+        owner = self._buffers[layer]
+        if slot >= 0 and owner is not None:
+            kb, vb = self._from_buffer(owner, self.tables[layer].n_pages, np.array([page]))
+            return (np.array(kb[0][0]),), (np.array(vb[0][0]),)
         pk, pv = self.pool_k[layer], self.pool_v[layer]
         if slot >= 0 and pk is not None and pv is not None:
             return (tuple(np.array(a[slot]) for a in pk), tuple(np.array(a[slot]) for a in pv))
@@ -321,8 +452,12 @@ class KVStore:
 
     def resident_parts(self, layer: int, n_pages: int) -> tuple[Parts, Parts] | None:
         """Encoded keys and values of pages [0, n_pages) if all are in RAM, else None (no
-        copy if slots are in page order). Decode with `self.codec.decode`."""
+        copy if slots are in page order; a buffered layer's are copied out of its buffer).
+        Decode with `self.codec.decode`."""
         table = self.tables[layer]
+        owner = self._buffers[layer]
+        if owner is not None and 0 < n_pages <= table.n_pages:
+            return self._from_buffer(owner, table.n_pages, np.arange(n_pages))
         pk, pv = self.pool_k[layer], self.pool_v[layer]
         if n_pages == 0 or pk is None or pv is None or not table.all_resident(n_pages):
             return None
@@ -342,6 +477,7 @@ class KVStore:
     def gather(self, layer: int, slots: Any, heads: Any) -> tuple[Any, Any]:
         """Decoded keys and values of resident slots, per head: pool[slots, heads] (MLX
         index arrays that broadcast together); the slots must be resident."""
+        self._leave_buffer(layer)
         pk, pv = self.pool_k[layer], self.pool_v[layer]
         assert pk is not None and pv is not None
         return (self.codec.decode(tuple(a[slots, heads] for a in pk)),
@@ -360,7 +496,13 @@ class KVStore:
             vs: list[Any] = []
             hot = part[r]
             pk, pv = self.pool_k[layer], self.pool_v[layer]
-            if len(hot) and pk is not None and pv is not None:
+            owner = self._buffers[layer]
+            if len(hot) and owner is not None:
+                kb, vb = self._from_buffer(owner, table.n_pages, hot)
+                ks.append(kb[0])
+                vs.append(vb[0])
+                self.counters["ram_hits"] += len(hot)
+            elif len(hot) and pk is not None and pv is not None:
                 idx = mx.array(table.slot_of[hot])
                 ks.append(dec(tuple(mx.take(a, idx, axis=0) for a in pk)))
                 vs.append(dec(tuple(mx.take(a, idx, axis=0) for a in pv)))
@@ -388,6 +530,7 @@ class KVStore:
         """Bring `pages` (distinct) into RAM, evicting LRU pages outside them; returns their
         slots, or None (nothing read) if RAM cannot hold them all at once: loading one would
         then evict another that the caller is about to read."""
+        self._leave_buffer(layer)  # the caller indexes the pool's slots
         table = self.tables[layer]
         table.touch(pages)  # requested pages go to the young end: evicted last
         cold = pages[~table.resident(pages)]
@@ -431,6 +574,7 @@ class KVStore:
         self._files.clear()
         for m in self._mapped:
             m.clear()
+        self._buffers = [None] * self.n_layers  # the caches' buffers are theirs to drop
         for fd in self._held_fds:
             os.close(fd)
         self._held_fds.clear()
@@ -450,6 +594,8 @@ class KVStore:
     def save_manifest(self, n_tokens: int, extra: dict[str, Any] | None = None) -> None:
         """Record what the page files hold, so a later store can open them (after flush)."""
         assert self.folder is not None
+        for layer in range(self.n_layers):
+            self._write_buffered(layer)
         self.flush()
         doc = {"format": 1, "layers": self.n_layers, "kv_heads": self.kv_heads,
                "head_dim": self.head_dim, "page_tokens": self.P, "dtype": self.np_dtype.name,
@@ -461,6 +607,7 @@ class KVStore:
     def adopt(self, layer: int, n_pages: int) -> None:
         """Register pages [0, n_pages) found on disk (after a restart) as cold pages; their
         summaries are rebuilt from the verified records (decoded keys, if quantized)."""
+        self._leave_buffer(layer)
         table = self.tables[layer]
         for p in range(n_pages):
             k, _ = self._read_np(layer, p)

@@ -36,7 +36,7 @@ from engine.kv import KVSettings, shared_bytes, ssd_bytes
 from engine.kv import settings_from_env as kv_settings_from_env
 from engine.kv.prefix import PrefixCache, PrefixSettings, clear_folder, prefix_folder_bytes
 from engine.kv.prefix import settings_from_env as prefix_settings_from_env
-from engine.kv.settings import SESSIONS_DIR, store_root
+from engine.kv.settings import DEFAULT_MODE, SESSIONS_DIR, store_root
 from engine.library import Library, Manifest
 from engine.platform import (
     MemorySnapshot,
@@ -86,7 +86,7 @@ def settings_from_options(options: Mapping[str, Any], home: Path) -> PoolSetting
     paged KV's session files in the page store under `home` (engine.kv.settings.store_root).
     Raises StrataError or ValueError on bad values."""
     ram = int(options.get("kv_ram_mb") or 0)
-    mode = str(options.get("kv_mode") or "mlx")
+    mode = str(options.get("kv_mode") or DEFAULT_MODE)
     # KV bits apply to the paged cache only; mlx-lm's in-memory cache stays 16-bit.
     bits = int(options.get("kv_bits") or 16) if mode != "mlx" else 16
     kv = kv_settings_from_env(mode=mode, bits=bits, ram_mb=ram if ram > 0 else None,

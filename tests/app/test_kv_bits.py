@@ -22,6 +22,9 @@ def test_kv_bits_are_offered_stored_and_applied(make_window: WindowFactory, qtbo
     qtbot.waitUntil(lambda: window.is_ready, timeout=LOAD_TIMEOUT_MS)
     view = window.chat.view
     assert view.kv_bits.accessibleName() == "KV precision"
+    assert view.kv_bits.isEnabled()  # the default KV mode (exact) pages: bits apply
+    with qtbot.waitSignal(window.engine.settings_applied, timeout=LOAD_TIMEOUT_MS):
+        _choose(view, view.kv_mode, "mlx")
     assert not view.kv_bits.isEnabled()  # mlx-lm's cache: 16-bit only
     with qtbot.waitSignal(window.engine.settings_applied, timeout=LOAD_TIMEOUT_MS):
         _choose(view, view.kv_mode, "exact")

@@ -48,8 +48,7 @@ def test_a_system_prompt_stays_warm_across_a_restart(
     assert info["tokens"] > 256 and info["cached"] == 0 and info["prefilled"] == info["tokens"]
     panel = first.memory
     qtbot.waitUntil(lambda: _bytes(panel.value_text("prefix_disk")) > 0, timeout=10_000)
-    assert panel.value_text("kv_ssd") == "unavailable"
-    assert panel.hints["kv_ssd"].text() == "paged KV off"
+    assert panel.value_text("kv_ssd") != "unavailable"  # the default: the page store
     first.close()  # the window's engine writes its queued pages before it ends
     first.shutdown()
 

@@ -131,7 +131,11 @@ def test_cli_kv_options(tmp_path: Path) -> None:
                                       "--kv-ram-mb", "256", "--kv-budget", "1024"])
     s = _kv_settings(args)
     assert (s.mode, s.ram_mb, s.budget_tokens) == ("sparse", 256, 1024)
-    assert _kv_settings(build_parser().parse_args(["generate", "--prompt", "x"])) is None
+    # No --kv-mode: the page store in exact mode, the default KV cache (engine.kv.settings).
+    s = _kv_settings(build_parser().parse_args(["generate", "--prompt", "x"]))
+    assert s is not None and (s.mode, s.bits) == ("exact", 16)
+    assert _kv_settings(build_parser().parse_args(["generate", "--prompt", "x", "--kv-mode",
+                                                   "mlx"])) is None
     s = _kv_settings(build_parser().parse_args(["generate", "--prompt", "x", "--kv-mode",
                                                 "exact", "--kv-bits", "4"]))
     assert (s.mode, s.bits, s.group()) == ("exact", 4, 32)
