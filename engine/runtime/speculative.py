@@ -14,11 +14,11 @@ repetition penalty: never), and the speculator decides per step how many tokens 
 from the acceptance rate it has seen for that kind of proposal (a lookup continuing a copy
 that has held for HELD tokens or a younger one, counting the tokens that copy has matched; a
 fresh n-gram match; a draft model's) and the measured cost of a verify pass of each length
-against a plain step (per model, timed once before the first reply's first token by
-`Speculator.calibrate`, then kept up to date by every pass), resting (plain, pipelined
-decode) when drafting would be slower. The speculator reads a `CacheView` (a prompt cache,
-or the lone row of the server's decode batch). Counts go to the reply's stats
-(`drafted_tokens`, `accepted_tokens`).
+against a plain step (per model, timed once by `Speculator.calibrate` the first time a
+reply could draft, after its first token, then kept up to date by every pass), resting
+(plain, pipelined decode) when drafting would be slower. The speculator reads a `CacheView`
+(a prompt cache, or the lone row of the server's decode batch). Counts go to the reply's
+stats (`drafted_tokens`, `accepted_tokens`).
 `DraftModels` turns a setting ("auto", "off", "lookup" or a library model's name) into what
 `generate` takes, loading a draft model once and keeping it while the target stays.
 """
@@ -306,6 +306,7 @@ class StepCosts:
 
     seconds: dict[int, float] = field(default_factory=dict)
     threads: int = VERIFY_BLAS_THREADS  # BLAS threads of a verify pass (0: the process's)
+    calibrated: bool = False  # whether `Speculator.calibrate` has timed this model
 
     def add(self, length: int, seconds: float) -> None:
         old = self.seconds.get(length)
@@ -388,8 +389,9 @@ class Speculator:
         model: plain length on the process's BLAS threads, longer ones on the verify passes'
         (VERIFY_BLAS_THREADS or the process's own, whichever ran a 5-token pass faster here).
         The seconds it took (0 when already measured)."""
-        if 1 in self.costs.seconds:
+        if self.costs.calibrated:
             return 0.0
+        self.costs.calibrated = True
         t_start = time.perf_counter()
         cache, tokens = self.pc.cache, self.pc.tokens
         tok = int(tokens[-1]) if len(tokens) else 0
@@ -456,7 +458,7 @@ class Speculator:
         known; every PROBE_EVERY resting tokens a draft of PROBE_K is tried again."""
         if not self.drafter.may_propose(history):
             return True
-        if (self.forced or 1 not in self.costs.seconds
+        if (self.forced or not self.costs.calibrated
                 or self.best_k(self.k_max, self.kind(history)) > 0):
             return False
         self._since_probe += 1
@@ -470,6 +472,10 @@ class Speculator:
         """Feed `tok` (the history's last token) and drafts; (accepted drafts, now in the
         cache and in pc.tokens, and the lazy next token, which is not)."""
         cache = self.pc.cache
+        if not self.costs.calibrated and self.drafter.may_propose(history):
+            # Here, the first time a draft is possible, not before the first token: a
+            # reply that never repeats anything never pays it, and no first token waits.
+            self.calibrated_s += self.calibrate()
         k = 0
         kind = self.kind(history)
         if ((self.forced or 1 in self.costs.seconds)
@@ -535,7 +541,4 @@ def for_reply(lm: LoadedModel, drafter: str | Drafter | None, params: SamplingPa
     k_max = K_MAX
     if lm.paged and lm.kv_settings is not None and lm.kv_settings.mode == "sparse":
         k_max = SPARSE_MAX_L - 1  # the sparse attention takes at most this many queries
-    spec = Speculator(lm, drafter, sampler, pc, forward, stats, forced, k_max)
-    # Before the reply's first token: once per model, part of its time to first token.
-    spec.calibrated_s = spec.calibrate()
-    return spec
+    return Speculator(lm, drafter, sampler, pc, forward, stats, forced, k_max)

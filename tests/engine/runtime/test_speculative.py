@@ -23,6 +23,7 @@ from engine.runtime.speculative import (
     ModelDrafter,
     Speculator,
     StepCosts,
+    costs_of,
 )
 from engine.telemetry import GenerationEvent
 from tests.engine.runtime.spec_fixtures import GREEDY, copy_prompt, plain, run
@@ -147,6 +148,26 @@ def test_calibration_times_the_pass_lengths_and_leaves_the_cache_as_it_was(
         assert ([c.offset for c in cache.cache], list(cache.tokens)) == held
     finally:
         cache.close()
+
+
+def test_calibration_waits_for_a_possible_draft_after_the_first_token(
+        starter_lm: LoadedModel, copy_ids: list[int]) -> None:
+    """No first token waits for the timing: a one-token reply never calibrates, and a reply
+    that copies its prompt calibrates once it could draft, with the plain decode's tokens."""
+    costs = costs_of(starter_lm)
+    saved = (dict(costs.seconds), costs.threads, costs.calibrated)
+    try:
+        costs.seconds.clear()
+        costs.calibrated = False
+        run(starter_lm, copy_ids, "auto", 1)
+        assert not costs.calibrated and set(costs.seconds) <= {1}
+        toks, last = run(starter_lm, copy_ids, "auto", 24)
+        assert costs.calibrated and {1, 5, 9} <= set(costs.seconds)
+        assert toks == plain(starter_lm, copy_ids, 24) and last.drafted_tokens > 0
+    finally:
+        costs.seconds.clear()
+        costs.seconds.update(saved[0])
+        costs.threads, costs.calibrated = saved[1], saved[2]
 
 
 def test_draft_setting_resolves_to_a_drafter_loaded_once(starter_lm: LoadedModel) -> None:
