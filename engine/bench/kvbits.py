@@ -124,7 +124,10 @@ def compare(lm: Any, ids: Sequence[int], subjects: Sequence[KVSettings], context
             st = store.stats()
             tokens = store.tables[0].n_pages * store.P or 1  # tokens in pages, every layer
             row.kv_bytes_per_token_ram = st["bytes_ram"] / tokens
-            row.kv_bytes_per_token_ssd = st["bytes_ssd"] / tokens
+            # What the pages take on the SSD, by the record size: a page still in the
+            # contiguous buffer is not written until the buffer goes (or a prompt is stored).
+            pages = sum(t.n_pages for t in store.tables)
+            row.kv_bytes_per_token_ssd = store.record_bytes * pages / tokens
         # Decode: one token at a time; each step timed on its own (the first pays warm-up).
         for step, tok in enumerate(ids[context:]):
             x = mx.array([[tok]])

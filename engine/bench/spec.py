@@ -41,8 +41,11 @@ from engine.runtime.speculative import DRAFT_SETTINGS, ModelDrafter
 # The edit's source: mlx-lm's Llama model file, as installed (a pinned minor version), not one
 # of ours: a file of this repository changes under the benchmark (engine/kv/cache.py grew
 # from 247 to 430 lines and the starter stopped copying its new docstring: 2.13x to 1.00x).
-_MLX_LM = importlib.util.find_spec("mlx_lm")
-EDIT_FILE = Path(str(getattr(_MLX_LM, "origin", ""))).parent / "models" / "llama.py"
+# mlx-lm's folder: by its spec, or by the bare package the runtime registers (no __spec__).
+_MLX_LM = sys.modules.get("mlx_lm")
+_MLX_LM_INIT = getattr(_MLX_LM, "__file__", None) or getattr(
+    importlib.util.find_spec("mlx_lm"), "origin", "")
+EDIT_FILE = Path(str(_MLX_LM_INIT)).parent / "models" / "llama.py"
 EDIT_RENAME = ("TransformerBlock", "DecoderBlock")
 # The "300-line source file": at most its first 300 lines, so the task stays one size.
 EDIT_LINES = 300

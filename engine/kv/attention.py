@@ -77,7 +77,11 @@ TWO_LEVEL_FACTOR = 8
 # missed by the bound alone and with 2, found with 4 and 8 (docs/benchmarks.md). It once ran
 # only while every page was in RAM, and the same context chose other blocks once its pages
 # were on the SSD; now the shortlist's keys come from either tier (`_gather_keys`).
-RESCORE = max(1, int(os.environ.get("STRATA_SPARSE_RESCORE") or 4))
+# Off by default (1), STRATA_SPARSE_RESCORE=4 on: the shortlist's pages off the RAM tier are
+# read for their keys and again for attention, so with the pages on the SSD a 2k context at a
+# 1k budget read more pages a token than exact mode (tests/engine/bench/test_kv.py), and
+# decode at 32k fell from 5.0x to 3.0x mlx-lm. On by default once a step reads a page once.
+RESCORE = max(1, int(os.environ.get("STRATA_SPARSE_RESCORE") or 1))
 # Question votes (SnapKV's idea): a prefill chunk in sparse mode (at most VOTE_PAST_MAX tokens
 # in) records the exact attention weight its last VOTE_QUERIES queries give each block; decode
 # keeps the best-voted VOTE_SHARE of the chosen blocks for the whole reply (beside the per-step
