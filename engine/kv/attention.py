@@ -77,19 +77,18 @@ TWO_LEVEL_FACTOR = 8
 # missed by the bound alone and with 2, found with 4 and 8 (docs/benchmarks.md). It once ran
 # only while every page was in RAM, and the same context chose other blocks once its pages
 # were on the SSD; now the shortlist's keys come from either tier (`_gather_keys`).
-# Off by default (1), STRATA_SPARSE_RESCORE=4 on: the shortlist's pages off the RAM tier are
-# read for their keys and again for attention, so with the pages on the SSD a 2k context at a
-# 1k budget read more pages a token than exact mode (tests/engine/bench/test_kv.py), and
-# decode at 32k fell from 5.0x to 3.0x mlx-lm. On by default once a step reads a page once.
-RESCORE = max(1, int(os.environ.get("STRATA_SPARSE_RESCORE") or 1))
+# A page read off the RAM tier for the shortlist's keys is kept for the step's attention
+# (`_step_pages`): a step reads each page at most once, so never more pages than exact mode
+# (tests/engine/bench/test_kv.py). STRATA_SPARSE_RESCORE=1 turns it off.
+RESCORE = max(1, int(os.environ.get("STRATA_SPARSE_RESCORE") or 4))
 # Question votes (SnapKV's idea): a prefill chunk in sparse mode (at most VOTE_PAST_MAX tokens
 # in) records the exact attention weight its last VOTE_QUERIES queries give each block; decode
 # keeps the best-voted VOTE_SHARE of the chosen blocks for the whole reply (beside the per-step
 # choice), so the blocks the question itself looked at stay. With RESCORE 4 it found at 4k
 # and 8k what exact found where rescoring alone missed (docs/benchmarks.md, issue 19's
-# fourth pass). Off by default (0), STRATA_SPARSE_VOTES=0.5 on: without rescoring, votes
-# lost the fact of tests/engine/kv/test_needle.py's sparse test, which the bound alone finds.
-VOTE_SHARE = float(os.environ.get("STRATA_SPARSE_VOTES") or 0.0)
+# fourth pass). STRATA_SPARSE_VOTES=0 turns them off (without rescoring they lost the fact of
+# tests/engine/kv/test_needle.py's sparse test, which the bound alone finds).
+VOTE_SHARE = float(os.environ.get("STRATA_SPARSE_VOTES") or 0.5)
 VOTE_QUERIES = 32
 VOTE_PAST_MAX = SPARSE_PREFILL_PAST
 # STRATA_SPARSE_FIRST_EXACT=1: the step right after the voting chunk (the prompt's last
@@ -413,7 +412,8 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     the chosen blocks and the window sit contiguously inside the trained window
     (remap.block_deltas); selection itself ranks by the keys as cached. `start`: the
     position of the step's first query (question votes are for the steps after theirs)."""
-    chosen = select_blocks(store, layer, qg, n_pages, acc, start)
+    held: dict[str, Any] = {}  # pages the shortlist's keys were read from for this step
+    chosen = select_blocks(store, layer, qg, n_pages, acc, start, held)
     if chosen is None:
         return _exact(store, layer, qg, n_pages, acc)
     top, sink, hi = chosen
@@ -438,18 +438,15 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     else:
         page_np = np.array(page)
         uniq = np.unique(page_np)
-        got = store.ensure_resident(layer, uniq)
+        # Pages the rescoring read for this step only (RAM could not hold the shortlist) are
+        # attended from what was read: a page is read once a step (never more than exact).
+        got = None if held else store.ensure_resident(layer, uniq)
         if got is not None:
             slots = mx.array(table.slot_of[page_np])
             pools = store.pool_k[layer], store.pool_v[layer]
         else:
-            # More pages than RAM holds at once: read them for this step only. `stream`
-            # returns a group's resident pages first, then the cold ones.
-            res = table.resident(uniq)
-            at = np.empty(len(uniq), np.int64)
-            at[np.concatenate([np.flatnonzero(res), np.flatnonzero(~res)])] = np.arange(len(uniq))
-            ku, vu = next(iter(store.stream(layer, uniq, len(uniq))))
-            pos = mx.array(at[np.searchsorted(uniq, page_np)])
+            ku, vu, row = _step_pages(store, layer, uniq, held)
+            pos = mx.array(row[page_np])
             k = ku.reshape(*ku.shape[:2], nb, b, d)[pos, heads, blk]
             v = vu.reshape(*vu.shape[:2], nb, b, vu.shape[-1])[pos, heads, blk]
             if spec is not None:
@@ -467,7 +464,8 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
 
 
 def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
-                  start: int = -1) -> tuple[Any, int, int] | None:
+                  start: int = -1, held: dict[str, Any] | None = None
+                  ) -> tuple[Any, int, int] | None:
     """The blocks a sparse step over pages [0, n_pages) attends besides the sinks and the
     window (see `_sparse`): (top (H, k) block indices, sink pages, hi: the window's first
     page), or None when the budget holds every candidate (the step is then exact). The same
@@ -534,7 +532,7 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
         assert voted is not None
         return voted, sink, hi
     if RESCORE > 1:
-        top = _rescore(store, layer, qg, acc, score, k_step, cand, lo, n_pages)
+        top = _rescore(store, layer, qg, acc, score, k_step, cand, lo, n_pages, held)
     else:
         top = mx.argpartition(-score, kth=k_step - 1, axis=-1)[:, :k_step]
         top = top + lo * nb if cand is None else mx.take_along_axis(cand, top, axis=-1)
@@ -543,7 +541,42 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     return top, sink, hi
 
 
-def _gather_keys(store: Any, layer: int, at: Any, n_pages: int) -> Any:
+def _step_pages(store: Any, layer: int, uniq: np.ndarray, held: dict[str, Any] | None
+                ) -> tuple[Any, Any, np.ndarray]:
+    """Decoded keys and values (n, H, P, D) of the distinct pages `uniq` for this step only,
+    and row (page -> its row): the pages in `held` (read by the rescoring this step) are
+    taken from there, the others read once (`stream`: resident ones from RAM, cold ones
+    verified off the SSD, not kept in RAM unless a slot is free). What was read is added to
+    `held`, so a later read in the same step finds it."""
+    table = store.tables[layer]
+    row = np.full(table.n_pages, -1, np.int64)
+    ks: list[Any] = []
+    vs: list[Any] = []
+    n = 0
+    if held:
+        have = held["pages"]
+        row[have] = held["row"][have]
+        ks.append(held["k"])
+        vs.append(held["v"])
+        n = held["k"].shape[0]
+    need = uniq[row[uniq] < 0]
+    if len(need):
+        res = table.resident(need)
+        # `stream` gives a group's resident pages first, then the cold ones.
+        row[need[np.concatenate([np.flatnonzero(res), np.flatnonzero(~res)])]] = n + np.arange(
+            len(need))
+        ku, vu = next(iter(store.stream(layer, need, len(need))))
+        ks.append(ku)
+        vs.append(vu)
+    k = ks[0] if len(ks) == 1 else mx.concatenate(ks)
+    v = vs[0] if len(vs) == 1 else mx.concatenate(vs)
+    if held is not None:
+        held.update(pages=np.flatnonzero(row >= 0), row=row, k=k, v=v)
+    return k, v, row
+
+
+def _gather_keys(store: Any, layer: int, at: Any, n_pages: int,
+                 held: dict[str, Any] | None = None) -> Any:
     """Decoded keys (H, m, b, D) of the blocks `at` (H, m) per head, from whichever tier holds
     their pages: gathered from the RAM tier, cold pages read through the store's verified
     path first (kept in RAM when it holds them, else read for this step only)."""
@@ -559,12 +592,10 @@ def _gather_keys(store: Any, layer: int, at: Any, n_pages: int) -> Any:
         page_np = np.array(page)
         uniq = np.unique(page_np)
         if store.ensure_resident(layer, uniq) is None:
-            res = table.resident(uniq)
-            pos_of = np.empty(len(uniq), np.int64)
-            pos_of[np.concatenate([np.flatnonzero(res), np.flatnonzero(~res)])] = np.arange(
-                len(uniq))
-            ku, _ = next(iter(store.stream(layer, uniq, len(uniq))))
-            pos = mx.array(pos_of[np.searchsorted(uniq, page_np)])
+            # Read for this step only, keys and values together (a record's CRC covers
+            # both): kept in `held`, the step's attention reads its chosen blocks from there.
+            ku, _, row = _step_pages(store, layer, uniq, held)
+            pos = mx.array(row[page_np])
             return ku.reshape(*ku.shape[:2], nb, b, ku.shape[-1])[pos, heads, blk]
         slots = mx.array(table.slot_of[page_np])
     return store.codec.decode(tuple(a.reshape(*a.shape[:2], nb, b, a.shape[-1])[slots, heads, blk]
@@ -572,7 +603,7 @@ def _gather_keys(store: Any, layer: int, at: Any, n_pages: int) -> Any:
 
 
 def _rescore(store: Any, layer: int, qg: Any, acc: _Partial, score: Any, k_sel: int,
-             cand: Any, lo: int, n_pages: int) -> Any:
+             cand: Any, lo: int, n_pages: int, held: dict[str, Any] | None = None) -> Any:
     """The k_sel blocks (H, k_sel) among `score`'s candidates (the blocks of pages lo.., or
     with two levels the blocks `cand` names per head) chosen by their true largest logit: the
     RESCORE * k_sel best by bound are read (keys only, from either tier) and ranked by max
@@ -586,7 +617,7 @@ def _rescore(store: Any, layer: int, qg: Any, acc: _Partial, score: Any, k_sel: 
     m = min(RESCORE * k_sel, score.shape[1])
     pre = mx.argpartition(-score, kth=m - 1, axis=-1)[:, :m]             # (H, m) candidates
     at = pre + lo * nb if cand is None else mx.take_along_axis(cand, pre, axis=-1)
-    k = _gather_keys(store, layer, at, n_pages)                          # (H, m, b, D)
+    k = _gather_keys(store, layer, at, n_pages, held)                    # (H, m, b, D)
     b = k.shape[2]
     s = (qg @ k.reshape(h, m * b, d).swapaxes(-1, -2)).reshape(h, r, m, b).max(axis=-1)
     true = mx.logsumexp(s - acc[0][:, :, None], axis=1)                  # (H, m)

@@ -134,3 +134,50 @@ def test_same_blocks_from_ram_and_from_the_ssd(tmp_path: Path, slots: int,
     assert got is not None and not (np.sort(np.array(got[0]), axis=-1) == chosen[1]).all()
     for store in (hot, cold):
         store.close()
+
+
+def _step_reads(tmp_path: Path, mode: str) -> tuple[int, int, Any]:
+    """One decode step after the prefill chunks of `_tier_run`'s shape, through a store whose
+    RAM tier holds 5 pages: (pages read off the SSD by that step, pages not in RAM before
+    it, its output)."""
+    import mlx.core as mx
+
+    s = KVSettings(mode=mode, page_tokens=TP, ssd_dir=tmp_path / "kv", sink_tokens=TP,
+                   window_tokens=TP, budget_tokens=2 * TP + 6 * 8).validate()
+    store = KVStore(s, n_layers=1, kv_heads=TH, head_dim=TD)
+    store.max_slots = 5
+    mx.random.seed(7)
+    cache = PagedLayerCache(store, 0)
+    for n in [200, 300, 150, 1]:
+        k = mx.random.normal((1, TH, n, TD)) * mx.linspace(0.2, 3.0, TD)
+        v = mx.random.normal((1, TH, n, TD))
+        q = mx.random.normal((1, TH * REP, n, TD))
+        k2, v2 = cache.update_and_fetch(k, v)
+        if n == 1:
+            store.flush()
+            cold = store.tables[0].n_pages - store.tables[0].n_resident
+            before = store.stats()["ssd_reads"]
+        out = attention.attend(cache, q, k2, v2, TD ** -0.5)
+        mx.eval(out)
+    reads = store.stats()["ssd_reads"] - before
+    store.close()
+    return reads, cold, out
+
+
+def test_a_sparse_step_reads_each_page_once(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shortlist as large as the candidates (RESCORE 40: every candidate page read for its
+    keys, RAM holding 5 pages): the step attends its chosen blocks from the pages it read
+    for the rescoring rather than reading them again, so it reads at most the pages exact
+    mode reads (each cold page once), and gives the same output as with every page in RAM."""
+    import mlx.core as mx
+
+    monkeypatch.setattr(attention, "RESCORE", 40)
+    monkeypatch.setattr(attention, "VOTE_SHARE", 0.5)
+    monkeypatch.setattr(attention, "FIRST_EXACT", False)
+    sparse, cold, out = _step_reads(tmp_path / "sparse", "sparse")
+    exact, cold_exact, _ = _step_reads(tmp_path / "exact", "exact")
+    assert exact == cold_exact == cold > 20  # exact reads every page off the RAM tier once
+    assert 0 < sparse <= exact
+    _, ref, _ = _tier_run(tmp_path / "hot", None)
+    assert float(mx.abs(ref[3] - out).max()) < 1e-5
