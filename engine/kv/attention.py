@@ -361,6 +361,20 @@ def note_votes(store: Any, layer: int, queries: Any, scale: float, n_pages: int,
     table.set_votes(votes, n_pages * store.P + t)
 
 
+def question_tokens(store: Any, end: int) -> int:
+    """How many of a prompt's last tokens (it ends at token `end`) a restore leaves to be
+    prefilled so that the question's votes are recorded as a fresh prefill records them:
+    the last chunk's VOTE_QUERIES queries and the final token; 0 when this store records no
+    votes (not sparse, votes off, or past VOTE_PAST_MAX, where a chunk records none), or
+    none that matter soon: a prompt under half the budget (a reply must pass the rest of the
+    budget before a block is chosen) keeps its whole restore, logits and all."""
+    settings = store.settings
+    if (getattr(settings, "mode", None) != "sparse" or VOTE_SHARE <= 0
+            or end - VOTE_QUERIES - 1 > VOTE_PAST_MAX or 2 * end <= settings.budget_tokens):
+        return 0
+    return VOTE_QUERIES + 1
+
+
 def _key_groups(store: Any, layer: int, pages: np.ndarray, group: int) -> Any:
     """Decoded keys (n, H, P, D) of `pages`, groups of at most `group`, in page order, from
     whichever tier holds each page."""

@@ -33,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
+from engine.kv.attention import question_tokens
 from engine.kv.pagefile import _CRC, _HEADER
 from engine.kv.prefix_format import (
     _IOV_MAX,
@@ -92,6 +93,13 @@ class PrefixRestorer(PrefixLayout):
             m = min(m, len(want) - 1)  # a token must be left to compute the logits from
         full = [caches[i] for i in self.full]
         paged = _paged(caches, self.full)
+        keep = question_tokens(full[0].store, len(prompt)) if paged else 0
+        if keep:
+            # Sparse mode: the question's votes come from the prompt's last prefill chunk,
+            # which a whole restore would skip (engine.kv.attention): its last tokens are
+            # prefilled again, so the reply selects as a fresh prefill's does.
+            whole = False
+            m = min(m, len(want) - keep)
         if m <= 0 or (paged and any(c.offset != got or c.tail_k is not None for c in full)):
             return got
         for layer, c in enumerate(full):

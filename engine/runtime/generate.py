@@ -41,6 +41,7 @@ from engine.kv import (
     make_paged_cache,
     trimmable,
 )
+from engine.kv.attention import VOTE_QUERIES
 from engine.kv.codec import codec_for
 from engine.kv.prefix import PrefixCache, PrefixSettings, Window, model_key
 from engine.kv.prefix import settings_from_env as prefix_settings_from_env
@@ -457,6 +458,10 @@ def _generate(
         if paged and sparse and len(pc.tokens) > SPARSE_PREFILL_PAST:
             step = SPARSE_CHUNK_L
         n = min(step, len(todo) - 1)
+        if paged and sparse and step == PREFILL_STEP and 0 < len(todo) - 1 - n < VOTE_QUERIES:
+            # The question's votes come from the last chunk's VOTE_QUERIES queries (sparse
+            # mode): a shorter last chunk would record fewer than a restored prompt's does.
+            n = len(todo) - 1 - VOTE_QUERIES
         done = len(pc.tokens)
         if snap_at is not None and done < snap_at < done + n:
             n = snap_at - done

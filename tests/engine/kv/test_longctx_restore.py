@@ -1,0 +1,100 @@
+"""Sparse mode's question votes survive a restore (issue 19): a prompt stored whole (pages and
+tail, with its logits) by one prefill is restored into a fresh paged store, which prefills
+its last VOTE_QUERIES + 1 tokens again, so the votes equal the fresh prefill's and the greedy
+reply is the same, on the real starter model and real files."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from engine.kv import KVSettings, attention
+from engine.kv.prefix import PrefixCache, PrefixSettings
+from engine.runtime.generate import LoadedModel, PromptCache, generate
+from engine.runtime.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+REPLY = 6
+PAGE = 128
+BUDGET = 640 + 64  # sinks 128, window 512, 8 blocks chosen (4 voted) among 3-4 pages
+QUESTION = "Which ledger records the copper ore, and what was the pilot paid?"
+SHIPS = ["Marten", "Halcyon", "Bittern", "Osprey", "Kestrel", "Petrel", "Curlew", "Tern"]
+CARGO = ["salt cod", "oak staves", "tar", "slate", "wool", "copper ore", "lamp oil", "rope"]
+
+
+def _system(ledgers: int) -> str:
+    return "You are the archivist of a small maritime museum. " + " ".join(
+        f"Ledger {i} of the harbour office records {CARGO[i % 8]} landed by the "
+        f"{SHIPS[(3 * i) % 8]} in {1850 + i}, and notes that the pilot was paid "
+        f"{5 + i % 7} shillings for the passage across the bar." for i in range(ledgers))
+
+
+@contextmanager
+def _sparse(lm: LoadedModel, folder: Path, tmp: Path) -> Iterator[PrefixCache]:
+    old = lm.kv_settings
+    lm.kv_settings = KVSettings(mode="sparse", budget_tokens=BUDGET, ssd_dir=tmp / "kv")
+    pc = lm.enable_prefix_cache(PrefixSettings(folder=folder, tails=True))
+    try:
+        yield pc
+    finally:
+        lm.disable_prefix_cache()
+        lm.kv_settings = old
+
+
+def _reply(lm: LoadedModel, ids: list[int], cache: PromptCache) -> tuple[list[int], Any]:
+    tokens, last = [], None
+    for ev in generate(lm, ids, GREEDY, REPLY, prompt_cache=cache):
+        if ev.token is not None:
+            tokens.append(ev.token)
+        last = ev
+    return tokens, last
+
+
+def _votes(cache: PromptCache) -> list[np.ndarray]:
+    store = cache.cache[0].store  # type: ignore[attr-defined]
+    out = []
+    for t in store.tables:
+        assert t.votes is not None, "no question votes"
+        out.append(np.array(t.votes))
+    return out
+
+
+def test_a_restored_prompt_votes_and_answers_as_a_fresh_prefill(starter_lm: LoadedModel,
+                                                                tmp_path: Path) -> None:
+    ids: list[int] = []
+    for ledgers in range(24, 40):  # a tail of at least VOTE_QUERIES + 2 tokens after the pages
+        ids = starter_lm.tokenizer.encode_chat([
+            {"role": "system", "content": _system(ledgers)},
+            {"role": "user", "content": QUESTION}])
+        if len(ids) % PAGE > attention.VOTE_QUERIES + 1:
+            break
+    keep = attention.VOTE_QUERIES + 1
+    assert len(ids) > 900 and len(ids) % PAGE > keep
+    folder = tmp_path / "px"
+    with _sparse(starter_lm, folder, tmp_path / "a") as pc:
+        fresh = starter_lm.new_cache()
+        tok_f, last = _reply(starter_lm, ids, fresh)
+        assert last.cached_tokens == 0
+        votes_f = _votes(fresh)
+        pc.flush()
+        assert pc.stats.pages_written == len(ids) // PAGE
+    assert list(folder.glob("*.kvt")), "the tail was stored"
+    with _sparse(starter_lm, folder, tmp_path / "b") as pc:
+        again = starter_lm.new_cache()
+        tok_r, last = _reply(starter_lm, ids, again)
+        votes_r = _votes(again)  # a whole restore (logits, no forward pass) would have none
+    store = again.cache[0].store  # type: ignore[attr-defined]
+    assert store.tables[0].votes_at == len(ids) - 1
+    for a, b in zip(votes_f, votes_r, strict=True):
+        assert a.shape == b.shape and np.abs(a - b).max() < 1e-3 * max(1.0, np.abs(a).max())
+    assert tok_r == tok_f and len(tok_f) == REPLY
+    # Pages and most of the tail restored; the question's last tokens prefilled again.
+    assert last.cached_tokens == len(ids) - keep
+    fresh.close()
+    again.close()
+    mx.clear_cache()
