@@ -39,6 +39,7 @@ from engine.bench.stats import (
 )
 from engine.errors import StrataError
 from engine.importers.starter import MEMBER
+from engine.kv import settings_from_env
 from engine.library import Library
 from engine.platform import compute_profile, default_cache, stop_child
 from engine.runtime.tokenizer import Tokenizer
@@ -56,11 +57,18 @@ SUITES: dict[str, dict[str, Any]] = {
     "quick": {"depths": "0,512", "prompt_tokens": 128, "max_tokens": 32, "trials": 3,
               "load_trials": 2, "prefix_tokens": 384, "suffix_tokens": 128, "kv_modes": "",
               "draft_rows": ""},
+    # The default row is the default KV mode's; full adds mlx-lm's cache ("kv=mlx": the
+    # page store against the cache the peer uses, in our process) and the other modes.
     "full": {"depths": "0,1024,4096,16384", "prompt_tokens": 512, "max_tokens": 128,
              "trials": 3, "load_trials": 3, "prefix_tokens": 1536, "suffix_tokens": 512,
-             "kv_modes": "exact,sparse", "draft_rows": "auto"},
+             "kv_modes": "mlx,exact,sparse", "draft_rows": "auto"},
 }
 PEERS = ("mlx-lm", "llama.cpp")
+
+
+def default_kv_mode() -> str:
+    """The KV mode a reply runs in by default (engine.kv's, or STRATA_KV_MODE's)."""
+    return settings_from_env().mode
 
 
 def gguf_for(manifest: dict[str, Any]) -> Path | None:
@@ -133,7 +141,10 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             base[key] = value
     base["depths"] = sorted({int(d) for d in str(base["depths"]).split(",") if d.strip()})
     modes = str(base["kv_modes"])
-    base["kv_modes"] = [m for m in modes.split(",") if m and m not in ("none", "mlx")]
+    # The default row runs the product's default KV mode; a mode named again is no new row.
+    base["default_kv_mode"] = default_kv_mode()
+    base["kv_modes"] = [m for m in dict.fromkeys(modes.split(","))
+                        if m and m != "none" and m != base["default_kv_mode"]]
     base["draft_rows"] = [d for d in str(base["draft_rows"]).split(",") if d and d != "off"]
     base["peers"] = [p for p in args.peers.split(",") if p and p != "none"]
     for p in base["peers"]:
@@ -178,9 +189,13 @@ def run_bench(args: argparse.Namespace, progress: Progress | None = None,
             "depth_ids": prompt_ids(tok, max(settings["depths"] or [0])),
             "prompt_ids": prompt_ids(tok, settings["prompt_tokens"], PROMPT),
         }
-        # Drafting off: mlx-lm's stream_generate and llama.cpp draft nothing.
+        # Drafting off: mlx-lm's stream_generate and llama.cpp draft nothing. The default
+        # row is the product's default path: its KV mode (the page store in exact mode
+        # unless STRATA_KV_MODE says otherwise), not mlx-lm's cache, which is a row of its
+        # own ("kv=mlx") when asked for.
         jobs.append({**common, "subject": "strata",
-                     "setting": {"name": "default", "drafter": "off"}})
+                     "setting": {"name": "default", "kv_mode": settings["default_kv_mode"],
+                                 "drafter": "off"}})
         for mode in settings["kv_modes"]:
             jobs.append({**common, "subject": "strata",
                          "setting": {"name": f"kv={mode}", "kv_mode": mode, "drafter": "off"}})

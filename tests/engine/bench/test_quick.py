@@ -152,18 +152,23 @@ def test_ctrl_c_keeps_what_finished(starter: dict[str, Any], tmp_path: Path) -> 
     assert result["runs"][0]["load"]["warm_s"]["n"] == 1
 
 
-def test_a_paged_setting_reports_kv_per_tier_and_disk_traffic(starter: dict[str, Any],
-                                                               tmp_path: Path) -> None:
+def test_a_paged_setting_reports_kv_per_tier_and_disk_traffic(
+        starter: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from app.cli import main
+
+    monkeypatch.delenv("STRATA_KV_MODE", raising=False)  # the product's own default
 
     out = tmp_path / "b.json"
     tiny = [*TINY[:4], "--depths", "0,300", *TINY[6:]]  # 300 tokens: two full 128-token pages
-    rc = main(["bench", "quick", "--peers", "none", "--kv-modes", "exact", *tiny,
+    # exact is the default mode: the default row is the page store's, and names it once.
+    rc = main(["bench", "quick", "--peers", "none", "--kv-modes", "exact,mlx", *tiny,
                "--json", str(out)])
     assert rc == 0
     result = json.loads(out.read_text())
     assert validate(result) == []
-    paged = next(r for r in result["runs"] if r["setting"] == "kv=exact")
+    assert result["settings"]["default_kv_mode"] == "exact"
+    assert [r["setting"] for r in result["runs"]] == ["default", "kv=mlx"]
+    paged = next(r for r in result["runs"] if r["setting"] == "default")
     deep = paged["depths"][-1]
     # Prompt and generated tokens come on top of the depth: at least 2 pages per layer.
     assert deep["kv_ram_bytes"] >= 2 * 30 * 2 * 3 * 128 * 64 * 4
@@ -173,8 +178,8 @@ def test_a_paged_setting_reports_kv_per_tier_and_disk_traffic(starter: dict[str,
         assert paged["io"]["seconds"] > 0 and paged["io"]["write_bytes"] >= 0
         figures = flat_figures(paged)
         assert {"kv_ram_bytes", "kv_ssd_bytes", "ssd_read_mbs", "ssd_write_mbs"} <= set(figures)
-    default = next(r for r in result["runs"] if r["setting"] == "default")
-    assert "kv_ram_bytes" not in default["memory"]  # mlx-lm's KVCache has no tiers
+    mlx = next(r for r in result["runs"] if r["setting"] == "kv=mlx")
+    assert "kv_ram_bytes" not in mlx["memory"]  # mlx-lm's KVCache has no tiers
 
 
 def test_strata_rows_against_peers_are_undrafted_and_full_adds_a_drafted_row() -> None:
@@ -190,3 +195,24 @@ def test_strata_rows_against_peers_are_undrafted_and_full_adds_a_drafted_row() -
 
     assert rows("quick") == []
     assert rows("full") == ["auto"]
+
+
+def test_the_default_row_runs_the_default_kv_mode_and_mlx_is_a_row_of_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plain Strata row is the product's default path (the page store in exact mode), not
+    mlx-lm's cache; that cache is an explicit, labelled row, and no mode runs twice."""
+    import argparse
+
+    from engine.bench.quick import plan
+
+    monkeypatch.delenv("STRATA_KV_MODE", raising=False)
+
+    def modes(suite: str, kv_modes: str | None = None) -> tuple[str, list[str]]:
+        p = plan(argparse.Namespace(suite=suite, peers="mlx-lm", seed=0, kv_modes=kv_modes))
+        return p["default_kv_mode"], list(p["kv_modes"])
+
+    assert modes("quick") == ("exact", [])
+    assert modes("full") == ("exact", ["mlx", "sparse"])
+    assert modes("quick", "mlx,exact,mlx") == ("exact", ["mlx"])
+    monkeypatch.setenv("STRATA_KV_MODE", "mlx")
+    assert modes("full") == ("mlx", ["exact", "sparse"])
