@@ -64,10 +64,20 @@ EMA = 0.3  # weight of a new timing
 # tokens since a fresh search picked it; younger copies fail far more often (a summary's
 # fresh matches into the wrong sentence hold for a few tokens, then part).
 HELD = 8
+# Each token a young copy has matched counts as this many accepted drafts in its price: a
+# copy that has matched its first few tokens (it has never missed: a miss ends it) is, in an
+# edit, nearly always a long one, and it should earn long drafts within a pass or two.
+YOUNG_WEIGHT = 2
 # Pass lengths timed once per model before its first draft, so the first reply drafts on
 # measured costs, not a prior; each twice, the faster kept (a busy moment, or a shape's first
 # call, is no cost). Longer passes are priced on the line through these until they run.
 CALIBRATE = (1, 5, 9, 1, 5, 9)
+# The calibration runs over a cache of its own holding this many of the reply's last tokens,
+# not over the reply's: each timed pass reads the whole cache, and at an edit's 5.4k-token
+# depth the ten passes cost 2-4 s of the first drafting reply. Its figures are ratios to a
+# plain step at that short depth, the prior of each length until the reply's own passes and
+# plain steps are timed (then the live figures price it, at the reply's depth).
+CALIBRATE_DEPTH = 16
 DRAFT_SETTINGS = ("auto", "off", "lookup")
 
 
@@ -304,28 +314,40 @@ class DraftModels:
 class StepCosts:
     """Seconds of a target forward pass (plus sampling) of L tokens, measured per model."""
 
-    seconds: dict[int, float] = field(default_factory=dict)
+    seconds: dict[int, float] = field(default_factory=dict)  # timed in replies' decodes
     threads: int = VERIFY_BLAS_THREADS  # BLAS threads of a verify pass (0: the process's)
     calibrated: bool = False  # whether `Speculator.calibrate` has timed this model
+    # Plain steps a pass of L tokens cost in the calibration (at CALIBRATE_DEPTH): a length's
+    # price until a reply's own passes and plain steps have both been timed.
+    prior: dict[int, float] = field(default_factory=dict)
+    prior_one: float = 0.0  # seconds of the calibration's plain step
 
     def add(self, length: int, seconds: float) -> None:
         old = self.seconds.get(length)
         self.seconds[length] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
+    def one(self) -> float | None:
+        """Seconds of a plain step: timed in a reply, else the calibration's (None: neither)."""
+        return self.seconds.get(1) or self.prior_one or None
+
     def ratio(self, length: int) -> float:
-        """Cost of a pass of `length` tokens in plain steps: measured, else on the line
-        through the lengths measured so far (the prior slope before any)."""
+        """Cost of a pass of `length` tokens in plain steps: measured in replies, else the
+        calibration's, else on the line through the lengths priced so far (the prior slope
+        before any)."""
         one, this = self.seconds.get(1), self.seconds.get(length)
         if one is not None and this is not None:
             # Never below one step: a lower figure is a plain step timed in a busy moment,
             # and it would price failing drafts as free.
             return max(this / one, 1.0)
+        if length in self.prior:
+            return max(self.prior[length], 1.0)
         slope = PRIOR_SLOPE
-        if one is not None:
-            # Least squares through (1, 1): a length never tried is priced by the others.
-            pts = [(n - 1, t / one - 1) for n, t in self.seconds.items() if n > 1]
-            if pts:
-                slope = max(sum(x * y for x, y in pts) / sum(x * x for x, _ in pts), 0.0)
+        # Least squares through (1, 1): a length never tried is priced by the others.
+        pts = [(n - 1, t / one - 1) for n, t in self.seconds.items() if n > 1] if one else []
+        pts += [(n - 1, r - 1) for n, r in self.prior.items()
+                if n > 1 and (one is None or n not in self.seconds)]
+        if pts:
+            slope = max(sum(x * y for x, y in pts) / sum(x * x for x, _ in pts), 0.0)
         return 1 + slope * (length - 1)
 
 
@@ -367,38 +389,50 @@ class Speculator:
         stats.setdefault("drafted_tokens", 0)
         stats.setdefault("accepted_tokens", 0)
 
-    def _timed(self, n: int, tok: int, threads: int) -> float:
-        """Seconds of one forward pass of n tokens on `threads` BLAS threads (0: the
-        process's own), trimmed from the cache at once."""
+    @staticmethod
+    def _timed(lm: LoadedModel, cache: list[Any], n: int, tok: int, threads: int) -> float:
+        """Seconds of one forward pass of n tokens over `cache` on `threads` BLAS threads
+        (0: the process's own), trimmed from the cache at once."""
         old = blas_threads() if threads > 0 else None
         if old is not None and old != threads:
             set_blas_threads(threads)
         try:
             t0 = time.perf_counter()
-            mx.eval(self.forward(mx.array([[tok] * n]))[:, -1, :])
+            mx.eval(lm.model(mx.array([[tok] * n]), cache=cache)[:, -1, :])
             dt = time.perf_counter() - t0
         finally:
             if old is not None and old != threads:
                 set_blas_threads(old)
-        for c in self.pc.cache:
+        for c in cache:
             c.trim(n)
         return dt
 
     def calibrate(self) -> float:
-        """Time forward passes of the CALIBRATE lengths over the reply's cache, once per
-        model: plain length on the process's BLAS threads, longer ones on the verify passes'
-        (VERIFY_BLAS_THREADS or the process's own, whichever ran a 5-token pass faster here).
-        The seconds it took (0 when already measured)."""
+        """Time forward passes of the CALIBRATE lengths, once per model, over a cache of its
+        own holding the reply's last CALIBRATE_DEPTH tokens (what a pass costs at the reply's
+        depth is timed by the reply's own passes): plain length on the process's BLAS threads,
+        longer ones on the verify passes' (VERIFY_BLAS_THREADS or the process's own, whichever
+        ran a 5-token pass faster here). The seconds it took (0 when already measured)."""
         if self.costs.calibrated:
             return 0.0
         self.costs.calibrated = True
         t_start = time.perf_counter()
-        cache, tokens = self.pc.cache, self.pc.tokens
-        tok = int(tokens[-1]) if len(tokens) else 0
+        tokens = list(self.pc.tokens[-CALIBRATE_DEPTH:]) or [0]
+        own_cache = self.lm.new_cache()
+        try:
+            cache = own_cache.cache
+            mx.eval(self.lm.model(mx.array(tokens)[None], cache=cache))
+            self._calibrate_over(cache, tokens[-1])
+        finally:
+            own_cache.close()
+        return time.perf_counter() - t_start
+
+    def _calibrate_over(self, cache: list[Any], tok: int) -> None:
+        lm = self.lm
         lengths = [n for n in CALIBRATE if n - 1 <= self.k_max
                    and all(trimmable(c, n) for c in cache)]
         if not lengths:
-            return 0.0
+            return
         choices = [VERIFY_BLAS_THREADS]
         own = blas_threads()
         if VERIFY_BLAS_THREADS > 0 and own is not None and own != VERIFY_BLAS_THREADS:
@@ -408,16 +442,17 @@ class Speculator:
             best: dict[int, float] = {}
             for _ in range(2):  # interleaved: a busy moment hits both
                 for th in choices:
-                    dt = self._timed(probe, tok, th)
+                    dt = self._timed(lm, cache, probe, tok, th)
                     best[th] = min(best.get(th, dt), dt)
             self.costs.threads = min(choices, key=lambda th: best[th])
         seconds: dict[int, float] = {}
         for n in lengths:
-            dt = self._timed(n, tok, self.costs.threads if n > 1 else 0)
+            dt = self._timed(lm, cache, n, tok, self.costs.threads if n > 1 else 0)
             seconds[n] = min(seconds.get(n, dt), dt)
-        for n, dt in seconds.items():
-            self.costs.add(n, dt)
-        return time.perf_counter() - t_start
+        one = seconds.get(1)
+        if one:
+            self.costs.prior_one = one
+            self.costs.prior.update({n: dt / one for n, dt in seconds.items()})
 
     def kind(self, history: Sequence[int]) -> str:
         """Which acceptance prices the proposal that follows `history`."""
@@ -431,10 +466,12 @@ class Speculator:
     def alpha(self, kind: str = "model") -> float:
         """The acceptance a proposal of `kind` is priced at: the kind's running rate, and for
         a copy the tokens it has matched so far too (the latest `kind` call's copy), as that
-        many accepted drafts: a copy that has held for 30 tokens drafts long at once."""
+        many accepted drafts (a young copy's YOUNG_WEIGHT times as many): a copy that has
+        held for 30 tokens drafts long at once."""
         accepted, reached = self.acceptance[kind]
         if kind in ("follow", "young"):
-            return (accepted + self._held) / (reached + self._held)
+            held = self._held * (YOUNG_WEIGHT if kind == "young" else 1)
+            return (accepted + held) / (reached + held)
         return accepted / reached
 
     def best_k(self, limit: int, kind: str = "model") -> int:
@@ -443,7 +480,7 @@ class Speculator:
         if limit <= 0:
             return 0
         alpha = self.alpha(kind)
-        one = self.costs.seconds.get(1)
+        one = self.costs.one()
         per_draft = self.drafter.cost_per_token() / one if one else 0.0
         best, best_gain = 0, MARGIN if not self.forced else 0.0
         for k in range(1, limit + 1):
@@ -478,7 +515,7 @@ class Speculator:
             self.calibrated_s += self.calibrate()
         k = 0
         kind = self.kind(history)
-        if ((self.forced or 1 in self.costs.seconds)
+        if ((self.forced or self.costs.one() is not None)
                 and all(trimmable(c, self.k_max) for c in cache)):
             k = (min(PROBE_K, self.k_max, room - 1) if self._probe
                  else self.best_k(min(self.k_max, room - 1), kind))

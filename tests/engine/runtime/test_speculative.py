@@ -17,6 +17,7 @@ from engine.runtime.generate import LoadedModel, generate
 from engine.runtime.sampling import Sampler, SamplingParams
 from engine.runtime.speculative import (
     HELD,
+    PRIOR_ACCEPT,
     DraftModels,
     DraftRefused,
     LookupDrafter,
@@ -99,6 +100,27 @@ def test_a_followed_copy_and_a_fresh_match_are_priced_apart(starter_lm: LoadedMo
     assert spec.best_k(16, "follow") >= 8 > young
 
 
+def test_a_young_copy_that_has_matched_a_few_tokens_drafts_long(
+        starter_lm: LoadedModel, copy_ids: list[int]) -> None:
+    """The starter copying a file: once the copy a fresh search picked has matched its first
+    3 tokens (it has never missed), the next pass drafts at least 7 tokens at a verify cost
+    of 1 + 0.15 (L - 1) plain steps (the tokens it matched count double: 5 before), and
+    those drafts are the plain greedy reply's next tokens."""
+    reply = plain(starter_lm, copy_ids, 24)
+    d = LookupDrafter()
+    spec = Speculator(starter_lm, d, Sampler(GREEDY), _NoCache(), lambda x: x, {},
+                      forced=False)
+    spec.costs = StepCosts({n: 0.07 * (1 + 0.15 * (n - 1)) for n in (1, 5, 9, 17)})
+    at = next(i for i in range(len(reply)) if d.propose(copy_ids + reply[:i], 1))
+    assert spec.kind(copy_ids + reply[:at + 1]) == "young"  # the pick's token matched
+    history = copy_ids + reply[:at + 3]
+    assert spec.kind(history) == "young" and spec.acceptance["young"] == list(PRIOR_ACCEPT)
+    k = spec.best_k(16, "young")
+    assert k >= 7
+    drafts = d.propose(history, k)
+    assert len(drafts) == k and drafts == reply[at + 3:at + 3 + k]
+
+
 @pytest.mark.parametrize("mode", ["mlx", "exact"])
 def test_greedy_matches_plain_decoding_over_256_tokens(starter_lm: LoadedModel,
                                                       copy_ids: list[int], mode: str,
@@ -131,9 +153,9 @@ def test_greedy_matches_plain_decoding_over_256_tokens(starter_lm: LoadedModel,
 
 def test_calibration_times_the_pass_lengths_and_leaves_the_cache_as_it_was(
         starter_lm: LoadedModel, copy_ids: list[int]) -> None:
-    """Before a model's first draft its verify passes are timed once over the reply's own
-    cache (so the first reply drafts on measured costs); every timed pass is trimmed again,
-    and the reply's tokens are still the plain decode's."""
+    """Before a model's first draft its verify passes are timed once, over a short cache of
+    their own (so the first reply drafts on measured costs, and a deep reply does not pay
+    passes over its whole cache); the reply's cache is left as it was."""
     lm = starter_lm
     cache = lm.new_cache()
     try:
@@ -143,7 +165,9 @@ def test_calibration_times_the_pass_lengths_and_leaves_the_cache_as_it_was(
                           lambda x: lm.model(x, cache=cache.cache), {}, forced=False)
         spec.costs = StepCosts()  # as for a model never measured
         assert spec.calibrate() > 0
-        assert {1, 5, 9} <= set(spec.costs.seconds) and spec.costs.threads in (0, 1)
+        assert {1, 5, 9} <= set(spec.costs.prior) and spec.costs.threads in (0, 1)
+        assert not spec.costs.seconds  # the reply's own timings are the reply's
+        assert spec.costs.ratio(5) == max(spec.costs.prior[5], 1.0)
         assert spec.calibrate() == 0  # once
         assert ([c.offset for c in cache.cache], list(cache.tokens)) == held
     finally:
@@ -155,19 +179,23 @@ def test_calibration_waits_for_a_possible_draft_after_the_first_token(
     """No first token waits for the timing: a one-token reply never calibrates, and a reply
     that copies its prompt calibrates once it could draft, with the plain decode's tokens."""
     costs = costs_of(starter_lm)
-    saved = (dict(costs.seconds), costs.threads, costs.calibrated)
+    saved = (dict(costs.seconds), costs.threads, costs.calibrated, dict(costs.prior),
+             costs.prior_one)
     try:
         costs.seconds.clear()
+        costs.prior.clear()
         costs.calibrated = False
         run(starter_lm, copy_ids, "auto", 1)
-        assert not costs.calibrated and set(costs.seconds) <= {1}
+        assert not costs.calibrated and set(costs.seconds) <= {1} and not costs.prior
         toks, last = run(starter_lm, copy_ids, "auto", 24)
-        assert costs.calibrated and {1, 5, 9} <= set(costs.seconds)
+        assert costs.calibrated and {1, 5, 9} <= set(costs.prior)
         assert toks == plain(starter_lm, copy_ids, 24) and last.drafted_tokens > 0
     finally:
         costs.seconds.clear()
         costs.seconds.update(saved[0])
-        costs.threads, costs.calibrated = saved[1], saved[2]
+        costs.prior.clear()
+        costs.prior.update(saved[3])
+        costs.threads, costs.calibrated, costs.prior_one = saved[1], saved[2], saved[4]
 
 
 def test_draft_setting_resolves_to_a_drafter_loaded_once(starter_lm: LoadedModel) -> None:
