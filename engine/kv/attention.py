@@ -88,6 +88,11 @@ RESCORE = max(1, int(os.environ.get("STRATA_SPARSE_RESCORE") or 4))
 # and 8k what exact found where rescoring alone missed (docs/benchmarks.md, issue 19's
 # fourth pass). STRATA_SPARSE_VOTES=0 turns them off (without rescoring they lost the fact of
 # tests/engine/kv/test_needle.py's sparse test, which the bound alone finds).
+# The shortlist holds at most RESCORE_CAP x the budget's tokens (0: no cap): without votes,
+# or at a large budget, RESCORE x the blocks read up to 2.75x the keys the step attends
+# (32k, budget 2,048: 5,632 keys a head for 2,048). At 768 with votes (24 blocks a step,
+# 96 shortlisted) the cap changes nothing.
+RESCORE_CAP = float(os.environ.get("STRATA_SPARSE_RESCORE_CAP") or 1.0)
 VOTE_SHARE = float(os.environ.get("STRATA_SPARSE_VOTES") or 0.5)
 VOTE_QUERIES = 32
 VOTE_PAST_MAX = SPARSE_PREFILL_PAST
@@ -627,12 +632,15 @@ def _rescore(store: Any, layer: int, qg: Any, acc: _Partial, score: Any, k_sel: 
     768 budget it missed a fact that true logits find (docs/benchmarks.md, issue 19); the
     bound still prunes, so a step reads RESCORE x the chosen blocks' keys, not all keys."""
     h, r, d = qg.shape
-    nb = store.P // store.tables[layer].block_tokens
-    m = min(RESCORE * k_sel, score.shape[1])
+    b = store.tables[layer].block_tokens
+    nb = store.P // b
+    m = RESCORE * k_sel
+    if RESCORE_CAP > 0:
+        m = min(m, max(k_sel, int(RESCORE_CAP * store.settings.budget_tokens) // b))
+    m = min(m, score.shape[1])
     pre = mx.argpartition(-score, kth=m - 1, axis=-1)[:, :m]             # (H, m) candidates
     at = pre + lo * nb if cand is None else mx.take_along_axis(cand, pre, axis=-1)
     k = _gather_keys(store, layer, at, n_pages, held)                    # (H, m, b, D)
-    b = k.shape[2]
     s = (qg @ k.reshape(h, m * b, d).swapaxes(-1, -2)).reshape(h, r, m, b).max(axis=-1)
     true = mx.logsumexp(s - acc[0][:, :, None], axis=1)                  # (H, m)
     out = mx.take_along_axis(score, pre, axis=-1) == -mx.inf

@@ -173,6 +173,7 @@ def test_a_sparse_step_reads_each_page_once(tmp_path: Path,
     import mlx.core as mx
 
     monkeypatch.setattr(attention, "RESCORE", 40)
+    monkeypatch.setattr(attention, "RESCORE_CAP", 0.0)  # no cap: the shortlist is all
     monkeypatch.setattr(attention, "VOTE_SHARE", 0.5)
     monkeypatch.setattr(attention, "FIRST_EXACT", False)
     sparse, cold, out = _step_reads(tmp_path / "sparse", "sparse")
