@@ -64,10 +64,13 @@ EMA = 0.3  # weight of a new timing
 # tokens since a fresh search picked it; younger copies fail far more often (a summary's
 # fresh matches into the wrong sentence hold for a few tokens, then part).
 HELD = 8
-# Each token a young copy has matched counts as this many accepted drafts in its price: a
+# Each token a young copy has matched counts as this many accepted drafts in its price while
+# the reply's young copies keep at least YOUNG_TRUST of their drafts (one each after that): a
 # copy that has matched its first few tokens (it has never missed: a miss ends it) is, in an
-# edit, nearly always a long one, and it should earn long drafts within a pass or two.
+# edit, nearly always a long one and should earn long drafts within a pass or two, while a
+# summary's young copies (fresh matches into another sentence) part after a few tokens.
 YOUNG_WEIGHT = 2
+YOUNG_TRUST = 0.5
 # Pass lengths timed once per model before its first draft, so the first reply drafts on
 # measured costs, not a prior; each twice, the faster kept (a busy moment, or a shape's first
 # call, is no cost). Longer passes are priced on the line through these until they run.
@@ -466,11 +469,13 @@ class Speculator:
     def alpha(self, kind: str = "model") -> float:
         """The acceptance a proposal of `kind` is priced at: the kind's running rate, and for
         a copy the tokens it has matched so far too (the latest `kind` call's copy), as that
-        many accepted drafts (a young copy's YOUNG_WEIGHT times as many): a copy that has
-        held for 30 tokens drafts long at once."""
+        many accepted drafts (a young copy's YOUNG_WEIGHT times as many while young copies
+        keep YOUNG_TRUST of their drafts): a copy that has held for 30 tokens drafts long at
+        once."""
         accepted, reached = self.acceptance[kind]
         if kind in ("follow", "young"):
-            held = self._held * (YOUNG_WEIGHT if kind == "young" else 1)
+            trusted = kind == "young" and accepted >= YOUNG_TRUST * reached
+            held = self._held * (YOUNG_WEIGHT if trusted else 1)
             return (accepted + held) / (reached + held)
         return accepted / reached
 

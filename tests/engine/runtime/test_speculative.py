@@ -100,27 +100,6 @@ def test_a_followed_copy_and_a_fresh_match_are_priced_apart(starter_lm: LoadedMo
     assert spec.best_k(16, "follow") >= 8 > young
 
 
-def test_a_young_copy_that_has_matched_a_few_tokens_drafts_long(
-        starter_lm: LoadedModel, copy_ids: list[int]) -> None:
-    """The starter copying a file: once the copy a fresh search picked has matched its first
-    3 tokens (it has never missed), the next pass drafts at least 7 tokens at a verify cost
-    of 1 + 0.15 (L - 1) plain steps (the tokens it matched count double: 5 before), and
-    those drafts are the plain greedy reply's next tokens."""
-    reply = plain(starter_lm, copy_ids, 24)
-    d = LookupDrafter()
-    spec = Speculator(starter_lm, d, Sampler(GREEDY), _NoCache(), lambda x: x, {},
-                      forced=False)
-    spec.costs = StepCosts({n: 0.07 * (1 + 0.15 * (n - 1)) for n in (1, 5, 9, 17)})
-    at = next(i for i in range(len(reply)) if d.propose(copy_ids + reply[:i], 1))
-    assert spec.kind(copy_ids + reply[:at + 1]) == "young"  # the pick's token matched
-    history = copy_ids + reply[:at + 3]
-    assert spec.kind(history) == "young" and spec.acceptance["young"] == list(PRIOR_ACCEPT)
-    k = spec.best_k(16, "young")
-    assert k >= 7
-    drafts = d.propose(history, k)
-    assert len(drafts) == k and drafts == reply[at + 3:at + 3 + k]
-
-
 @pytest.mark.parametrize("mode", ["mlx", "exact"])
 def test_greedy_matches_plain_decoding_over_256_tokens(starter_lm: LoadedModel,
                                                       copy_ids: list[int], mode: str,
@@ -149,6 +128,31 @@ def test_greedy_matches_plain_decoding_over_256_tokens(starter_lm: LoadedModel,
     assert last_model.accepted_tokens >= last_model.drafted_tokens // 2 > 0
     assert spec == reference
     assert by_model == reference[:64]
+
+
+def test_a_young_copy_that_has_matched_a_few_tokens_drafts_long(
+        starter_lm: LoadedModel, copy_ids: list[int]) -> None:
+    """The starter copying a file: once the copy a fresh search picked has matched its first
+    3 tokens (it has never missed), the next pass drafts at least 7 tokens at a verify cost
+    of 1 + 0.15 (L - 1) plain steps (the tokens it matched count double: 5 before), and
+    those drafts are the plain greedy reply's next tokens (after the 256-token test, whose
+    plain reply it shares)."""
+    reply = plain(starter_lm, copy_ids, 24)
+    d = LookupDrafter()
+    spec = Speculator(starter_lm, d, Sampler(GREEDY), _NoCache(), lambda x: x, {},
+                      forced=False)
+    spec.costs = StepCosts({n: 0.07 * (1 + 0.15 * (n - 1)) for n in (1, 5, 9, 17)})
+    at = next(i for i in range(len(reply)) if d.propose(copy_ids + reply[:i], 1))
+    assert spec.kind(copy_ids + reply[:at + 1]) == "young"  # the pick's token matched
+    history = copy_ids + reply[:at + 3]
+    assert spec.kind(history) == "young" and spec.acceptance["young"] == list(PRIOR_ACCEPT)
+    k = spec.best_k(16, "young")
+    assert k >= 7
+    drafts = d.propose(history, k)
+    assert len(drafts) == k and drafts == reply[at + 3:at + 3 + k]
+    spec.kind(history)
+    spec.acceptance["young"] = [0.5, 3.0]  # this reply's young copies have parted early
+    assert spec.best_k(16, "young") < k
 
 
 def test_calibration_times_the_pass_lengths_and_leaves_the_cache_as_it_was(
