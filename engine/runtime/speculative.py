@@ -428,7 +428,22 @@ class Speculator:
             self._calibrate_over(cache, tokens[-1])
         finally:
             own_cache.close()
+        # The one point at the reply's depth: a plain step over its own cache, twice (the
+        # faster kept), so the ratios above scale from the step this reply really takes
+        # (a reply that drafts every step times no plain step of its own).
+        if all(trimmable(c, 1) for c in self.pc.cache):
+            one = min(self._timed_here(tokens[-1]) for _ in range(2))
+            self.costs.add(1, one)
         return time.perf_counter() - t_start
+
+    def _timed_here(self, tok: int) -> float:
+        """Seconds of one plain step over the reply's cache, trimmed from it at once."""
+        t0 = time.perf_counter()
+        mx.eval(self.forward(mx.array([[tok]]))[:, -1, :])
+        dt = time.perf_counter() - t0
+        for c in self.pc.cache:
+            c.trim(1)
+        return dt
 
     def _calibrate_over(self, cache: list[Any], tok: int) -> None:
         lm = self.lm
@@ -452,7 +467,10 @@ class Speculator:
         for n in lengths:
             dt = self._timed(lm, cache, n, tok, self.costs.threads if n > 1 else 0)
             seconds[n] = min(seconds.get(n, dt), dt)
-        one = seconds.get(1)
+        # A plain step never costs more than a longer pass: a higher figure is a busy moment
+        # (seen: 1.0 s twice at load 12, against 0.28 s for 5 tokens), and it would price
+        # every pass as free.
+        one = min(seconds.values()) if seconds else None
         if one:
             self.costs.prior_one = one
             self.costs.prior.update({n: dt / one for n, dt in seconds.items()})

@@ -159,7 +159,8 @@ def test_calibration_times_the_pass_lengths_and_leaves_the_cache_as_it_was(
         starter_lm: LoadedModel, copy_ids: list[int]) -> None:
     """Before a model's first draft its verify passes are timed once, over a short cache of
     their own (so the first reply drafts on measured costs, and a deep reply does not pay
-    passes over its whole cache); the reply's cache is left as it was."""
+    passes over its whole cache), and one plain step over the reply's cache (the depth's
+    point they scale from); the reply's cache is left as it was."""
     lm = starter_lm
     cache = lm.new_cache()
     try:
@@ -170,8 +171,9 @@ def test_calibration_times_the_pass_lengths_and_leaves_the_cache_as_it_was(
         spec.costs = StepCosts()  # as for a model never measured
         assert spec.calibrate() > 0
         assert {1, 5, 9} <= set(spec.costs.prior) and spec.costs.threads in (0, 1)
-        assert not spec.costs.seconds  # the reply's own timings are the reply's
-        assert spec.costs.ratio(5) == max(spec.costs.prior[5], 1.0)
+        assert set(spec.costs.seconds) == {1}  # at the reply's depth: a plain step alone
+        assert min(spec.costs.prior.values()) == 1.0  # no pass cheaper than a plain step
+        assert spec.costs.ratio(5) == spec.costs.prior[5]
         assert spec.calibrate() == 0  # once
         assert ([c.offset for c in cache.cache], list(cache.tokens)) == held
     finally:
