@@ -255,6 +255,14 @@ class PrefixRestorer(PrefixLayout):
             done = upto
 
         fds = {run.path: fd for run, fd, _ in opened}
+        # Each page's header and summaries are one range 6 MB from the next (at 128k): with
+        # the runs not in the page cache (a restart after a while), one read at a time waits
+        # on the disk's latency each. A pool thread asks for them all ahead of the reads.
+        ranges = []
+        for d in range(first, plan.hit_pages):
+            run, i = plan.where(d)
+            ranges.append((fds[run.path], run.offset(i, self.page_bytes), head))
+        advice = self._pool.submit(_will_need_all, ranges)
         buf = bytearray(self.page_head)
         for d in range(first, plan.hit_pages):
             run, i = plan.where(d)
@@ -282,6 +290,7 @@ class PrefixRestorer(PrefixLayout):
                 bound_chunk(good)
         bound_chunk(good)
         del sums  # no numpy view may outlive the hand-over to MLX
+        advice.result()  # (before any descriptor may be closed below)
         used = {fd for recs in records[:1] for fd, _ in recs}
         for run, fd, _ in opened:
             if fd in used:
@@ -531,6 +540,12 @@ BOUND_CHUNK = 64
 
 
 _STEP = 256  # mlx-lm KVCache grows in steps of 256 positions: restore with that headroom
+
+
+def _will_need_all(ranges: list[tuple[int, int, int]]) -> None:
+    """`_will_need` for each (fd, offset, length), in order."""
+    for fd, offset, length in ranges:
+        _will_need(fd, offset, length)
 
 
 def _will_need(fd: int, offset: int, length: int) -> None:
