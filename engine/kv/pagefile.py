@@ -178,7 +178,9 @@ class RecordFile:
             raise PageCorrupt(f"KV page {where}: truncated record ({len(data)} bytes)")
         if data[:8] != MAGIC:
             raise PageCorrupt(f"KV page {where}: not a Strata KV page")
-        body, (crc,) = data[:-_CRC.size], _CRC.unpack(data[-_CRC.size:])
+        # A view, not a slice: a copy of the record per read cost ~0.1 s a step at 128k.
+        body = memoryview(data)[:-_CRC.size]
+        (crc,) = _CRC.unpack_from(data, len(data) - _CRC.size)
         if zlib.crc32(body) != crc:
             raise PageCorrupt(f"KV page {where}: checksum mismatch, page not used")
         head = PageHeader(*self.header.unpack(body[:self.header.size])[2:])

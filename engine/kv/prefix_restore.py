@@ -231,20 +231,52 @@ class PrefixRestorer(PrefixLayout):
         head = self.page_head + self.summary_bytes
         good = 0
         records: list[list[tuple[int, int]]] = [[] for _ in range(self.n_layers)]
-        # Every page's summaries, read straight into one layer-major array: (layers, 2,
-        # pages, kv_heads, blocks, head_dim) in the records' dtype, so each layer's min and
-        # max are contiguous (a page's record holds them layer by layer: one iovec each).
-        sums = np.empty((self.n_layers, 2, plan.hit_pages - first, self.kv_heads,
-                         self.blocks, self.head_dim), self.sum_dtype)
+        n_max = plan.hit_pages - first
+        L, h, nb, dd = self.n_layers, self.kv_heads, self.blocks, self.head_dim
+        # Every page's block summaries land in one MLX buffer, left unwritten until then,
+        # head-major per layer: (layers, 2, kv_heads, pages, blocks, head_dim). The table's
+        # (kv_heads, blocks of all pages, head_dim) arrays are then views of it, so neither
+        # a copy into MLX nor the transposing copy on first use follows (377 MB each at 128k).
+        sm = getattr(mx, self.sum_dtype.name)
+        big = _unfilled(1, (L, 2, h, n_max, nb, dd), sm, self.sum_dtype)[0]
+        mx.eval(big)
+        sums = np.asarray(memoryview(cast(Any, big)))
+        # One page's summaries as the record holds them (layer, min/max, head): read into
+        # this staging buffer (cache-hot), checked in one call, then scattered into `sums`.
+        stage = np.empty(self.summary_bytes, np.uint8)
+        sview = stage.view(self.sum_dtype).reshape(L, 2, h, nb, dd)
+        # The pages' own bounds (their blocks' extreme) are computed a chunk at a time on
+        # MLX's stream while the next chunk is read.
+        dt = getattr(mx, self.dtype_name)
+        bounds: list[list[Any]] = [[] for _ in range(L)]
+        done = 0
+
+        def bound_chunk(upto: int) -> None:
+            nonlocal done
+            if upto <= done:
+                return
+            lo = big[:, 0, :, done:upto].astype(mx.float32).min(axis=3).astype(dt)
+            hi = big[:, 1, :, done:upto].astype(mx.float32).max(axis=3).astype(dt)  # (L,h,m,D)
+            mx.async_eval(lo, hi)
+            for layer in range(L):
+                bounds[layer].append((lo[layer], hi[layer]))
+            done = upto
+
         fds = {run.path: fd for run, fd, _ in opened}
+        # Each page's header and summaries are one range 6 MB from the next (at 128k): with
+        # the runs not in the page cache (a restart after a while), one read at a time waits
+        # on the disk's latency each. A pool thread asks for them all ahead of the reads.
+        ranges = []
+        for d in range(first, plan.hit_pages):
+            run, i = plan.where(d)
+            ranges.append((fds[run.path], run.offset(i, self.page_bytes), head))
+        advice = self._pool.submit(_will_need_all, ranges)
         buf = bytearray(self.page_head)
         for d in range(first, plan.hit_pages):
             run, i = plan.where(d)
             off = run.offset(i, self.page_bytes)
-            segs = [sums[layer, j, d - first].data.cast("B")
-                    for layer in range(self.n_layers) for j in range(2)]
             try:
-                n = os.preadv(fds[run.path], [buf, *segs], off)
+                n = os.preadv(fds[run.path], [buf, stage.data], off)
                 size = os.fstat(fds[run.path]).st_size
             except OSError:
                 n, size = 0, 0
@@ -252,18 +284,21 @@ class PrefixRestorer(PrefixLayout):
                 break  # truncated since lookup: this page and those after it are unused
             digests = self._header_digest(bytes(buf[:self.page_head]), plan.hashes[d], d,
                                           prompt)
-            x = xxhash.xxh3_64()
-            for seg in segs:
-                x.update(seg)
-            if digests is None or x.intdigest() != digests[1]:
+            if digests is None or xxhash.xxh3_64_intdigest(stage.data) != digests[1]:
                 self.stats.corrupt_pages += 1
                 self._cut(run, i)
                 plan.stored_pages = d
                 break
+            sums[:, :, :, d - first] = sview
             fd = fds[run.path]
             for layer in range(self.n_layers):
                 records[layer].append((fd, off + head + layer * self.layer_bytes))
             good += 1
+            if good % BOUND_CHUNK == 0:
+                bound_chunk(good)
+        bound_chunk(good)
+        del sums  # no numpy view may outlive the hand-over to MLX
+        advice.result()  # (before any descriptor may be closed below)
         used = {fd for recs in records[:1] for fd, _ in recs}
         for run, fd, _ in opened:
             if fd in used:
@@ -281,16 +316,18 @@ class PrefixRestorer(PrefixLayout):
             for c in full:  # the partial page held in memory: the stored one replaces it
                 c.trim(cached - first * P)
         name = plan.runs[0].path.name
-        dt = getattr(mx, self.dtype_name)
         for layer in range(self.n_layers):
             table = store.tables[layer]
-            lo = mx.array(sums[layer, 0, :good])  # (n, heads, blocks, dim), contiguous
-            hi = mx.array(sums[layer, 1, :good])
             if table.block_tokens == self.block and table.block_pages == table.n_pages:
-                table.add_blocks(lo, hi)
-            # The page's own bound is its blocks' extreme.
-            store.map_pages(layer, records[layer], lo.astype(mx.float32).min(axis=2).astype(dt),
-                            hi.astype(mx.float32).max(axis=2).astype(dt), name)
+                # (n, heads, blocks, dim) views of the head-major buffer: the table's
+                # head-major concatenation of them is the buffer itself, no copy.
+                table.add_blocks(big[layer, 0, :, :good].transpose(1, 0, 2, 3),
+                                 big[layer, 1, :, :good].transpose(1, 0, 2, 3))
+            parts = bounds[layer]
+            kmin = parts[0][0] if len(parts) == 1 else mx.concatenate([a for a, _ in parts], 1)
+            kmax = parts[0][1] if len(parts) == 1 else mx.concatenate([b for _, b in parts], 1)
+            store.map_pages(layer, records[layer], kmin.transpose(1, 0, 2),
+                            kmax.transpose(1, 0, 2), name)
         end = (first + good) * P
         for c in full:
             c.offset = end
@@ -505,9 +542,18 @@ class PrefixRestorer(PrefixLayout):
 
 
 _CHECKERS = 2
+# A mapped restore computes its pages' own key bounds this many pages at a time, while it
+# reads on.
+BOUND_CHUNK = 64
 
 
 _STEP = 256  # mlx-lm KVCache grows in steps of 256 positions: restore with that headroom
+
+
+def _will_need_all(ranges: list[tuple[int, int, int]]) -> None:
+    """`_will_need` for each (fd, offset, length), in order."""
+    for fd, offset, length in ranges:
+        _will_need(fd, offset, length)
 
 
 def _will_need(fd: int, offset: int, length: int) -> None:

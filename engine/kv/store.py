@@ -539,12 +539,28 @@ class KVStore:
         self.counters["ram_hits"] += len(pages) - len(cold)
         if len(cold):
             assert self.prefetcher is not None
+            self._will_need(layer, cold)
             for idx, k, v in self.prefetcher.read_many(layer, [int(c) for c in cold]):
                 slot = self._slot(layer)
                 self._put(layer, slot, tuple(mx.array(a) for a in k),
                           tuple(mx.array(a) for a in v))
                 table.place(idx, slot)
         return table.slot_of[pages]
+
+    def _will_need(self, layer: int, pages: np.ndarray) -> None:
+        """Ask the OS to start reading the mapped records of `pages` at once: after a
+        restart they may be on the disk, and a few reads in flight at a time leave most of
+        its queue idle. (Pages in the page cache: a no-op.)"""
+        advise = getattr(os, "posix_fadvise", None)
+        m = self._mapped[layer]
+        if advise is None or not m:
+            return
+        size = self._layout(layer).size
+        for p in pages:
+            hit = m.get(int(p))
+            if hit is not None:
+                with contextlib.suppress(OSError):
+                    advise(hit[0], hit[1], size, os.POSIX_FADV_WILLNEED)
 
     def _room(self, layer: int, keep: np.ndarray) -> int:
         """Slots that can be had without evicting a page of `keep`: free, not yet allocated,

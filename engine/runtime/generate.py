@@ -71,7 +71,9 @@ from engine.telemetry import GenerationEvent, Timeline
 PREFILL_STEP = 512
 # Sparse mode past SPARSE_PREFILL_PAST tokens (a long restored context): the new tokens are
 # prefilled SPARSE_CHUNK_L at a time, each chunk selecting its pages once as decoding does
-# instead of reading every page (engine.kv.attention).
+# instead of reading every page (engine.kv.attention). The last chunk there also gives the
+# first token's logits: a separate step for the prompt's last token cost a second selection
+# and a second set of cold page reads (~1-1.5 s at 128k, docs/benchmarks.md).
 
 log = logging.getLogger(__name__)
 
@@ -455,14 +457,16 @@ def _generate(
     while len(todo) > 1:
         step = PREFILL_STEP
         sparse = lm.kv_settings is not None and lm.kv_settings.mode == "sparse"
-        if paged and sparse and len(pc.tokens) > SPARSE_PREFILL_PAST:
+        done = len(pc.tokens)
+        if paged and sparse and done > SPARSE_PREFILL_PAST:
             step = SPARSE_CHUNK_L
+            if len(todo) <= step and (snap_at is None or not done < snap_at < done + len(todo)):
+                break  # one chunk left: it gives the logits (below)
         n = min(step, len(todo) - 1)
         if paged and sparse and step == PREFILL_STEP and 0 < len(todo) - 1 - n < VOTE_QUERIES:
             # The question's votes come from the last chunk's VOTE_QUERIES queries (sparse
             # mode): a shorter last chunk would record fewer than a restored prompt's does.
             n = len(todo) - 1 - VOTE_QUERIES
-        done = len(pc.tokens)
         if snap_at is not None and done < snap_at < done + n:
             n = snap_at - done
         _forward(lm, mx.array(todo[:n])[None], cache, pc, repair)
@@ -526,7 +530,9 @@ def _decode(lm: LoadedModel, cache: list[LayerCache], pc: PromptCache, sampler: 
             reason = "cancelled"
             break
         drafted = fed = bool(ahead)
-        plain = spec is None or drafted or spec.rest(history)
+        # The drafter's choice for the first token is made after it is out: its first call
+        # indexes the whole prompt (0.2-0.5 s after 128k stored tokens).
+        plain = spec is None or drafted or (n > 0 and spec.rest(history))
         # The first token goes out before the next step is queued: building that step reads
         # pages (a restored context's, cold), which must not delay it.
         if not fed and plain and pipelined and 0 < n and n + 1 < max_tokens:
@@ -555,6 +561,8 @@ def _decode(lm: LoadedModel, cache: list[LayerCache], pc: PromptCache, sampler: 
         yield event(text, tok, n, t_first, prefill_s)
         if n == 1:
             after_first()
+            if spec is not None and not drafted:
+                plain = spec.rest(history[:-1])  # as before the token: history without it
         if not fed and spec is not None and not plain:
             ahead, next_y = spec.step(tok, history, max_tokens - n)
         elif not fed:

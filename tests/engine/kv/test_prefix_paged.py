@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.kv import KVSettings
+from engine.kv import KVSettings, prefix_restore
 from engine.kv.prefix import PrefixCache, PrefixSettings
 from engine.runtime.generate import LoadedModel, PromptCache, generate
 from engine.runtime.sampling import SamplingParams
@@ -138,12 +138,16 @@ def stored(request: pytest.FixtureRequest, starter_lm: LoadedModel,
 
 
 def test_a_restore_maps_the_stored_pages_and_copies_nothing(
-        stored: Stored, starter_lm: LoadedModel, tmp_path: Path) -> None:
+        stored: Stored, starter_lm: LoadedModel, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A paged restore reads page headers and summaries only; the records stay in the run
     file, are never written to the session's SSD tier, and stay readable through the held
-    descriptor after eviction removes the file (another process, or this one's budget)."""
+    descriptor after eviction removes the file (another process, or this one's budget).
+    Each page's own key bound is its blocks' extreme, computed a few pages at a time while
+    the restore reads on (chunks of 4 here, so that several meet)."""
     if stored.bits == 8:
         pytest.skip("one quantized width is enough for the mapping itself")
+    monkeypatch.setattr(prefix_restore, "BOUND_CHUNK", 4)
     folder = tmp_path / "px"
     shutil.copytree(stored.folder, folder)
     with _paged(starter_lm, _kv("exact", stored.bits, tmp_path), folder) as pc:
@@ -152,6 +156,13 @@ def test_a_restore_maps_the_stored_pages_and_copies_nothing(
         got = pc.restore(cache.cache, stored.ids, plan, 0)
         store = cache.cache[0].store  # type: ignore[attr-defined]
         assert got == stored.pages * PAGE
+        for table in store.tables:
+            bmin, bmax = table.block_summaries  # (heads, pages * blocks, dim)
+            h, _, d = bmin.shape
+            assert table.kmin.shape == (stored.pages, h, d)
+            for got_b, blocks, f in ((table.kmin, bmin, mx.min), (table.kmax, bmax, mx.max)):
+                want = f(blocks.reshape(h, stored.pages, -1, d).astype(mx.float32), axis=2)
+                assert mx.array_equal(got_b, want.transpose(1, 0, 2).astype(got_b.dtype)).item()
         assert store.stats()["pages_mapped"] == stored.pages * store.n_layers
         assert store.stats()["pages_ram"] == 0 and store.counters["ssd_reads"] == 0
         # Shown as shared with the prefix cache, not as this session's SSD pages.
