@@ -15,7 +15,8 @@ from the acceptance rate it has seen for that kind of proposal (a lookup continu
 that has held for HELD tokens or a younger one, counting the tokens that copy has matched; a
 fresh n-gram match; a draft model's) and the measured cost of a verify pass of each length
 against a plain step (per model, timed once by `Speculator.calibrate` the first time a
-reply could draft, after its first token, then kept up to date by every pass), resting
+reply could draft, after its first token, over a short cache of its own plus one plain step
+at the reply's depth, then kept up to date by every pass), resting
 (plain, pipelined decode) when drafting would be slower. The speculator reads a `CacheView`
 (a prompt cache, or the lone row of the server's decode batch). Counts go to the reply's
 stats (`drafted_tokens`, `accepted_tokens`).
