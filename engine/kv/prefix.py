@@ -198,7 +198,14 @@ class PrefixCache(PrefixRestorer, PrefixWriter):
                 ks, vs = [c.tail_k for c in full], [c.tail_v for c in full]
         elif not all(_is_kvcache(c) and c.keys is not None and c.offset == b for c in full):
             return None
-        return TailSnapshot(a, np.asarray(prompt[a:b], "<u4"), ks, vs, logits)
+        votes = None
+        if _paged(caches, self.full):
+            # Sparse mode's question votes, as the prompt's last chunk (ending before its last
+            # token) recorded them: a whole restore gets them back without a forward pass.
+            tables = [c.store.tables[c.layer] for c in full]
+            if all(t.votes is not None and t.votes_at == b - 1 for t in tables):
+                votes = [t.votes for t in tables]
+        return TailSnapshot(a, np.asarray(prompt[a:b], "<u4"), ks, vs, logits, votes, b - 1)
 
     def _tail_job(self, caches: list[Any], plan: Plan, snap: TailSnapshot
                   ) -> tuple[str, Tail, bytes] | None:
@@ -221,8 +228,10 @@ class PrefixCache(PrefixRestorer, PrefixWriter):
                for k in kn):
             return None
         logits = np.array(snap.logits.astype(mx.float32)).reshape(-1)
+        votes = None if snap.votes is None else [np.array(v, np.float32) for v in snap.votes]
         path, parent = self._tail_path(plan)
-        return path.name, Tail(len(plan.hashes), snap.tokens, kn, vn, logits), parent
+        return path.name, Tail(len(plan.hashes), snap.tokens, kn, vn, logits, votes,
+                               snap.votes_at), parent
 
     def snapshot(self, caches: list[Any]) -> Window | None:
         """The sliding layers' window as the caches hold it now (call when their offset is

@@ -257,13 +257,16 @@ class Window:
 @dataclass
 class TailSnapshot:
     """What `tail_snapshot` took at the end of a prefill: the positions after the last full
-    page, (paged caches) their tail arrays as they stood then, and the next-token logits."""
+    page, (paged caches) their tail arrays as they stood then, the next-token logits and (sparse
+    mode) each layer's question votes, taken at token `votes_at`."""
 
     start: int
     tokens: np.ndarray
     k: list[Any] | None
     v: list[Any] | None
     logits: Any
+    votes: list[Any] | None = None
+    votes_at: int = 0
 
 
 @dataclass

@@ -94,10 +94,12 @@ class PrefixRestorer(PrefixLayout):
         full = [caches[i] for i in self.full]
         paged = _paged(caches, self.full)
         keep = question_tokens(full[0].store, len(prompt)) if paged else 0
-        if keep:
+        votes = tail.votes if whole and tail.votes_at == len(prompt) - 1 else None
+        if keep and votes is None:
             # Sparse mode: the question's votes come from the prompt's last prefill chunk,
-            # which a whole restore would skip (engine.kv.attention): its last tokens are
-            # prefilled again, so the reply selects as a fresh prefill's does.
+            # which a whole restore would skip (engine.kv.attention): without the votes the
+            # tail kept, its last tokens are prefilled again, so the reply selects as a fresh
+            # prefill's does.
             whole = False
             m = min(m, len(want) - keep)
         if m <= 0 or (paged and any(c.offset != got or c.tail_k is not None for c in full)):
@@ -114,6 +116,9 @@ class PrefixRestorer(PrefixLayout):
                 c.tail_k, c.tail_v, c.offset = k, v, got + m
             else:
                 c.update_and_fetch(k, v)
+        if keep and votes is not None:
+            for c, layer_votes in zip(full, votes, strict=True):
+                c.store.tables[c.layer].set_votes(mx.array(layer_votes), tail.votes_at)
         mx.eval([c.state for c in full])
         if whole:
             assert tail.logits is not None

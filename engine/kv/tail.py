@@ -7,11 +7,12 @@ the prefix folder, named by (model key, parent chain hash), the latest prompt's 
 replacing the one before. A record holds the tail's token ids, every full-attention layer's
 keys and values for them as computed (compute dtype; bfloat16 as raw 16-bit words, never
 quantized: the paged cache keeps its partial page that way too), and the logits after the
-last of them (float32), with a header (layout, depth, parent hash) under a CRC-32 and an
-xxh3-64 digest over everything after it. A later prompt with the same full pages uses the
-longest common prefix of its own tail and the stored one; when the whole prompt matches it
-also gets the logits, so its first token needs no forward pass at all. A record that does
-not verify is removed and never used.
+last of them (float32), in sparse mode the question's votes per layer (float32, kv heads x
+blocks, and the token they were taken at), with a header (layout, depth, parent hash) under
+a CRC-32 and an xxh3-64 digest over everything after it. A later prompt with the same full
+pages uses the longest common prefix of its own tail and the stored one; when the whole
+prompt matches it also gets the logits and the votes, so its first token needs no forward
+pass at all. A record that does not verify, or of an older version, is removed and never used.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ import numpy as np
 import xxhash
 
 TAIL_MAGIC = b"STRATATL"
-TAIL_VERSION = 1
+TAIL_VERSION = 2
 # magic, version, page tokens, depth (full pages before), tokens, vocab (0: no logits),
-# layers, kv heads, head dim, dtype code, parent chain hash, xxh3-64 of the payload; CRC-32.
-_TL = struct.Struct("<8sHIIIIIIII32sQ")
+# layers, kv heads, head dim, dtype code, parent chain hash, vote blocks (0: none), the token
+# the votes were taken at, xxh3-64 of the payload; CRC-32.
+_TL = struct.Struct("<8sHIIIIIIII32sIIQ")
 _CRC = struct.Struct("<I")
 SUFFIX = ".kvt"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -42,13 +44,17 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 class Tail:
     """A tail as stored: tokens (t,) uint32; per layer k, v (kv_heads, t, head_dim) numpy
     arrays in the compute dtype (uint16 words for bfloat16); logits (vocab,) float32 after
-    the last token, or None."""
+    the last token, or None; votes, per layer (kv_heads, blocks) float32, the sparse
+    question's votes as the prefill recorded them at token `votes_at` (engine.kv.attention),
+    or None."""
 
     depth: int
     tokens: np.ndarray
     k: list[np.ndarray]
     v: list[np.ndarray]
     logits: np.ndarray | None
+    votes: list[np.ndarray] | None = None
+    votes_at: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,12 +91,16 @@ def write_tail(folder: Path, name: str, tail: Tail, parent: bytes, layout: TailL
     if tail.logits is not None:
         segs.append(np.ascontiguousarray(tail.logits, np.float32).data.cast("B"))
         vocab = len(tail.logits)
+    blocks = 0
+    if tail.votes is not None:
+        blocks = tail.votes[0].shape[1]
+        segs.extend(np.ascontiguousarray(v, "<f4").data.cast("B") for v in tail.votes)
     x = xxhash.xxh3_64()
     for s in segs:
         x.update(s)
     body = _TL.pack(TAIL_MAGIC, TAIL_VERSION, layout.page_tokens, tail.depth, len(tail.tokens),
                     vocab, layout.n_layers, layout.kv_heads, layout.head_dim,
-                    layout.dtype_code, parent, x.intdigest())
+                    layout.dtype_code, parent, blocks, tail.votes_at, x.intdigest())
     tmp = folder / f".tmp-{os.getpid()}-{name[:16]}t"
     try:
         with open(tmp, "wb") as f:
@@ -137,7 +147,7 @@ def _parse(data: bytes, parent: bytes, depth: int, layout: TailLayout) -> Tail |
     body = data[:_TL.size]
     if zlib.crc32(body) != _CRC.unpack_from(data, _TL.size)[0]:
         return None
-    (magic, version, ptok, d, t, vocab, layers, heads, hd, code, par,
+    (magic, version, ptok, d, t, vocab, layers, heads, hd, code, par, blocks, votes_at,
      digest) = _TL.unpack(body)
     if ((magic, version, ptok, d, layers, heads, hd, code, par)
             != (TAIL_MAGIC, TAIL_VERSION, layout.page_tokens, depth, layout.n_layers,
@@ -146,7 +156,7 @@ def _parse(data: bytes, parent: bytes, depth: int, layout: TailLayout) -> Tail |
         return None
     item = layout.np_dtype.itemsize
     per = heads * t * hd * item
-    if len(data) != head + 4 * t + 2 * layers * per + 4 * vocab:
+    if len(data) != head + 4 * t + 2 * layers * per + 4 * vocab + 4 * layers * heads * blocks:
         return None
     payload = memoryview(data)[head:]
     if xxhash.xxh3_64_intdigest(payload) != digest:
@@ -161,4 +171,10 @@ def _parse(data: bytes, parent: bytes, depth: int, layout: TailLayout) -> Tail |
                                      offset=pos).reshape(heads, t, hd))
             pos += per
     logits = (np.frombuffer(payload, np.float32, count=vocab, offset=pos) if vocab else None)
-    return Tail(d, tokens, ks, vs, logits)
+    pos += 4 * vocab
+    votes = None
+    if blocks:
+        votes = [np.frombuffer(payload, "<f4", count=heads * blocks,
+                               offset=pos + 4 * heads * blocks * i).reshape(heads, blocks)
+                 for i in range(layers)]
+    return Tail(d, tokens, ks, vs, logits, votes, votes_at)

@@ -1,10 +1,13 @@
 """Sparse mode's question votes survive a restore (issue 19): a prompt stored whole (pages and
-tail, with its logits) by one prefill is restored into a fresh paged store, which prefills
-its last VOTE_QUERIES + 1 tokens again, so the votes equal the fresh prefill's and the greedy
-reply is the same, on the real starter model and real files."""
+tail, with its logits and votes) by one prefill is restored into a fresh paged store with the
+tail's votes and no forward pass; a tail without votes (rewritten without them) makes the
+restore prefill the prompt's last VOTE_QUERIES + 1 tokens again. Either way the votes equal
+the fresh prefill's and the greedy reply is the same, on the real starter model and real
+files."""
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,6 +18,7 @@ import numpy as np
 
 from engine.kv import KVSettings, attention
 from engine.kv.prefix import PrefixCache, PrefixSettings
+from engine.kv.tail import read_tail, write_tail
 from engine.runtime.generate import LoadedModel, PromptCache, generate
 from engine.runtime.sampling import SamplingParams
 
@@ -84,17 +88,27 @@ def test_a_restored_prompt_votes_and_answers_as_a_fresh_prefill(starter_lm: Load
         pc.flush()
         assert pc.stats.pages_written == len(ids) // PAGE
     assert list(folder.glob("*.kvt")), "the tail was stored"
-    with _sparse(starter_lm, folder, tmp_path / "b") as pc:
-        again = starter_lm.new_cache()
-        tok_r, last = _reply(starter_lm, ids, again)
-        votes_r = _votes(again)  # a whole restore (logits, no forward pass) would have none
-    store = again.cache[0].store  # type: ignore[attr-defined]
-    assert store.tables[0].votes_at == len(ids) - 1
-    for a, b in zip(votes_f, votes_r, strict=True):
-        assert a.shape == b.shape and np.abs(a - b).max() < 1e-3 * max(1.0, np.abs(a).max())
-    assert tok_r == tok_f and len(tok_f) == REPLY
-    # Pages and most of the tail restored; the question's last tokens prefilled again.
-    assert last.cached_tokens == len(ids) - keep
+    for run, with_votes in (("b", True), ("c", False)):
+        with _sparse(starter_lm, folder, tmp_path / run) as pc:
+            if not with_votes:  # the same record without its votes (as an older writer's)
+                (path,) = folder.glob("*.kvt")
+                at = struct.calcsize("<8sHIIIIIIII")  # the header's parent chain hash
+                parent = path.read_bytes()[at:at + 32]
+                tail = read_tail(path, parent, len(ids) // PAGE, pc.tail_layout)
+                assert tail is not None and tail.votes is not None
+                tail.votes = None
+                write_tail(folder, path.name, tail, parent, pc.tail_layout)
+            again = starter_lm.new_cache()
+            tok_r, last = _reply(starter_lm, ids, again)
+            votes_r = _votes(again)
+        store = again.cache[0].store  # type: ignore[attr-defined]
+        assert store.tables[0].votes_at == len(ids) - 1
+        for a, b in zip(votes_f, votes_r, strict=True):
+            assert a.shape == b.shape and np.abs(a - b).max() < 1e-3 * max(1.0, np.abs(a).max())
+        assert tok_r == tok_f and len(tok_f) == REPLY
+        # With the votes: the whole prompt restored, no forward pass before the first token.
+        # Without: pages and most of the tail, the question's last tokens prefilled again.
+        assert last.cached_tokens == (len(ids) if with_votes else len(ids) - keep)
+        again.close()
     fresh.close()
-    again.close()
     mx.clear_cache()
