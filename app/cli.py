@@ -206,7 +206,7 @@ def _kv_settings(args: argparse.Namespace) -> Any:
 
 def _add_kv(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-mode", choices=("mlx", "exact", "sparse"),
-                   help="KV cache: mlx-lm's in memory (default), paged exact or paged sparse")
+                   help="KV cache: paged exact (default), paged sparse, or mlx-lm's in memory")
     p.add_argument("--kv-ram-mb", type=int, help="RAM tier budget of the paged KV cache")
     p.add_argument("--kv-bits", type=int, choices=(16, 8, 4),
                    help="KV precision: 16 as computed (default); 8 or 4 quantize the pages "

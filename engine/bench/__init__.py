@@ -55,8 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peers", default="mlx-lm,llama.cpp",
                    help="comma-separated: mlx-lm, llama.cpp, or 'none'")
-    p.add_argument("--kv-modes", help="extra Strata settings: paged KV modes (full: "
-                   "exact,sparse); 'none' for none")
+    p.add_argument("--kv-modes", help="extra Strata rows, one per KV mode beside the default "
+                   "mode's row ('mlx': mlx-lm's cache; full: mlx,exact,sparse); 'none' for none")
     p.add_argument("--profile", help="compute profile (default: the backend's)")
     p.add_argument("--json", dest="json_out", help="write results to this file")
     p.add_argument("--csv", dest="csv_out", help="write one row per figure to this file")
