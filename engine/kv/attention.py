@@ -172,6 +172,11 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
         # Every position in the cache's contiguous buffer (in sparse mode at most the budget,
         # so attending to all of it is what sparse selection would do): one fused call, as
         # mlx-lm's cache. (The cache wrote the block summaries as it committed the pages.)
+        if L > SPARSE_MAX_L and store.settings.mode == "sparse":
+            # The question's votes as a paged chunk records them (the buffer's keys are the
+            # pages' and the tail's, in order): a prompt within the budget has them too, so
+            # a reply that grows past it selects as one restored from the page store does.
+            _note_or_clear_votes(store, layer, queries, scale, 0, contig[0][0], 0)
         return _fused_all(queries, contig[0], contig[1], scale, sinks)
     # The tail plus the chunk (1, H, T, D): the cache built it as it committed the pages.
     both = getattr(cache, "recent", None)
@@ -182,10 +187,7 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
     note_blocks(store, layer, n_pages, rk)
     past = n_pages * store.P
     if L > SPARSE_MAX_L and store.settings.mode == "sparse":
-        if VOTE_SHARE > 0 and past <= VOTE_PAST_MAX:
-            note_votes(store, layer, queries, scale, n_pages, rk)
-        else:  # an older chunk's votes are not this prompt's question
-            store.tables[layer].set_votes(None, -1)
+        _note_or_clear_votes(store, layer, queries, scale, n_pages, rk, past)
     # Sparse past the trained length: every chunk, prefill too, attends sparsely with
     # positions remapped into the trained window (engine/kv/remap.py).
     spec = remap.spec_for(store, past + rk.shape[1]) if n_pages else None
@@ -364,6 +366,15 @@ def note_votes(store: Any, layer: int, queries: Any, scale: float, n_pages: int,
     votes = votes.sum(axis=1).astype(mx.float32)                      # (H, blocks)
     mx.eval(votes)
     table.set_votes(votes, n_pages * store.P + t)
+
+
+def _note_or_clear_votes(store: Any, layer: int, queries: Any, scale: float, n_pages: int,
+                         rk: Any, past: int) -> None:
+    """A sparse prefill chunk's votes (`note_votes`), or none past VOTE_PAST_MAX."""
+    if VOTE_SHARE > 0 and past <= VOTE_PAST_MAX:
+        note_votes(store, layer, queries, scale, n_pages, rk)
+    else:  # an older chunk's votes are not this prompt's question
+        store.tables[layer].set_votes(None, -1)
 
 
 def question_tokens(store: Any, end: int) -> int:

@@ -3,7 +3,7 @@ tail, with its logits and votes) by one prefill is restored into a fresh paged s
 tail's votes and no forward pass; a tail without votes (rewritten without them) makes the
 restore prefill the prompt's last VOTE_QUERIES + 1 tokens again. Either way the votes equal
 the fresh prefill's and the greedy reply is the same, on the real starter model and real
-files."""
+files; a prompt within its budget (the contiguous buffer) records the same votes."""
 
 from __future__ import annotations
 
@@ -39,9 +39,10 @@ def _system(ledgers: int) -> str:
 
 
 @contextmanager
-def _sparse(lm: LoadedModel, folder: Path, tmp: Path) -> Iterator[PrefixCache]:
+def _sparse(lm: LoadedModel, folder: Path, tmp: Path, budget: int = BUDGET
+            ) -> Iterator[PrefixCache]:
     old = lm.kv_settings
-    lm.kv_settings = KVSettings(mode="sparse", budget_tokens=BUDGET, ssd_dir=tmp / "kv")
+    lm.kv_settings = KVSettings(mode="sparse", budget_tokens=budget, ssd_dir=tmp / "kv")
     pc = lm.enable_prefix_cache(PrefixSettings(folder=folder, tails=True))
     try:
         yield pc
@@ -88,6 +89,14 @@ def test_a_restored_prompt_votes_and_answers_as_a_fresh_prefill(starter_lm: Load
         pc.flush()
         assert pc.stats.pages_written == len(ids) // PAGE
     assert list(folder.glob("*.kvt")), "the tail was stored"
+    # Within its budget the prompt is prefilled into the contiguous buffer: the same votes.
+    with _sparse(starter_lm, tmp_path / "px-wide", tmp_path / "w", budget=4096):
+        wide = starter_lm.new_cache()
+        _reply(starter_lm, ids, wide)
+        assert wide.cache[0].contig is not None  # type: ignore[attr-defined]
+        for a, b in zip(votes_f, _votes(wide), strict=True):
+            assert a.shape == b.shape and np.abs(a - b).max() < 1e-3 * max(1.0, np.abs(a).max())
+        wide.close()
     for run, with_votes in (("b", True), ("c", False)):
         with _sparse(starter_lm, folder, tmp_path / run) as pc:
             if not with_votes:  # the same record without its votes (as an older writer's)
