@@ -325,6 +325,13 @@ class BenchmarkView(QWidget):
             for col, (_, figs) in enumerate(columns):
                 st = figs.get(key)
                 if st is None:
+                    # A figure this subject has not (a peer's KV tiers): a dash, as the CLI
+                    # prints, never an empty cell that reads as a missing result.
+                    item = QTableWidgetItem("–")
+                    item.setTextAlignment(Qt.AlignmentFlag.AlignRight
+                                          | Qt.AlignmentFlag.AlignVCenter)
+                    item.setToolTip("not a figure of this subject")
+                    self.table.setItem(row, col, item)
                     continue
                 item = QTableWidgetItem(figure_text(key, st))
                 item.setTextAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)

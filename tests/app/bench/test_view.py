@@ -59,6 +59,9 @@ def test_a_quick_run_from_the_tab_fills_the_table(qtbot: Any, starter: dict[str,
     assert "generated tok/s @ 32 (tok/s)" in rows and "load, cold (s)" in rows
     for col in range(2):
         assert all(view.table.item(r, col) is not None for r in range(view.table.rowCount()))
+    # The default row is the page store: its KV tiers, which mlx-lm has not, show as a dash.
+    ram = rows.index("KV in RAM (MB)")
+    assert view.table.item(ram, 0).text() != "–" and view.table.item(ram, 1).text() == "–"
     assert [s.name for s in view.chart.series] == ["strata", "mlx-lm"]
     assert not view.chart.grab().isNull()
     view.export_json(tmp_path / "e.json")
