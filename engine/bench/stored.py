@@ -26,7 +26,7 @@ import numpy as np
 
 from engine.bench.common import run_child
 from engine.bench.fill import doc_kv
-from engine.kv import KVSettings
+from engine.kv import KVSettings, settings_from_env
 from engine.kv.prefix import PrefixSettings
 from engine.runtime.generate import LoadedModel, generate
 from engine.runtime.sampling import SamplingParams
@@ -44,8 +44,11 @@ def _ids(lm: Any, doc_ids: list[int], context: int) -> tuple[list[int], list[int
 
 
 def _child(mode: str, job: dict[str, Any]) -> dict[str, Any]:
+    # The RAM tier's budget as the user's (STRATA_KV_RAM_MB, else a quarter of memory): pages
+    # a step reads from the SSD stay in RAM as far as it allows, which is most of peak RSS.
     kv = KVSettings(mode=job["kv_mode"] if mode == "ask" else "exact",
-                    budget_tokens=job["budget"], ssd_dir=Path(job["tmp"]) / "kv")
+                    budget_tokens=job["budget"], ssd_dir=Path(job["tmp"]) / "kv",
+                    ram_mb=settings_from_env().ram_mb)
     lm = LoadedModel.load(job["model"])
     lm.kv_settings = kv
     pc = lm.enable_prefix_cache(PrefixSettings(folder=Path(job["folder"]),
