@@ -116,7 +116,7 @@ class PrefixRestorer(PrefixLayout):
                 c.tail_k, c.tail_v, c.offset = k, v, got + m
             else:
                 c.update_and_fetch(k, v)
-        if keep and votes is not None:
+        if paged and votes is not None:  # (also where keep is 0: a fresh prefill has them)
             for c, layer_votes in zip(full, votes, strict=True):
                 c.store.tables[c.layer].set_votes(mx.array(layer_votes), tail.votes_at)
         mx.eval([c.state for c in full])

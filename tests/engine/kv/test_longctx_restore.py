@@ -90,12 +90,21 @@ def test_a_restored_prompt_votes_and_answers_as_a_fresh_prefill(starter_lm: Load
         assert pc.stats.pages_written == len(ids) // PAGE
     assert list(folder.glob("*.kvt")), "the tail was stored"
     # Within its budget the prompt is prefilled into the contiguous buffer: the same votes.
-    with _sparse(starter_lm, tmp_path / "px-wide", tmp_path / "w", budget=4096):
+    with _sparse(starter_lm, tmp_path / "px-wide", tmp_path / "w", budget=4096) as pc:
         wide = starter_lm.new_cache()
         _reply(starter_lm, ids, wide)
+        pc.flush()
         assert wide.cache[0].contig is not None  # type: ignore[attr-defined]
         for a, b in zip(votes_f, _votes(wide), strict=True):
             assert a.shape == b.shape and np.abs(a - b).max() < 1e-3 * max(1.0, np.abs(a).max())
+        wide.close()
+    # Restored whole within the budget (no prefill left: under half of it), the votes too.
+    with _sparse(starter_lm, tmp_path / "px-wide", tmp_path / "w2", budget=4096):
+        wide = starter_lm.new_cache()
+        _, last = _reply(starter_lm, ids, wide)
+        assert last.cached_tokens == len(ids)
+        for a, b in zip(votes_f, _votes(wide), strict=True):
+            assert np.abs(a - b).max() < 1e-3 * max(1.0, np.abs(a).max())
         wide.close()
     for run, with_votes in (("b", True), ("c", False)):
         with _sparse(starter_lm, folder, tmp_path / run) as pc:
