@@ -221,7 +221,7 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
                     and store.tables[layer].votes_at == start):
                 acc = _exact(store, layer, qg, n_pages, acc)
             else:
-                acc = _sparse(store, layer, qg, n_pages, recent, spec, start)
+                acc = _sparse(store, layer, qg, n_pages, recent, spec, start, start + L)
         else:
             acc = _exact(store, layer, qg, n_pages, acc)
     assert acc is not None
@@ -444,7 +444,7 @@ def _voted(table: Any, lo: int, hi: int, nb: int, k_vote: int, start: int) -> An
 
 
 def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
-            spec: remap.RopeSpec | None = None, start: int = -1) -> _Partial:
+            spec: remap.RopeSpec | None = None, start: int = -1, end: int = 0) -> _Partial:
     """Quest over blocks of BLOCK_TOKENS (8): per KV head, the blocks most likely to matter to any
     of its query heads, within the budget; the sinks and the window are read whole.
 
@@ -463,7 +463,8 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     `spec` (past the trained length): the gathered keys are re-rotated so that the sinks,
     the chosen blocks and the window sit contiguously inside the trained window
     (remap.block_deltas); selection itself ranks by the keys as cached. `start`: the
-    position of the step's first query (question votes are for the steps after theirs)."""
+    position of the step's first query (question votes are for the steps after theirs);
+    `end`: the chunk's end (the remapped layout keeps what the trained length reaches)."""
     held: dict[str, Any] = {}  # pages the shortlist's keys were read from for this step
     chosen = select_blocks(store, layer, qg, n_pages, acc, start, held)
     if chosen is None:
@@ -476,7 +477,7 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     h, r, d = qg.shape
     delta = None
     if spec is not None:
-        top, delta = remap.block_deltas(top, sink, hi, n_pages, P, b)
+        top, delta = remap.block_deltas(top, sink, hi, n_pages, P, b, end, spec.trained)
     # Attended blocks in the order sinks, chosen, window: with remapping only the first two
     # are re-rotated (the window's delta is 0, and rotating by 0 is the identity: at 32k and
     # a 2,048 budget that skipped 112 of 256 blocks' rotation, ~0.5 ms a layer).

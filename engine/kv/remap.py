@@ -7,7 +7,9 @@ when the config scales its own positions (llama3, YaRN, linear, longrope, ...): 
 keep their scaling and are never remapped. `attach(store, geometry)` makes a store remap;
 `spec_for(store, end)` is the RopeSpec to remap with when a sparse chunk ending at token `end`
 reaches past the trained length (None otherwise, or with STRATA_SPARSE_REMAP=0).
-`block_deltas(...)` gives each attended block its re-rotation: sinks and the local window keep
+`block_deltas(...)` gives each attended block its re-rotation: by default every token keeps
+its position unless the trained length does not reach it from the query, and those move
+just inside it, in order (LAYOUT "reach"); LAYOUT "infllm": sinks and the local window keep
 their offsets (the sinks from the start, the window from the query), the chosen blocks are
 placed contiguously, in their order, between them; `rerotate(k, delta, spec)` applies it.
 
@@ -34,6 +36,10 @@ from engine.kv.settings import KVGeometry
 # STRATA_SPARSE_REMAP=0 turns remapping off (sparse then reads past-trained positions as they
 # are); on by default.
 ENABLED = (os.environ.get("STRATA_SPARSE_REMAP") or "1") != "0"
+# Where the attended blocks go (`block_deltas`): "reach" (positions kept where the trained
+# length reaches them) or "infllm" (every chosen block packed before the window).
+# STRATA_SPARSE_REMAP_LAYOUT picks.
+LAYOUT = os.environ.get("STRATA_SPARSE_REMAP_LAYOUT") or "reach"
 
 
 @dataclass(frozen=True)
@@ -100,23 +106,40 @@ def spec_for(store: Any, end: int) -> RopeSpec | None:
     return spec if spec is not None and end > spec.trained else None
 
 
-def block_deltas(top: Any, sink: int, hi: int, n_pages: int, P: int, b: int) -> tuple[Any, Any]:
+def block_deltas(top: Any, sink: int, hi: int, n_pages: int, P: int, b: int, end: int = 0,
+                 trained: int = 0) -> tuple[Any, Any]:
     """The chosen blocks `top` (H, k) sorted per head, and each attended block's rotation
     (H, sink blocks + window blocks + k), in `_sparse`'s order: sinks (pages [0, sink)),
-    window (pages [hi, n_pages)), then the chosen ones.
+    window (pages [hi, n_pages)), then the chosen ones. S = sink * P, K = k * b, W0 = hi * P
+    the window's first position.
 
-    Remapped frame: sinks at [0, S), the chosen blocks at [S, S + K) in position order, the
-    window and the queries after them at their own distances, S = sink * P, K = k * b. With
-    W0 = hi * P the window's first position, the queries move by S + K - W0, so delta =
-    (k' - p_k) - (S + K - W0): sinks W0 - S - K, window 0, chosen block j starting at s_j:
+    LAYOUT "reach" (the default; needs `end`, the chunk's end, and `trained`): every
+    attended token keeps its own position unless it is out of the trained reach of the
+    chunk's last query (distance >= trained): with E = end - trained, the sinks move to
+    [E, E + S) and chosen block j (in position order, starting at s_j) to max(s_j, E + S +
+    j b), the queries and the window stay, so delta = sinks E, window 0, block j max(0, E +
+    S + j b - s_j). Just past the trained length (an 8,192-token prompt's answer on a model
+    trained at 8,192) that moves almost nothing, where the InfLLM layout below moved the
+    blocks thousands of positions and lost the fact exact mode found (docs/benchmarks.md,
+    issue 19). It needs E <= W0 - S - K (a budget within the trained length); otherwise, or
+    with LAYOUT "infllm":
+
+    InfLLM frame: sinks at [0, S), the chosen blocks at [S, S + K) in position order, the
+    window and the queries after them at their own distances. The queries move by S + K -
+    W0, so delta = (k' - p_k) - (S + K - W0): sinks W0 - S - K, window 0, chosen block j:
     W0 - K + j b - s_j (the block just before the window, if chosen last, stays put)."""
     h, k = top.shape
     nb = P // b
     top = mx.sort(top, axis=-1)
     S, K, W0 = sink * P, k * b, hi * P
-    fixed = mx.concatenate([mx.full((sink * nb,), W0 - S - K, mx.int32),
+    E = end - trained
+    steps = mx.arange(k, dtype=mx.int32)[None] * b - top.astype(mx.int32) * b   # j b - s_j
+    if LAYOUT == "reach" and trained > 0 and 0 <= E <= W0 - S - K:
+        shift, chosen = E, mx.maximum(steps + (E + S), 0)
+    else:
+        shift, chosen = W0 - S - K, steps + (W0 - K)
+    fixed = mx.concatenate([mx.full((sink * nb,), shift, mx.int32),
                             mx.zeros(((n_pages - hi) * nb,), mx.int32)])
-    chosen = (W0 - K) + mx.arange(k, dtype=mx.int32)[None] * b - top.astype(mx.int32) * b
     delta = mx.concatenate([mx.broadcast_to(fixed[None], (h, fixed.shape[0])), chosen], axis=1)
     return top, delta
 

@@ -1,5 +1,8 @@
 """Positions past the trained length (issue 19, item 2): sparse mode re-rotates the blocks it
-reads so that sinks, chosen blocks and window sit contiguously inside the trained window.
+reads so that every token it reads sits inside the trained window: by default moving only
+what the trained length does not reach (the "reach" layout), else (a budget past the
+trained length, or STRATA_SPARSE_REMAP_LAYOUT=infllm) sinks, chosen blocks and window
+contiguously (InfLLM's).
 
 The math on random tensors (re-rotating a rotated key equals rotating it at the target), one
 attention step over real pages against attention computed at the remapped positions directly,
@@ -64,10 +67,32 @@ def test_block_deltas_place_blocks_between_sinks_and_window() -> None:
     assert new == [0, 24, 32, 8, 16]                  # sinks 0, chosen 8 and 16, window 24..
 
 
-def _step(tmp_path: Path, spec: remap.RopeSpec | None, L: int) -> tuple[Any, Any]:
+def test_reach_layout_moves_only_what_the_trained_length_does_not_reach() -> None:
+    import mlx.core as mx
+
+    # As above, the last query at 95 (end 96): trained 90 reaches all but positions 0-5, so
+    # only the sink page moves, by 6; trained 40 moves the sink to 56 and packs blocks 3 and
+    # 7 after it (64, 72); trained 30 (E = 66 > W0 - S - K = 56) falls back to InfLLM's.
+    starts = [0, 80, 88, 24, 56]
+    for trained, want in [(90, [6, 80, 88, 24, 56]), (40, [56, 80, 88, 64, 72]),
+                          (30, None)]:
+        top, delta = remap.block_deltas(mx.array([[7, 3]]), 1, 10, 12, 8, 8, 96, trained)
+        assert top.tolist() == [[3, 7]]
+        new = [s + dl for s, dl in zip(starts, delta[0].tolist(), strict=True)]
+        if want is None:  # InfLLM's deltas (the queries move by S + K - W0 = -56 there)
+            _, d0 = remap.block_deltas(mx.array([[7, 3]]), 1, 10, 12, 8, 8)
+            assert delta.tolist() == d0.tolist()
+        else:
+            assert new == want
+            assert min(new) >= 96 - trained  # every distance from 95 below `trained`
+
+
+def _step(tmp_path: Path, spec: remap.RopeSpec | None, L: int,
+          moved: Any = None) -> tuple[Any, Any]:
     """One sparse chunk of L queries over 10 pages whose pages 3 and 6 hold keys aligned with
     the queries (the bound surely chooses them: budget 4 pages = sink, window, 2 blocks).
-    Returns (attend's output, attention computed directly at the remapped positions)."""
+    Returns (attend's output, attention computed directly at the remapped positions: the
+    InfLLM layout's, or `moved`(read positions) with the query at its own)."""
     import mlx.core as mx
 
     mx.random.seed(0)
@@ -96,7 +121,8 @@ def _step(tmp_path: Path, spec: remap.RopeSpec | None, L: int) -> tuple[Any, Any
     # positions 0.. in that order when remapped, at their own positions when not.
     read = mx.concatenate([mx.arange(0, P), mx.arange(3 * P, 4 * P), mx.arange(6 * P, 7 * P),
                            mx.arange(9 * P, n + L)])
-    new = mx.arange(read.shape[0]) if spec is not None else read
+    new = read if spec is None else moved(read) if moved is not None else mx.arange(
+        read.shape[0])
     kd = _rope(u[read], new)
     qd = _rope(uq, new[-L:])
     sc = qd @ kd.T
@@ -116,6 +142,25 @@ def test_remapped_step_equals_attention_at_the_new_positions(tmp_path: Path, L: 
     plain, direct0 = _step(tmp_path / "b", None, L)
     assert float(mx.abs(plain - direct0).max()) < 1e-4
     assert float(mx.abs(plain - out).max()) > 1e-2
+
+
+@pytest.mark.parametrize("L", [1, 3])
+def test_reach_step_equals_attention_at_the_new_positions(tmp_path: Path, L: int,
+                                                        monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    import mlx.core as mx
+
+    # Trained at 8 pages + L tokens: the chunk ends at 10 pages + L, so E = 2 pages: the sink
+    # page moves to [2P, 3P), right before page 3 (chosen, kept), page 6 and the window stay.
+    spec = remap.RopeSpec(D, False, 10000.0, 1.0, 8 * P + L)
+    out, direct = _step(tmp_path, spec, L,
+                        lambda read: mx.where(read < P, read + 2 * P, read))
+    assert float(mx.abs(out - direct).max()) < 1e-4
+    # InfLLM's layout packs pages 3 and 6 before the window instead: other numbers.
+    monkeypatch.setattr(remap, "LAYOUT", "infllm")
+    packed, direct_packed = _step(tmp_path / "b", spec, L)
+    assert float(mx.abs(packed - direct_packed).max()) < 1e-4
+    assert float(mx.abs(packed - out).max()) > 1e-2
 
 
 def test_models_with_their_own_scaling_are_not_remapped(starter_lm: Any) -> None:
