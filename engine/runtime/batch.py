@@ -18,11 +18,18 @@ figures). A processor that raises fails its row alone (`Row.fail`, after the tok
 sampled is out); the other rows decode on. While rows decode, OpenBLAS runs one thread
 (DECODE_BLAS_THREADS); a prefill gets the process's own count unless two rows decode. Engine
 thread only, like all MLX work. No HTTP here.
-A row drafts (`Row.drafter`, engine.runtime.speculative) while it decodes alone in the batch:
-a step then verifies the drafts in one pass over mlx-lm's batch cache and trims the rejected
-ones, as `generate` does. Rows decoding together never draft: mlx-lm's batch cache trims every
-row by the same count, so each row would keep only the fewest drafts any row kept (and open
-chat, which drafts nothing, would keep none) for a verify pass of every row's length.
+A row drafts (`Row.drafter`, engine.runtime.speculative): alone in the batch, a step verifies
+its drafts in one pass over mlx-lm's batch cache and trims the rejected ones, as `generate`
+does. Rows decoding together draft each on its own (`_rows_step`): every row's next token and
+its drafts (up to its own k; a row that drafts nothing, only its token) in one forward pass of
+width W = 1 + the most drafts, each row's positions sampled with its own sampler and kept up
+to its first disagreement. mlx-lm's batch cache writes every row at one index, so the batch
+keeps m = the most positions any row kept (the rest trimmed as one count), and a row that kept
+fewer leaves m - kept slots behind its tokens: holes (`_holed_cache`), masked out of every
+later step's attention and not counted in the row's RoPE offset, so each row attends to
+exactly its own tokens at their own positions. Holes cost slots, never tokens; a verify pass
+runs only when the rows' expected tokens pay for its width (`_pays`), and never while a row
+has logits processors or a repetition penalty (they need each token before the next).
 """
 
 from __future__ import annotations
@@ -34,12 +41,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from engine.platform import blas_threads, set_blas_threads
 from engine.runtime.generate import LoadedModel, PromptCache, _stop_split, generate
 from engine.runtime.model import ensure_mlx_lm
 from engine.runtime.sampling import LogitsProcessor, Sampler, SamplingParams
-from engine.runtime.speculative import Drafter, Speculator, for_reply
+from engine.runtime.speculative import (
+    MARGIN,
+    Drafter,
+    Speculator,
+    costs_of,
+    expected_tokens,
+    for_reply,
+)
 from engine.runtime.tokenizer import StreamingDetokenizer
 from engine.telemetry import GenerationEvent
 
@@ -50,6 +65,89 @@ _PREFILL = SamplingParams(temperature=0.0)  # the prefill's own token is not use
 # matmul, and a lone row's decode gained too (docs/benchmarks.md, concurrent requests).
 DECODE_BLAS_THREADS = int(os.environ.get("STRATA_BATCH_BLAS_THREADS", "1"))
 _PROCESS_BLAS: list[int | None] = []  # the process's own count, before any batch changed it
+
+
+_HOLED: list[Any] = []  # the holed batch cache class, made on first use (mlx-lm loads late)
+
+
+def _holed_cache() -> Any:
+    """mlx-lm's BatchKVCache with holes: per row, slots that hold no token of the row (a
+    rejected draft's, left while another row kept more), masked out of attention. `hole` is a
+    numpy (rows, n) bool array, n <= the write index (None: no holes); `dig(g)` makes the
+    last g[i] slots of row i holes and takes them off its RoPE offset; trim, filter, extend
+    and extract keep the holes where the slots go."""
+    if _HOLED:
+        return _HOLED[0]
+    from mlx_lm.models.cache import BatchKVCache  # mlx-lm: load on use
+
+    class HoledBatchKVCache(BatchKVCache):  # type: ignore[misc]
+        hole: Any = None
+
+        def dig(self, gaps: list[int]) -> None:
+            if not any(gaps):
+                return
+            idx = self._idx
+            h = np.zeros((len(gaps), idx), bool)
+            if self.hole is not None:
+                h[:, :self.hole.shape[1]] = self.hole[:, :idx]
+            for i, g in enumerate(gaps):
+                if g:
+                    h[i, idx - g:idx] = True
+            self.hole = h
+            self.offset = self.offset - mx.array(gaps)
+
+        def make_mask(self, N: int, return_array: bool = False, **kw: Any) -> Any:
+            mask = super().make_mask(N, return_array=return_array, **kw)
+            h = self.hole
+            if h is None:
+                return mask
+            ok = np.ones((h.shape[0], self._idx + N), bool)
+            n = min(h.shape[1], self._idx)
+            ok[:, :n] = ~h[:, :n]
+            return mask & mx.array(ok)[:, None, None, :]
+
+        def trim(self, n: int) -> int:
+            n = super().trim(n)
+            if self.hole is not None:
+                self.hole = self.hole[:, :self._idx]
+            return n
+
+        def filter(self, batch_indices: Any) -> None:
+            before = self._idx
+            super().filter(batch_indices)
+            if self.hole is not None:
+                h = self.hole[list(batch_indices)][:, before - self._idx:]
+                self.hole = h if h.any() else None
+
+        def extend(self, other: Any) -> None:
+            a, b = self._idx, other._idx
+            ha, hb = self.hole, getattr(other, "hole", None)
+            rows_a, rows_b = int(self.offset.shape[0]), int(other.offset.shape[0])
+            super().extend(other)
+            if ha is None and hb is None:
+                return
+            h = np.zeros((rows_a + rows_b, self._idx), bool)
+            # Both were right-justified at the new index (mlx-lm's extend).
+            if ha is not None:
+                h[:rows_a, self._idx - a:self._idx - a + ha.shape[1]] = ha[:, :a]
+            if hb is not None:
+                h[rows_a:, self._idx - b:self._idx - b + hb.shape[1]] = hb[:, :b]
+            self.hole = h
+
+        def extract(self, idx: int) -> Any:
+            out = super().extract(idx)
+            if self.hole is not None and self.hole[idx].any():
+                pads: Any = self.left_padding.tolist()
+                pad = int(pads[idx])
+                h = np.zeros(self._idx, bool)
+                h[:min(self.hole.shape[1], self._idx)] = self.hole[idx, :self._idx]
+                keep = mx.array(np.flatnonzero(~h[pad:]))
+                out.keys, out.values = out.keys[:, :, keep], out.values[:, :, keep]
+                out.offset = int(out.keys.shape[2])
+            return out
+
+    _HOLED.append(HoledBatchKVCache)
+    return HoledBatchKVCache
 
 
 def mergeable(lm: LoadedModel) -> bool:
@@ -262,7 +360,11 @@ class Batch:
         procs: list[Any] = ([_RowLogits(live, params)]
                  if live.row.processors or params.repetition_penalty != 1.0 else [])
         layers: list[Any] = list(pc.cache)  # mlx-lm's caches here (batchable checked)
-        caches = [c.merge([c]) for c in layers]
+        from mlx_lm.models.cache import KVCache  # mlx-lm: load on use
+
+        # Plain KV layers merge into the holed batch cache (rows draft together over it).
+        holed = _holed_cache()
+        caches = [holed.merge([c]) if type(c) is KVCache else c.merge([c]) for c in layers]
         live.sampler = sampler
         self._rows[live.uid] = live  # before the first step: a processor may fail it
         try:
@@ -296,7 +398,7 @@ class Batch:
             return
         self.peak_rows = max(self.peak_rows, len(self._gen.uids))
         self._blas(DECODE_BLAS_THREADS)
-        if len(self._gen.uids) == 1 and self._alone_step():
+        if (self._alone_step() if len(self._gen.uids) == 1 else self._rows_step()):
             self.steps += 1
             self._drop()
             return
@@ -344,6 +446,120 @@ class Batch:
             if live.row.cancel() or not self._fed(live, t):
                 break  # a Stop between two accepted tokens: the next step drops the row
         return True
+
+    def _row_spec(self, live: _Live, i: int) -> Speculator | None:
+        """Row i's speculator (made the first time it decodes; None: it does not draft),
+        reading the batch's cache and the row's tokens in it."""
+        gen = self._gen
+        if not live.spec_tried:
+            live.spec_tried = True
+            row = live.row
+            assert live.sampler is not None
+            live.spec = for_reply(
+                self.lm, row.drafter, row.params, row.processors, live.sampler,
+                _RowCache(gen.prompt_cache, gen.tokens[i]),
+                lambda x: self.lm.model(x, cache=self._gen.prompt_cache), live.stats)
+        if live.spec is not None:
+            live.spec.pc = _RowCache(gen.prompt_cache, gen.tokens[i])
+        return live.spec
+
+    def _rows_step(self) -> bool:
+        """Rows decoding together, each drafting on its own (the module docstring): their
+        next tokens (mlx-lm's, sampled but not yet fed) and drafts in one pass, each row's
+        own acceptance, one trim for the batch and holes for the rows that kept fewer. False
+        when no row would draft, a row cannot (processors, a penalty) or the batch cache has
+        no holes (then mlx-lm's pipelined step runs)."""
+        gen = self._gen
+        lives = [self._rows.get(uid) for uid in gen.uids]
+        caches = gen.prompt_cache
+        if not all(hasattr(c, "dig") for c in caches):
+            return False
+        rows: list[_Live] = []
+        for live in lives:
+            if (live is None or live.done or live.sampler is None or live.row.processors
+                    or live.row.params.repetition_penalty != 1.0):
+                return False
+            rows.append(live)
+        specs = [self._row_spec(live, i) for i, live in enumerate(rows)]
+        # Called once per step before the step's token is known, as `generate` does.
+        want = [s is not None and not s.rest(live.history)
+                for s, live in zip(specs, rows, strict=True)]
+        if not any(want):
+            return False
+        toks = [int(t) for t in gen._next_tokens.tolist()]
+        drafts: list[list[int]] = []
+        kinds: list[str] = []
+        for i, (live, spec) in enumerate(zip(rows, specs, strict=True)):
+            fed = self._fed_at(i, live, toks[i])
+            d: list[int] = []
+            kind = ""
+            if fed and want[i] and spec is not None:
+                d, kind = spec.draft(live.history, live.row.max_tokens - live.n,
+                                     at_depth=False)
+            drafts.append(d)
+            kinds.append(kind)
+        if not self._pays(rows, specs, drafts, kinds):
+            drafts = [[] for _ in rows]
+        width = 1 + max(len(d) for d in drafts)
+        x = mx.array([[t, *d, *[t] * (width - 1 - len(d))]
+                      for t, d in zip(toks, drafts, strict=True)])
+        logits = self.lm.model(x, cache=caches)  # (rows, width, vocab)
+        greedy = [live.row.params.temperature == 0 for live in rows]
+        outs: list[Any] = [None] * len(rows)
+        if any(greedy):
+            top = mx.argmax(logits, axis=-1)
+        for i, live in enumerate(rows):
+            assert live.sampler is not None
+            outs[i] = top[i] if greedy[i] else live.sampler(logits[i], live.history)
+        got_rows: Any = mx.stack(outs).tolist()
+        got = [[int(t) for t in row] for row in got_rows]
+        kept = []
+        for d, out in zip(drafts, got, strict=True):
+            a = 0
+            while a < len(d) and out[a] == d[a]:
+                a += 1
+            kept.append(a)
+        most = 1 + max(kept)
+        for c in caches:
+            c.trim(width - most)
+            c.dig([most - 1 - a for a in kept])
+        gen._next_tokens = mx.array([out[a] for out, a in zip(got, kept, strict=True)],
+                                    dtype=mx.uint32)
+        for i, (live, spec, d, a) in enumerate(zip(rows, specs, drafts, kept, strict=True)):
+            gen.tokens[i].extend([toks[i], *d[:a]])
+            if d and spec is not None:
+                spec.settle(kinds[i], len(d), a)
+            for t in d[:a]:
+                if live.done or live.row.cancel() or not self._fed_at(i, live, t):
+                    break  # the next step drops the row
+        return True
+
+    def _pays(self, rows: list[_Live], specs: list[Speculator | None],
+              drafts: list[list[int]], kinds: list[str]) -> bool:
+        """Whether a pass of every row's token and drafts is expected to make more tokens a
+        second than a plain step of the batch: the tokens each row expects from its drafts
+        (its acceptance for that kind), against the pass's price in plain batch steps (the
+        model's measured step costs, a pass of rows x width tokens against one of rows). A
+        forced drafter ("lookup", a draft model) always verifies."""
+        width = 1 + max(len(d) for d in drafts)
+        if width == 1:
+            return False
+        if any(s is not None and s.forced and d for s, d in zip(specs, drafts, strict=True)):
+            return True
+        expect = sum(expected_tokens(s.alpha(k), len(d)) if s is not None and d else 1.0
+                     for s, d, k in zip(specs, drafts, kinds, strict=True))
+        costs = costs_of(self.lm)
+        n = len(rows)
+        price = costs.ratio(n * width) / costs.ratio(n)
+        return expect / n > MARGIN * price
+
+    def _fed_at(self, i: int, live: _Live, tok: int) -> bool:
+        """Count `tok` for row i in mlx-lm's batch and emit it; False when the row finished."""
+        self._gen._num_tokens[i] += 1
+        self._gen._matchers[i].advance(tok)
+        self.rows_stepped += 1
+        live.done = not self._take(live, tok)
+        return not live.done
 
     def _fed(self, live: _Live, tok: int) -> bool:
         """Count `tok` in mlx-lm's batch and emit it; False when the row finished."""

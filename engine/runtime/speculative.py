@@ -411,12 +411,14 @@ class Speculator:
             c.trim(n)
         return dt
 
-    def calibrate(self) -> float:
+    def calibrate(self, at_depth: bool = True) -> float:
         """Time forward passes of the CALIBRATE lengths, once per model, over a cache of its
         own holding the reply's last CALIBRATE_DEPTH tokens (what a pass costs at the reply's
         depth is timed by the reply's own passes): plain length on the process's BLAS threads,
         longer ones on the verify passes' (VERIFY_BLAS_THREADS or the process's own, whichever
-        ran a 5-token pass faster here). The seconds it took (0 when already measured)."""
+        ran a 5-token pass faster here). `at_depth`: also time a plain step over the reply's
+        own cache (False for a row of a decode batch of several, whose cache a one-row pass
+        cannot run over). The seconds it took (0 when already measured)."""
         if self.costs.calibrated:
             return 0.0
         self.costs.calibrated = True
@@ -432,7 +434,7 @@ class Speculator:
         # The one point at the reply's depth: a plain step over its own cache, twice (the
         # faster kept), so the ratios above scale from the step this reply really takes
         # (a reply that drafts every step times no plain step of its own).
-        if all(trimmable(c, 1) for c in self.pc.cache):
+        if at_depth and all(trimmable(c, 1) for c in self.pc.cache):
             one = min(self._timed_here(tokens[-1]) for _ in range(2))
             self.costs.add(1, one)
         return time.perf_counter() - t_start
@@ -533,18 +535,7 @@ class Speculator:
         """Feed `tok` (the history's last token) and drafts; (accepted drafts, now in the
         cache and in pc.tokens, and the lazy next token, which is not)."""
         cache = self.pc.cache
-        if not self.costs.calibrated and self.drafter.may_propose(history):
-            # Here, the first time a draft is possible, not before the first token: a
-            # reply that never repeats anything never pays it, and no first token waits.
-            self.calibrated_s += self.calibrate()
-        k = 0
-        kind = self.kind(history)
-        if ((self.forced or self.costs.one() is not None)
-                and all(trimmable(c, self.k_max) for c in cache)):
-            k = (min(PROBE_K, self.k_max, room - 1) if self._probe
-                 else self.best_k(min(self.k_max, room - 1), kind))
-            self._probe = False
-        drafts = self.drafter.propose(history, k) if k else []
+        drafts, kind = self.draft(history, room)
         t0 = time.perf_counter()
         if not drafts:
             ys = self.sampler(self.forward(mx.array([[tok]]))[0], history)
@@ -572,12 +563,34 @@ class Speculator:
             for c in cache:
                 c.trim(reject)
         self.pc.tokens.extend([tok, *drafts[:a]])
-        acc = self.acceptance[kind]
-        acc[0] = acc[0] * DECAY + a
-        acc[1] = acc[1] * DECAY + min(a + 1, len(drafts))
-        self.stats["drafted_tokens"] += len(drafts)
-        self.stats["accepted_tokens"] += a
+        self.settle(kind, len(drafts), a)
         return drafts[:a], mx.array(out[a:a + 1], dtype=mx.uint32)
+
+    def draft(self, history: Sequence[int], room: int, at_depth: bool = True
+              ) -> tuple[list[int], str]:
+        """The drafts to verify after `history` (its last token the one fed next; none: a
+        plain step pays more) and the kind of proposal they are, with at most room - 1 of
+        them; calibrates first the first time a draft is possible (`at_depth` as there)."""
+        if not self.costs.calibrated and self.drafter.may_propose(history):
+            # Here, the first time a draft is possible, not before the first token: a
+            # reply that never repeats anything never pays it, and no first token waits.
+            self.calibrated_s += self.calibrate(at_depth)
+        k = 0
+        kind = self.kind(history)
+        if ((self.forced or self.costs.one() is not None)
+                and all(trimmable(c, self.k_max) for c in self.pc.cache)):
+            k = (min(PROBE_K, self.k_max, room - 1) if self._probe
+                 else self.best_k(min(self.k_max, room - 1), kind))
+            self._probe = False
+        return (self.drafter.propose(history, k) if k else []), kind
+
+    def settle(self, kind: str, drafted: int, accepted: int) -> None:
+        """Count a verify pass's outcome: `accepted` of `drafted` drafts of `kind` kept."""
+        acc = self.acceptance[kind]
+        acc[0] = acc[0] * DECAY + accepted
+        acc[1] = acc[1] * DECAY + min(accepted + 1, drafted)
+        self.stats["drafted_tokens"] += drafted
+        self.stats["accepted_tokens"] += accepted
 
 
 def for_reply(lm: LoadedModel, drafter: str | Drafter | None, params: SamplingParams,

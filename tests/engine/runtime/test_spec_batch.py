@@ -1,6 +1,8 @@
 """Drafting in the server's decode batch, on the real starter model: a row decoding alone
-verifies drafts over mlx-lm's batch cache and its greedy text is the plain decode's; once a
-second row joins, both decode on undrafted and each still equals its plain run."""
+verifies drafts over mlx-lm's batch cache and its greedy text is the plain decode's; rows
+decoding together draft each on its own (one verify pass, per-row acceptance, holes for the
+rows that kept fewer) and each row's greedy text is still its plain run's, a row that rejects
+drafts beside one that keeps them disturbing neither, a row joining a batch with holes too."""
 
 from __future__ import annotations
 
@@ -57,25 +59,58 @@ def test_a_row_alone_drafts_and_keeps_the_plain_text(starter_lm: LoadedModel,
     assert sink.tokens == plain_copy
 
 
-def test_a_second_row_joining_ends_the_drafts_and_both_keep_the_plain_text(
+def _listing(lm: LoadedModel) -> list[int]:
+    """A chat prompt whose reply repeats itself only in part: forced lookup drafts there are
+    often wrong (rejected), and some are kept."""
+    return lm.tokenizer.encode_chat([{"role": "user", "content": (
+        "Write a list of ten animals and one fact about each animal, numbered.")}])
+
+
+def test_rows_together_draft_each_on_its_own_and_keep_the_plain_text(
         starter_lm: LoadedModel, copy_ids: list[int], plain_copy: list[int]) -> None:
     lm = starter_lm
-    other = lm.tokenizer.encode_chat([{"role": "user", "content": "Name three fruits."}])
+    listing = _listing(lm)
+    rhyme = lm.tokenizer.encode("the cat sat on the mat. the dog sat on the log. the cat ran "
+                                "to the dog. the", add_bos=False)
     batch = Batch(lm)
-    a, b = _Sink(), _Sink()
+    a, c, d = _Sink(), _Sink(), _Sink()
     assert batch.join(Row(copy_ids, GREEDY, 48, a, drafter="lookup"))
-    while a.tokens and len(a.tokens) < 12:
+    assert batch.join(Row(listing, GREEDY, 48, c, drafter="lookup"))
+    for _ in range(4):
         batch.step()
-    drafted = a.events[-1].drafted_tokens
-    assert drafted > 0  # it drafted while alone
-    assert batch.join(Row(other, GREEDY, 24, b, drafter="lookup"))
-    steps = batch.steps
-    while len(batch) == 2:
+    # A third row joins a batch whose rows have holes (the listing's rejected drafts).
+    assert batch.join(Row(rhyme, GREEDY, 24, d, drafter="lookup"))
+    while not a.done:
         batch.step()
-    assert batch.steps > steps and batch.peak_rows == 2
-    assert a.events[-1].drafted_tokens == drafted  # together, neither drafts
+    copy_steps = batch.steps
     while len(batch):
         batch.step()
-    assert a.done and b.done
+    assert batch.peak_rows == 3
+    ea, ec = a.events[-1], c.events[-1]
+    # The copy kept most of its drafts, the listing rejected many, in the same passes.
+    assert ea.accepted_tokens > 30 and ec.drafted_tokens > ec.accepted_tokens + 5
+    assert copy_steps < 48 - ea.accepted_tokens // 2  # the copy's steps made several tokens
     assert a.tokens == plain_copy[:48]
-    assert b.tokens == plain(lm, other, 24)
+    assert c.tokens == plain(lm, listing, 48)
+    assert d.tokens == plain(lm, rhyme, 24)
+
+
+def test_a_row_that_rejects_does_not_disturb_a_row_that_drafts_nothing(
+        starter_lm: LoadedModel, copy_ids: list[int], plain_copy: list[int]) -> None:
+    """Open chat (drafter off) beside a rejecting row, then beside the copy: its slots become
+    holes at every pass, and its text is its plain run's; the copy row finishes first and
+    leaves (the batch filtered with holes), the others decode on."""
+    lm = starter_lm
+    listing = _listing(lm)
+    chat = lm.tokenizer.encode_chat([{"role": "user", "content": "Name three fruits."}])
+    batch = Batch(lm)
+    a, b, c = _Sink(), _Sink(), _Sink()
+    assert batch.join(Row(chat, GREEDY, 32, b, drafter="off"))
+    assert batch.join(Row(listing, GREEDY, 40, c, drafter="lookup"))
+    assert batch.join(Row(copy_ids, GREEDY, 16, a, drafter="lookup"))
+    while len(batch):
+        batch.step()
+    assert b.events[-1].drafted_tokens == 0 and c.events[-1].drafted_tokens > 0
+    assert a.tokens == plain_copy[:16]
+    assert b.tokens == plain(lm, chat, 32)
+    assert c.tokens == plain(lm, listing, 40)
