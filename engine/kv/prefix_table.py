@@ -23,13 +23,14 @@ the memory panel without a model.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import sqlite3
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,25 @@ def _scan(folder: Path) -> list[tuple[int, int, Path]]:
     return out
 
 
+@contextlib.contextmanager
+def files_locked(folder: Path) -> Iterator[None]:
+    """Hold the folder's advisory lock (every process that opens it): a run file changes and
+    its rows follow under it, as one step. Without it a run replaced by another process
+    between eviction's inode check and its row update kept a file the rows no longer listed.
+    A folder that cannot be opened goes on unlocked (the next `sync` mends the rows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)  # the folder itself: no lock file to leave behind
+    except OSError:
+        fd = -1
+    try:
+        if fd >= 0:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd >= 0:
+            os.close(fd)  # closing drops the lock
+
+
 def run_header(path: Path) -> tuple[int, int, int, int, bytes, bytes, list[bytes]] | None:
     """A run file's header if it is one of this format that verifies: (inode, size, first
     depth, bytes per page record, parent hash, model key, the hashes of the pages wholly in
@@ -83,6 +103,13 @@ def run_header(path: Path) -> tuple[int, int, int, int, bytes, bytes, list[bytes
         return None
     present = min(h.n, max(0, h.size - h.head) // h.pbytes)
     return h.ino, h.size, h.first, h.pbytes, h.parent, h.key, h.hashes[:present]
+
+
+def _ino(path: Path) -> int | None:
+    try:
+        return os.stat(path, follow_symlinks=False).st_ino
+    except OSError:
+        return None
 
 
 class PageTable:
@@ -165,8 +192,9 @@ class PageTable:
                 db.execute("DELETE FROM pages WHERE run=?", (name,))
             for name, (mtime, size) in files.items():
                 old = known.get(name)
-                if old is not None and old[1] == size and used_ns is None:
-                    continue  # unchanged (a replaced file of the same size: see the ino)
+                if old is not None and old[1] == size and used_ns is None \
+                        and old[0] == _ino(self.folder / name):
+                    continue  # unchanged: same size, same file
                 head = run_header(self.folder / name)
                 if head is not None and old is not None and old == (head[0], head[1]) \
                         and used_ns is None:
@@ -344,6 +372,10 @@ class PageTable:
     def _drop(self, run: str, idx: int, ino: int, head: int, pbytes: int) -> bool:
         """Remove page `idx` (the last) of `run`: truncate the file before it, or unlink it
         when it is the first. Only the file the table indexed (same inode) is touched."""
+        with files_locked(self.folder):
+            return self._drop_locked(run, idx, ino, head, pbytes)
+
+    def _drop_locked(self, run: str, idx: int, ino: int, head: int, pbytes: int) -> bool:
         path = self.folder / run
         try:
             fd = os.open(path, os.O_WRONLY | _NOFOLLOW)
@@ -351,7 +383,12 @@ class PageTable:
             self.sync([run])
             return False
         try:
-            if os.fstat(fd).st_ino != ino:
+            h = read_run_head(path)
+            # ext4 gives a freed inode to the next new file, so a run replaced since the
+            # caller's query can carry its inode: the file's own layout must be the one the
+            # table listed (the same header, `idx` its last whole page), or it is left alone.
+            if os.fstat(fd).st_ino != ino or h is None or h.ino != ino or h.head != head \
+                    or h.pbytes != pbytes or (h.size - head) // pbytes != idx + 1:
                 self.sync([run])
                 return False
             if idx == 0:

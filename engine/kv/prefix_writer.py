@@ -41,7 +41,7 @@ from engine.kv.prefix_format import (
     Window,
     _as_float32,
 )
-from engine.kv.prefix_table import TABLE_NAME, PageTable, _scan, sessions_bytes
+from engine.kv.prefix_table import TABLE_NAME, PageTable, _scan, files_locked, sessions_bytes
 from engine.kv.tail import Tail, write_tail
 from engine.platform import pid_alive
 
@@ -196,11 +196,12 @@ class PrefixWriter(PrefixLayout):
             raise
         os.close(fd)
         # No fsync: a torn page after a crash fails its checksum and is rebuilt.
-        os.replace(tmp, final)
         t = job.mtime_ns or time.time_ns()
-        os.utime(final, ns=(t, t))
-        with contextlib.suppress(sqlite3.Error):
-            self.table.sync([final.name], used_ns=t)  # else the next full `sync` indexes it
+        with files_locked(self.folder):  # the file and its rows change together
+            os.replace(tmp, final)
+            os.utime(final, ns=(t, t))
+            with contextlib.suppress(sqlite3.Error):
+                self.table.sync([final.name], used_ns=t)  # else the next full `sync` does
         self.stats.runs_written += 1
         self.stats.pages_written += len(job.pages)
         self.stats.bytes_written += self.run_head_bytes(len(job.pages)) + len(

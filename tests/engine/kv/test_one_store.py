@@ -354,3 +354,38 @@ def test_processes_storing_and_evicting_at_once_leave_a_table_that_matches_the_f
         assert len([h for h in files.values() if h is not None and h[2] == 0]) == 1
     finally:
         pc.close()
+
+
+def test_eviction_leaves_a_run_alone_whose_file_is_not_the_one_the_table_listed(
+        tmp_path: Path) -> None:
+    # ext4 hands a freed inode to the next new file, so a run another process replaced can
+    # carry the inode eviction's query saw. Here the file is rewritten in place (the same
+    # inode for certain) as a longer run: a drop planned on the old listing must not cut it.
+    from engine.kv.prefix_table import run_header
+
+    folder = tmp_path / "pages"
+    pc = new_prefix_cache(folder)
+    try:
+        prompt = prefix_prompt(3, seed=5)
+        write_prefix_pages(pc, prompt[:2 * PAGE], 2)
+        pc.flush()
+        run = next(folder.glob("*.kvp"))
+        ino, head, pbytes = (list(pc.table.db.execute(
+            "SELECT ino, head, pbytes FROM runs WHERE name=?", (run.name,)))[0])
+        longer = tmp_path / "longer"
+        longer.mkdir()
+        other = new_prefix_cache(longer)
+        write_prefix_pages(other, prompt, 3)
+        other.close()
+        data = next(longer.glob("*.kvp")).read_bytes()
+        with open(run, "r+b") as f:  # same inode, the 3-page run's bytes
+            f.write(data)
+        assert run.stat().st_ino == ino
+        assert not pc.table._drop(run.name, 1, ino, head, pbytes)
+        assert run.read_bytes() == data  # not cut at the old layout's page boundary
+        h = run_header(run)
+        assert h is not None and len(h[6]) == 3
+        rows = list(pc.table.db.execute("SELECT COUNT(*) FROM pages WHERE run=?", (run.name,)))
+        assert rows[0][0] == 3  # and the table lists what the file holds
+    finally:
+        pc.close()
