@@ -13,7 +13,8 @@ ratio to plain decoding, by medians and paired per trial) and writes JSON with -
 (`SCHEMA_ID`: per task the tok/s of every run per drafter, their medians, ratios to "off"
 (of the medians, and paired: the geometric mean of each trial's ratio), the load average
 at the task's start and end, the drafted and accepted tokens and the generated ones summed
-over the trials, and whether the text was identical), and says
+over the trials, and whether the text was identical; for the run, the BLAS threads verify
+passes ran on and each pass length's price in plain steps at the end), and says
 `bench: N% ...` progress lines on stderr for the benchmark tab. `verify_costs(lm, depth)`
 times a forward pass of L tokens against one of 1 at a depth (what a verify pass costs in
 plain steps); `python -m engine.bench.spec [depth]` prints it for the starter.
@@ -35,9 +36,10 @@ from typing import Any
 from engine.bench.common import REPO, machine_facts, say
 from engine.errors import StrataError
 from engine.kv import settings_from_env
+from engine.platform import blas_threads
 from engine.runtime.generate import LoadedModel, generate
 from engine.runtime.sampling import SamplingParams
-from engine.runtime.speculative import DRAFT_SETTINGS, ModelDrafter
+from engine.runtime.speculative import DRAFT_SETTINGS, ModelDrafter, costs_of
 
 # The edit's source: the standard library's copy.py, as this interpreter ships it (a pinned
 # Python), not one of ours, which change under the benchmark (engine/kv/cache.py grew from 247
@@ -202,8 +204,18 @@ def run(args: argparse.Namespace) -> int:
                           for d in drafters[1:])
         print(f"{r.task:10} {r.prompt_tokens:6d} {r.median('off'):10.2f}  {cells}  "
               f"{str(r.identical):9}  {r.load[0]:.1f}-{r.load[-1]:.1f}")
+    # What the speculator measured in this process: which BLAS thread count its verify passes
+    # ran on (the calibration's choice, made once, in whatever moment it ran) and the price
+    # of each pass length in plain steps at the end, so a slow run can be told from a fast one.
+    costs = costs_of(lm)
+    priced = {n: round(costs.ratio(n), 3) for n in sorted(costs.seconds) if n > 1}
+    say(f"verify passes on {costs.threads or blas_threads()} BLAS thread(s) "
+        f"(the process's own: {blas_threads()}); plain steps a pass costs: "
+        + ", ".join(f"L={n} {r:.2f}" for n, r in priced.items()))
     if args.json_out:
         out = {"schema": SCHEMA_ID, "suite": "spec", "complete": True,
+               "verify_blas_threads": costs.threads or blas_threads(),
+               "process_blas_threads": blas_threads(), "verify_cost": priced,
                "model": lm.manifest["name"], "models": [{"name": lm.manifest["name"]}],
                "drafters": drafters, "profile": lm.profile.name, "kv_mode": kv.mode,
                "max_tokens": max_tokens, "trials": trials, "machine": machine_facts(),
