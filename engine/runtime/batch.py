@@ -484,6 +484,14 @@ class Batch:
         # Called once per step before the step's token is known, as `generate` does.
         want = [s is not None and not s.rest(live.history)
                 for s, live in zip(specs, rows, strict=True)]
+        # A draft model is one object for every row that names it (DraftModels), with one
+        # prompt cache: only the first of those rows drafts in a step, or each proposal would
+        # trim that cache to another row's history and prefill it again.
+        seen: set[int] = set()
+        for i, s in enumerate(specs):
+            if want[i] and s is not None:
+                want[i] = id(s.drafter) not in seen
+                seen.add(id(s.drafter))
         if not any(want):
             return False
         toks = [int(t) for t in gen._next_tokens.tolist()]

@@ -325,7 +325,7 @@ class GenerationJob(_Cancellable):
                 self.finished = True
                 self._failed(exc, models, None)
 
-            # It drafts while it decodes alone in the batch (engine.runtime.batch).
+            # It drafts in the batch, alone or beside other rows (engine.runtime.batch).
             row = Row(ids, self.params, max_tokens, on_event, self.stop, self._flag.is_set,
                       pc, procs, on_fail, drafter=models.drafter(lm))
             return "joined" if batch.join(row) else "done"
