@@ -18,7 +18,9 @@ against a plain step (per model, timed once by `Speculator.calibrate` the first 
 reply could draft, after its first token, over a short cache of its own plus one plain step
 at the reply's depth, then kept up to date by every pass), resting
 (plain, pipelined decode) when drafting would be slower. The speculator reads a `CacheView`
-(a prompt cache, or the lone row of the server's decode batch). Counts go to the reply's
+(a prompt cache, or a row of the server's decode batch: alone it verifies through `step`;
+beside other rows the batch runs one pass for all, the speculator choosing each row's
+drafts and counting their outcome, `draft` and `settle`). Counts go to the reply's
 stats (`drafted_tokens`, `accepted_tokens`).
 `DraftModels` turns a setting ("auto", "off", "lookup" or a library model's name) into what
 `generate` takes, loading a draft model once and keeping it while the target stays.
@@ -61,6 +63,15 @@ PROBE_K = 4
 # against 2.1 on one (docs/benchmarks.md, issue 23); an idle machine may split it well.
 VERIFY_BLAS_THREADS = 1
 EMA = 0.3  # weight of a new timing
+# Every RECHECK_EVERY verify passes one runs on the other BLAS thread count (the one the
+# calibration did not pick), and verify passes move to it when it ran that length in under
+# SWITCH x the time: the calibration picks from two 5-token passes in one moment, which on a
+# shared machine can be a busy one (docs/benchmarks.md, issue 23's sixth pass: the idle
+# summary's 1.71x and 2.27x runs kept the same drafts at different verify speeds). A recheck
+# that loses doubles the interval, up to RECHECK_MAX, so a loaded machine pays little for it.
+RECHECK_EVERY = 16
+RECHECK_MAX = 256
+SWITCH = 0.85
 # A copy is "held" (priced by the long copies' acceptance) once it has matched this many
 # tokens since a fresh search picked it; younger copies fail far more often (a summary's
 # fresh matches into the wrong sentence hold for a few tokens, then part).
@@ -325,10 +336,44 @@ class StepCosts:
     # price until a reply's own passes and plain steps have both been timed.
     prior: dict[int, float] = field(default_factory=dict)
     prior_one: float = 0.0  # seconds of the calibration's plain step
+    # Verify passes on the other thread count (RECHECK_EVERY), by length; passes since the
+    # last of them, and the passes between two of them now.
+    other: dict[int, float] = field(default_factory=dict)
+    since_recheck: int = 0
+    recheck_every: int = RECHECK_EVERY
 
     def add(self, length: int, seconds: float) -> None:
         old = self.seconds.get(length)
         self.seconds[length] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def verify_threads(self, own: int | None) -> tuple[int, bool]:
+        """(BLAS threads for the next verify pass, 0 the process's own; whether it rechecks
+        the other count) for a process whose own count is `own` (None: not OpenBLAS)."""
+        if own is None or VERIFY_BLAS_THREADS <= 0 or own == VERIFY_BLAS_THREADS:
+            return self.threads, False
+        self.since_recheck += 1
+        if self.since_recheck < self.recheck_every:
+            return self.threads, False
+        self.since_recheck = 0
+        return (0 if self.threads > 0 else VERIFY_BLAS_THREADS), True
+
+    def add_other(self, length: int, seconds: float) -> None:
+        """A verify pass of `length` timed on the other thread count: switch to it when it
+        beats this count's running figure for that length by SWITCH."""
+        old = self.other.get(length)
+        self.other[length] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        mine = self.seconds.get(length)
+        if mine is None:
+            return
+        if self.other[length] >= SWITCH * mine:
+            self.recheck_every = min(2 * self.recheck_every, RECHECK_MAX)
+            return
+        self.threads = 0 if self.threads > 0 else VERIFY_BLAS_THREADS
+        # Each count's pass timings go with it (plain steps stay: their count is unchanged).
+        mine_now = {n: t for n, t in self.seconds.items() if n > 1}
+        self.seconds = {n: t for n, t in self.seconds.items() if n == 1} | self.other
+        self.other = mine_now
+        self.recheck_every = RECHECK_EVERY
 
     def one(self) -> float | None:
         """Seconds of a plain step: timed in a reply, else the calibration's (None: neither)."""
@@ -545,8 +590,9 @@ class Speculator:
             return [], ys
         # Nothing is in flight here (a verify step follows a known token): the thread count
         # changes between passes, never during one.
-        want = self.costs.threads
-        threads = blas_threads() if want > 0 else None
+        own = blas_threads()
+        want, recheck = self.costs.verify_threads(own)
+        threads = own if want > 0 else None
         if threads is not None and threads != want:
             set_blas_threads(want)
         try:
@@ -554,7 +600,8 @@ class Speculator:
         finally:
             if threads is not None and threads != want:
                 set_blas_threads(threads)
-        self.costs.add(len(drafts) + 1, time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        (self.costs.add_other if recheck else self.costs.add)(len(drafts) + 1, dt)
         a = 0
         while a < len(drafts) and out[a] == drafts[a]:
             a += 1

@@ -18,6 +18,8 @@ from engine.runtime.sampling import Sampler, SamplingParams
 from engine.runtime.speculative import (
     HELD,
     PRIOR_ACCEPT,
+    RECHECK_EVERY,
+    VERIFY_BLAS_THREADS,
     DraftModels,
     DraftRefused,
     LookupDrafter,
@@ -64,6 +66,34 @@ def test_lookup_follows_the_copy_it_drafted_from() -> None:
     assert d.propose([*src, 1, 2, 3, 4, 5], 3) == [6, 9, 4]
     # The reply left the copy (8 instead of 6): a fresh search, the latest match (the reply).
     assert d.propose([*src, 1, 2, 3, 4, 5, 8, 4, 5], 1) == [8]
+
+
+def test_verify_passes_move_to_the_other_thread_count_when_a_recheck_is_faster() -> None:
+    """The calibration's choice of BLAS threads is rechecked every RECHECK_EVERY verify
+    passes: a faster figure on the other count moves the passes there (its timings with it),
+    a slower one doubles the interval."""
+    own = VERIFY_BLAS_THREADS + 1  # the process's own count, not the verify passes'
+    c = StepCosts(seconds={1: 0.05, 9: 0.20}, threads=VERIFY_BLAS_THREADS)
+    picks = [c.verify_threads(own) for _ in range(RECHECK_EVERY)]
+    assert picks[:-1] == [(VERIFY_BLAS_THREADS, False)] * (RECHECK_EVERY - 1)
+    assert picks[-1] == (0, True)  # the process's own count, once
+    c.add_other(9, 0.25)  # slower there: stay, recheck half as often
+    assert c.threads == VERIFY_BLAS_THREADS and c.recheck_every == 2 * RECHECK_EVERY
+    for _ in range(2 * RECHECK_EVERY - 1):
+        assert c.verify_threads(own) == (VERIFY_BLAS_THREADS, False)
+    assert c.verify_threads(own) == (0, True)
+    c.add_other(9, 0.05)  # a running figure (0.19 s): one fast pass does not undo a slow one
+    assert c.threads == VERIFY_BLAS_THREADS and c.recheck_every == 4 * RECHECK_EVERY
+    c.add_other(9, 0.05)  # 0.148 s, under 0.85 x 0.20: move
+    assert c.threads == 0 and c.recheck_every == RECHECK_EVERY
+    assert c.seconds[1] == 0.05 and c.seconds[9] < 0.17 and c.other == {9: 0.20}
+    # The other count is now the calibration's: rechecked the same way, back if faster.
+    for _ in range(RECHECK_EVERY - 1):
+        c.verify_threads(own)
+    assert c.verify_threads(own) == (VERIFY_BLAS_THREADS, True)
+    # No recheck where the counts are the same or OpenBLAS is not ours.
+    assert StepCosts().verify_threads(None) == (VERIFY_BLAS_THREADS, False)
+    assert StepCosts().verify_threads(VERIFY_BLAS_THREADS) == (VERIFY_BLAS_THREADS, False)
 
 
 class _NoCache:
