@@ -7,11 +7,14 @@ holds pages as computed (float32/float16); format 2 holds group-wise quantized p
 scales, biases) and the value parts. A file reads only records of its own format, bits,
 group, dtype and shape; a record that fails any check or its checksum raises `PageCorrupt`
 and is never returned. Writes go through a bounded background queue; reads of many pages
-keep up to `depth` reads in flight.
+keep up to `depth` reads in flight, or (`read_into`, `Prefetcher.split`) land straight in the
+rows of a step's buffers (`unwritten_arrays`), checked there with the same checks.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import queue
 import struct
@@ -22,7 +25,9 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
+import mlx.core as mx
 import numpy as np
 
 from engine.errors import StrataError
@@ -183,17 +188,7 @@ class RecordFile:
         (crc,) = _CRC.unpack_from(data, len(data) - _CRC.size)
         if zlib.crc32(body) != crc:
             raise PageCorrupt(f"KV page {where}: checksum mismatch, page not used")
-        head = PageHeader(*self.header.unpack(body[:self.header.size])[2:])
-        if (head.layer, head.index) != (self.layer, index):
-            raise PageCorrupt(f"KV page {where}: header names layer {head.layer} "
-                              f"page {head.index}")
-        want = (DTYPE_CODES[self.dtype], self.codec.bits, self.kv_heads, self.head_dim,
-                self.page_tokens, 2 * self.half, self.codec.group if self.codec.quantized else 0)
-        got = (head.dtype_code, head.kv_bits, head.kv_heads, head.head_dim, head.page_tokens,
-               head.payload, head.group)
-        if got != want or not 0 < head.tokens <= self.page_tokens:
-            raise PageCorrupt(f"KV page {where}: header (dtype code, bits, heads, head dim, "
-                              f"page tokens, payload, group) {got} does not match {want}")
+        head = self._check_header(body[:self.header.size], index, where)
         off = self.header.size
         t = head.tokens
         out: list[Parts] = []
@@ -206,6 +201,53 @@ class RecordFile:
                 off += a.nbytes
             out.append(tuple(parts))
         return head, out[0], out[1]
+
+    def read_into(self, fd: int, offset: int, index: int, where: str, k: Parts, v: Parts,
+                  scratch: bytearray) -> None:
+        """Read and verify one record straight into `k` and `v` (per part one writable
+        C-contiguous (kv_heads, page_tokens, n) numpy array, the rows of a step's batch):
+        the same checks as `parse`, and a record must hold a full page (the store writes
+        no other). `scratch`: header + CRC bytes of this thread's. On PageCorrupt what was
+        written into k and v is garbage and must not be used."""
+        hs = self.header.size
+        head_m, crc_b = memoryview(scratch)[:hs], memoryview(scratch)[hs:hs + _CRC.size]
+        try:
+            got = os.preadv(fd, [head_m, *k, *v, crc_b], offset)
+        except OSError as exc:
+            raise PageCorrupt(f"KV page {where}: cannot be read ({exc.strerror})") from exc
+        if got >= 10 and bytes(head_m[:8]) == MAGIC:
+            version = struct.unpack_from("<H", head_m, 8)[0]
+            if version != self.version:
+                raise PageCorrupt(f"KV page {where}: format {version}, expected format "
+                                  f"{self.version} ({self.codec.describe()} pages)")
+        if got != self.size:
+            raise PageCorrupt(f"KV page {where}: truncated record ({got} bytes)")
+        if bytes(head_m[:8]) != MAGIC:
+            raise PageCorrupt(f"KV page {where}: not a Strata KV page")
+        crc = zlib.crc32(head_m)
+        for a in (*k, *v):
+            crc = zlib.crc32(a, crc)
+        if crc != _CRC.unpack_from(crc_b)[0]:
+            raise PageCorrupt(f"KV page {where}: checksum mismatch, page not used")
+        head = self._check_header(head_m, index, where)
+        if head.tokens != self.page_tokens:
+            raise PageCorrupt(f"KV page {where}: {head.tokens} of {self.page_tokens} tokens "
+                              "(a stored page is a full one)")
+
+    def _check_header(self, raw: memoryview, index: int, where: str) -> PageHeader:
+        """The header of a record whose checksum held, against this file's layout."""
+        head = PageHeader(*self.header.unpack(raw)[2:])
+        if (head.layer, head.index) != (self.layer, index):
+            raise PageCorrupt(f"KV page {where}: header names layer {head.layer} "
+                              f"page {head.index}")
+        want = (DTYPE_CODES[self.dtype], self.codec.bits, self.kv_heads, self.head_dim,
+                self.page_tokens, 2 * self.half, self.codec.group if self.codec.quantized else 0)
+        got = (head.dtype_code, head.kv_bits, head.kv_heads, head.head_dim, head.page_tokens,
+               head.payload, head.group)
+        if got != want or not 0 < head.tokens <= self.page_tokens:
+            raise PageCorrupt(f"KV page {where}: header (dtype code, bits, heads, head dim, "
+                              f"page tokens, payload, group) {got} does not match {want}")
+        return head
 
 
 # -- background writer --------------------------------------------------------------------
@@ -325,8 +367,77 @@ class Prefetcher:
             k, v = fut.result()
             yield idx, k, v
 
+    def split(self, fn: Callable[[int, int], None], n: int) -> None:
+        """Run fn(lo, hi) over [0, n) cut into up to `depth` contiguous ranges on the read
+        threads; returns when all are done, raising the error of the first range (in order)
+        that failed (each range stops at its first error, so that is the first in order)."""
+        step = max(1, -(-n // self.depth))
+        futs = [self._pool.submit(fn, lo, min(n, lo + step)) for lo in range(0, n, step)]
+        errors = [f.exception() for f in futs]  # waits for all: none writes after we return
+        for exc in errors:
+            if exc is not None:
+                raise exc
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+# -- arrays to read into -------------------------------------------------------------------
+class _Unwritten(io.RawIOBase):
+    """A file whose header `mx.load` parses and whose data it reads into its fresh buffers,
+    which this stream leaves as they are."""
+
+    def __init__(self, name: str, header: bytes, nbytes: int) -> None:
+        super().__init__()
+        self.name = name  # mx.load may look at the suffix
+        self._head, self._size, self._pos = header, len(header) + nbytes, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = offset + (0, self._pos, self._size)[whence]
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), self._size - self._pos)
+        if self._pos < len(self._head):
+            n = min(n, len(self._head) - self._pos)
+            b[:n] = self._head[self._pos:self._pos + n]
+        self._pos += n  # past the header: nothing written, the restore fills it
+        return n
+
+
+_ST_DTYPES = {"float32": "F32", "float16": "F16", "uint16": "U16", "uint32": "U32"}
+
+
+def unwritten_arrays(count: int, shape: tuple[int, ...], dtype: Any, np_dtype: np.dtype
+                     ) -> list[Any]:
+    """`count` MLX arrays whose memory is allocated but not yet written: mx.zeros would touch
+    (and so fault in) every page first, which costs as much as reading the page from the disk.
+    One safetensors stream makes them all (a .npy load per array took about twice as long).
+    Falls back to mx.zeros where this MLX cannot load from a file object."""
+    nbytes = int(np.prod(shape)) * np_dtype.itemsize
+    meta = {f"a{i}": {"dtype": _ST_DTYPES.get(np_dtype.name, "?"), "shape": list(shape),
+                      "data_offsets": [i * nbytes, (i + 1) * nbytes]} for i in range(count)}
+    head = json.dumps(meta).encode()
+    head += b" " * (-len(head) % 8)
+    try:
+        src = cast(Any, _Unwritten("kv.safetensors", struct.pack("<Q", len(head)) + head,
+                                   count * nbytes))
+        loaded = mx.load(src, format="safetensors")
+        out = [loaded[f"a{i}"] for i in range(count)] if isinstance(loaded, dict) else []
+        if all(tuple(a.shape) == tuple(shape) and a.dtype == dtype for a in out) and out:
+            return out
+    except (ValueError, RuntimeError, TypeError, KeyError):
+        pass
+    return [mx.zeros(shape, dtype=dtype) for _ in range(count)]
 
 
 def check_writable(folder: Path) -> None:

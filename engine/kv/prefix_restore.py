@@ -16,12 +16,9 @@ another never takes a page a live session holds. A mapped page found damaged lat
 from __future__ import annotations
 
 import contextlib
-import io
-import json
 import os
 import queue
 import sqlite3
-import struct
 import time
 import weakref
 from collections.abc import Sequence
@@ -35,6 +32,7 @@ import xxhash
 
 from engine.kv.attention import question_tokens
 from engine.kv.pagefile import _CRC, _HEADER
+from engine.kv.pagefile import unwritten_arrays as _unfilled
 from engine.kv.prefix_format import (
     _IOV_MAX,
     _NOFOLLOW,
@@ -567,59 +565,3 @@ def _will_need(fd: int, offset: int, length: int) -> None:
     if advise is not None:
         with contextlib.suppress(OSError):
             advise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-
-
-class _Unwritten(io.RawIOBase):
-    """A file whose header `mx.load` parses and whose data it reads into its fresh buffers,
-    which this stream leaves as they are."""
-
-    def __init__(self, name: str, header: bytes, nbytes: int) -> None:
-        super().__init__()
-        self.name = name  # mx.load may look at the suffix
-        self._head, self._size, self._pos = header, len(header) + nbytes, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = offset + (0, self._pos, self._size)[whence]
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        n = min(len(b), self._size - self._pos)
-        if self._pos < len(self._head):
-            n = min(n, len(self._head) - self._pos)
-            b[:n] = self._head[self._pos:self._pos + n]
-        self._pos += n  # past the header: nothing written, the restore fills it
-        return n
-
-
-_ST_DTYPES = {"float32": "F32", "float16": "F16", "uint16": "U16"}
-
-
-def _unfilled(count: int, shape: tuple[int, ...], dtype: Any, np_dtype: np.dtype) -> list[Any]:
-    """`count` MLX arrays whose memory is allocated but not yet written: mx.zeros would touch
-    (and so fault in) every page first, which costs as much as reading the page from the disk.
-    One safetensors stream makes them all (a .npy load per array took about twice as long).
-    Falls back to mx.zeros where this MLX cannot load from a file object."""
-    nbytes = int(np.prod(shape)) * np_dtype.itemsize
-    meta = {f"a{i}": {"dtype": _ST_DTYPES.get(np_dtype.name, "?"), "shape": list(shape),
-                      "data_offsets": [i * nbytes, (i + 1) * nbytes]} for i in range(count)}
-    head = json.dumps(meta).encode()
-    head += b" " * (-len(head) % 8)
-    try:
-        src = cast(Any, _Unwritten("kv.safetensors", struct.pack("<Q", len(head)) + head,
-                                   count * nbytes))
-        loaded = mx.load(src, format="safetensors")
-        out = [loaded[f"a{i}"] for i in range(count)] if isinstance(loaded, dict) else []
-        if all(tuple(a.shape) == tuple(shape) and a.dtype == dtype for a in out) and out:
-            return out
-    except (ValueError, RuntimeError, TypeError, KeyError):
-        pass
-    return [mx.zeros(shape, dtype=dtype) for _ in range(count)]

@@ -14,6 +14,12 @@ Pages of a stored prefix are mapped, not copied (`map_pages`): the table lists t
 pages whose records live in the prefix cache's run files (engine.kv.prefix), read in place
 and verified as this tier's own when attention needs them; a cold page read while the RAM
 tier has a free slot stays in RAM (nothing is evicted for it).
+Admission in sparse mode (`reuse_admission`): a cold page gets a RAM slot only when a second
+step asks for it. A step's pages that no later step returns to (most of a rescoring
+shortlist: four times the blocks attended, a different set each token) are read for that
+step and let go, so the RAM tier holds what attention keeps using (sinks, window, voted and
+recurring blocks), not every page a question ever looked at; exact mode streams every page
+every step and keeps them from the first read, as before.
 A layer whose cache keeps its positions in one contiguous buffer (engine.kv.cache,
 `buffer_layer`) has its RAM-tier pages in that buffer: page i is positions [i*P, (i+1)*P)
 of it and the tier holds no second copy (`commit_buffered` registers and summarises a page;
@@ -50,9 +56,14 @@ from engine.kv.pagefile import (
     RecordFile,
     check_writable,
     codec_record_size,
+    unwritten_arrays,
 )
 from engine.kv.settings import KVSettings, sweep_dead_sessions
 from engine.kv.table import LayerTable
+
+# Sparse mode's admission rule (the module's contract); False keeps every page a step reads
+# while a slot is free, as exact mode does (tests compare the two).
+REUSE_ADMISSION = True
 
 
 class KVRamFull(KVStoreError):
@@ -102,8 +113,12 @@ class KVStore:
         self.pool_v: list[Parts | None] = [None] * n_layers
         self._free: list[list[int]] = [[] for _ in range(n_layers)]
         self._serials: list[dict[int, int]] = [{} for _ in range(n_layers)]
+        # Sparse mode admits a cold page on its second read (see the module's contract):
+        # per layer, the pages read off the SSD tier and let go since.
+        self.reuse_admission = REUSE_ADMISSION and settings.mode == "sparse"
+        self._seen: list[set[int]] = [set() for _ in range(n_layers)]
         self.counters = dict(evictions=0, ram_hits=0, ssd_reads=0, bytes_read=0, read_s=0.0,
-                             pages_written=0)
+                             pages_written=0, pages_admitted=0)
         self.folder: Path | None = None
         self.writer: PageWriter | None = None
         self._files: dict[int, RecordFile] = {}
@@ -174,6 +189,60 @@ class KVStore:
         self.counters["ssd_reads"] += 1
         self.counters["bytes_read"] += self._file(layer).size
         return k, v
+
+    def _read_batch(self, layer: int, pages: np.ndarray) -> tuple[Parts, Parts]:
+        """Cold pages' encoded keys and values, verified, as MLX arrays per part (len(pages),
+        kv_heads, P, n) in the order given. Each record is read (`preadv`, on the read
+        threads) straight into its rows of fresh MLX buffers and checked there: no bytes
+        object, stack or copy into MLX per page (at 128k a step reads ~4,000 records, and
+        those copies and the fresh memory behind them cost more than the reads).
+        Raises what `_read_np` raises for the first page (in order) that fails."""
+        n = len(pages)
+        dims = self.codec.part_dims(self.head_dim)
+        arrs = [unwritten_arrays(2, (n, self.kv_heads, self.P, d), getattr(mx, dt.name), dt)
+                for d, dt in dims]
+        mx.eval(arrs)
+        ks = tuple(np.asarray(memoryview(a[0])) for a in arrs)
+        vs = tuple(np.asarray(memoryview(a[1])) for a in arrs)
+        mapped, f = self._mapped[layer], self._layout(layer)
+        own = (self._file(layer) if self.folder is not None
+               and any(int(p) not in mapped for p in pages) else None)
+        read = [0] * n  # per row: 1 if it came off the disk (a page still queued did not)
+        self._will_need(layer, pages)
+        t = time.perf_counter()
+
+        def rows(lo: int, hi: int) -> None:
+            scratch = bytearray(128)  # a header and a CRC
+            for i in range(lo, hi):
+                page = int(pages[i])
+                k, v = tuple(a[i] for a in ks), tuple(a[i] for a in vs)
+                hit = mapped.get(page)
+                if hit is not None:
+                    fd, off, name = hit
+                    try:
+                        f.read_into(fd, off, page, f"{name} layer {layer} page {page}", k, v,
+                                    scratch)
+                    except PageCorrupt as exc:
+                        raise MappedPageCorrupt(str(exc), layer, page, name) from exc
+                    read[i] = 1
+                    continue
+                pending = None if self.writer is None else self.writer.pending_page(layer, page)
+                if pending is not None:
+                    for dst, src in zip((*k, *v), (*pending[0], *pending[1]), strict=True):
+                        dst[...] = src
+                    continue
+                if own is None:
+                    raise KVStoreError(f"KV cache: layer {layer} page {page} is on no tier")
+                own.read_into(own.fd, page * own.size, page,
+                              f"{own.path.name} page {page}", k, v, scratch)
+                read[i] = 1
+
+        assert self.prefetcher is not None
+        self.prefetcher.split(rows, n)
+        self.counters["read_s"] += time.perf_counter() - t
+        self.counters["ssd_reads"] += sum(read)
+        self.counters["bytes_read"] += sum(read) * f.size
+        return tuple(a[0] for a in arrs), tuple(a[1] for a in arrs)
 
     @property
     def ssd_full_reason(self) -> str | None:
@@ -416,6 +485,7 @@ class KVStore:
         m = self._mapped[layer]
         for p in [p for p in m if p >= n_pages]:
             del m[p]
+        self._seen[layer] = {p for p in self._seen[layer] if p < n_pages}
 
     def page_np(self, layer: int, page: int) -> tuple[Any, Any]:
         """One page's (k, v) as MLX arrays (kv_heads, P, head_dim), from either tier."""
@@ -509,42 +579,48 @@ class KVStore:
                 self.counters["ram_hits"] += len(hot)
             cold = part[~r]
             if len(cold):
-                assert self.prefetcher is not None
-                rk: list[Parts] = []
-                rv: list[Parts] = []
+                kc, vc = self._read_batch(layer, cold)
                 spare = len(self._free[layer]) + self.max_slots - len(table.page_of_slot)
-                for page, k, v in self.prefetcher.read_many(layer, [int(c) for c in cold]):
-                    rk.append(k)
-                    rv.append(v)
-                    if spare > 0:  # a free slot: keep the page (nothing is evicted for it)
+                seen = self._seen[layer]
+                for i, c in enumerate(cold):
+                    page = int(c)
+                    if self.reuse_admission and page not in seen:
+                        seen.add(page)  # read once: a second read admits it
+                    elif spare > 0:  # a free slot: keep the page (nothing is evicted for it)
+                        seen.discard(page)
                         spare -= 1
                         slot = self._slot(layer)
-                        self._put(layer, slot, tuple(mx.array(a) for a in k),
-                                  tuple(mx.array(a) for a in v))
+                        self._put(layer, slot, tuple(a[i] for a in kc), tuple(a[i] for a in vc))
                         table.place(page, slot)
-                ks.append(dec(tuple(mx.array(np.stack(p)) for p in zip(*rk, strict=True))))
-                vs.append(dec(tuple(mx.array(np.stack(p)) for p in zip(*rv, strict=True))))
+                        self.counters["pages_admitted"] += 1
+                ks.append(dec(kc))
+                vs.append(dec(vc))
             yield (ks[0], vs[0]) if len(ks) == 1 else (mx.concatenate(ks), mx.concatenate(vs))
 
     def ensure_resident(self, layer: int, pages: np.ndarray) -> np.ndarray | None:
         """Bring `pages` (distinct) into RAM, evicting LRU pages outside them; returns their
-        slots, or None (nothing read) if RAM cannot hold them all at once: loading one would
-        then evict another that the caller is about to read."""
+        slots, or None (nothing read) if RAM cannot hold them all at once (loading one would
+        then evict another that the caller is about to read) or, with `reuse_admission`, if
+        one of them is read for the first time (the caller reads them for its step alone)."""
         self._leave_buffer(layer)  # the caller indexes the pool's slots
         table = self.tables[layer]
         table.touch(pages)  # requested pages go to the young end: evicted last
         cold = pages[~table.resident(pages)]
         if len(cold) > self._room(layer, pages):
             return None
+        seen = self._seen[layer]
+        if self.reuse_admission and any(int(c) not in seen for c in cold):
+            return None  # a first read: the caller reads for this step (`stream` notes it)
         self.counters["ram_hits"] += len(pages) - len(cold)
         if len(cold):
-            assert self.prefetcher is not None
-            self._will_need(layer, cold)
-            for idx, k, v in self.prefetcher.read_many(layer, [int(c) for c in cold]):
+            kc, vc = self._read_batch(layer, cold)
+            for i, c in enumerate(cold):
+                idx = int(c)
                 slot = self._slot(layer)
-                self._put(layer, slot, tuple(mx.array(a) for a in k),
-                          tuple(mx.array(a) for a in v))
+                self._put(layer, slot, tuple(a[i] for a in kc), tuple(a[i] for a in vc))
                 table.place(idx, slot)
+                seen.discard(idx)
+                self.counters["pages_admitted"] += 1
         return table.slot_of[pages]
 
     def _will_need(self, layer: int, pages: np.ndarray) -> None:

@@ -21,8 +21,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.kv import KVSettings, prefix_restore
+from engine.kv import KVSettings, attention, prefix_restore
+from engine.kv import store as kv_store
 from engine.kv.prefix import PrefixCache, PrefixSettings
+from engine.runtime import generate as generate_mod
 from engine.runtime.generate import LoadedModel, PromptCache, generate
 from engine.runtime.sampling import SamplingParams
 from tests.helpers import run_strata
@@ -68,9 +70,9 @@ def _paged(lm: LoadedModel, settings: KVSettings, folder: Path) -> Iterator[Pref
 
 
 def _reply(lm: LoadedModel, ids: list[int], cache: PromptCache | None = None,
-           **kw: Any) -> tuple[list[int], str, Any]:
+           n: int = REPLY, **kw: Any) -> tuple[list[int], str, Any]:
     tokens, text, last = [], [], None
-    for ev in generate(lm, ids, GREEDY, REPLY, prompt_cache=cache, **kw):
+    for ev in generate(lm, ids, GREEDY, n, prompt_cache=cache, **kw):
         text.append(ev.text)
         if ev.token is not None:
             tokens.append(ev.token)
@@ -352,3 +354,52 @@ def test_two_processes_storing_one_prefix_at_once_leave_one_usable_store(
     assert summary["runs"] >= 1 and summary["stale_files"] == 0
     third = ask("What did the Osprey land?")
     assert third["cached_tokens"] >= 3 * PAGE
+
+
+def test_sparse_mode_keeps_in_ram_only_the_pages_a_second_step_reads(
+        stored: Stored, starter_lm: LoadedModel, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The RAM tier's admission in sparse mode (engine.kv.store, REUSE_ADMISSION): after a
+    restore, the stored pages the question's one step reads (its rescoring shortlist, its
+    chosen blocks) are read for that step and let go, where the old rule (every page read
+    kept while a slot is free) keeps them all; the reply's next steps read them again and
+    keep them. The reply is the old rule's. The question is one sparse step without votes,
+    as past SPARSE_PREFILL_PAST and VOTE_PAST_MAX (16k) after a restore: both are lowered
+    below the ~1,400 restored tokens, and the question is the 40 tokens after them. (The
+    rule counts reads: a chunk that votes reads every page once more.)"""
+    if stored.bits == 8:
+        pytest.skip("the rule does not depend on the encoding: 16 and 4 bits")
+    monkeypatch.setattr(attention, "SPARSE_PREFILL_PAST", 4 * PAGE)
+    monkeypatch.setattr(generate_mod, "SPARSE_PREFILL_PAST", 4 * PAGE)
+    monkeypatch.setattr(attention, "VOTE_PAST_MAX", 4 * PAGE)
+    folder = tmp_path / "px"
+    shutil.copytree(stored.folder, folder)
+    ids = stored.ids[:stored.pages * PAGE + 40]  # one chunk after the stored pages
+
+    def mapped_in_ram(cache: PromptCache) -> int:
+        store = cache.cache[0].store  # type: ignore[attr-defined]
+        return sum(int((t.slot_of[:stored.pages] >= 0).sum()) for t in store.tables)
+
+    kept: dict[bool, tuple[int, int]] = {}
+    replies: dict[bool, tuple[list[int], str]] = {}
+    for reuse in (True, False):
+        monkeypatch.setattr(kv_store, "REUSE_ADMISSION", reuse)
+        with _paged(starter_lm, _kv("sparse", stored.bits, tmp_path / f"kv-{reuse}"), folder):
+            one = starter_lm.new_cache()
+            tokens, _, ev = _reply(starter_lm, ids, one, 1)
+            assert ev.cached_tokens == stored.pages * PAGE and len(tokens) == 1
+            store = one.cache[0].store  # type: ignore[attr-defined]
+            assert store.counters["ssd_reads"] > 0
+            after_one = mapped_in_ram(one)
+            one.close()
+            whole = starter_lm.new_cache()
+            tokens, text, ev = _reply(starter_lm, ids, whole)
+            assert len(tokens) == REPLY
+            replies[reuse] = tokens, text
+            kept[reuse] = (after_one, mapped_in_ram(whole))
+            whole.close()
+    assert replies[True] == replies[False]
+    # One step: nothing of what it read stays (the old rule kept all of it).
+    assert kept[True][0] == 0 < kept[False][0]
+    # A reply: what the steps read again is kept (here every step reads every page).
+    assert 0 < kept[True][1] <= kept[False][1]

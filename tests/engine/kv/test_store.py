@@ -170,6 +170,42 @@ def test_store_restarts_from_its_files(tmp_path: Path) -> None:
     b.close()
 
 
+@pytest.mark.parametrize("bits", [16, 4])
+def test_a_step_reads_cold_pages_into_one_batch_checked_record_by_record(
+        tmp_path: Path, bits: int) -> None:
+    """`_read_batch` (the cold pages of a step, read straight into MLX buffers on the read
+    threads): the same bytes as reading page by page, in the order asked, at 16 and 4 bits;
+    a flipped byte or a truncated file is refused, naming the page."""
+    import mlx.core as mx
+
+    d = 64 if bits != 16 else D  # a quantization group is at least 32 values
+    store = KVStore(_settings(tmp_path, keep_files=True, bits=bits), 1, H, d)
+    pages = [mx.random.normal((H, P, d)) for _ in range(6)]
+    for p in pages:
+        store.commit(0, p, p * 2)
+    store.flush()
+    order = np.array([4, 0, 5, 2])
+    k, v = store._read_batch(0, order)
+    for row, page in enumerate(order):
+        want_k, want_v = store._read_np(0, int(page))
+        for got, want in zip(k + v, want_k + want_v, strict=True):
+            assert np.array_equal(np.array(got[row]), want), (row, page)
+    assert store.counters["ssd_reads"] >= len(order)
+    f = store._file(0)
+    with open(f.path, "r+b") as fh:
+        fh.seek(5 * f.size + 300)
+        b = fh.read(1)
+        fh.seek(5 * f.size + 300)
+        fh.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(PageCorrupt, match="page 5: checksum mismatch"):
+        store._read_batch(0, np.array([1, 5, 3]))
+    with open(f.path, "r+b") as fh:
+        fh.truncate(3 * f.size + 100)
+    with pytest.raises(PageCorrupt, match="page 3: truncated record"):
+        store._read_batch(0, np.array([2, 3]))
+    store.close()
+
+
 def test_unwritable_folder_is_a_clear_error_at_start(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
