@@ -166,8 +166,9 @@ def _add_serve(p: argparse.ArgumentParser) -> None:
 def _add_spec(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("spec suite")
     g.add_argument("--drafters", default="auto",
-                   help="spec: drafters against plain decoding, comma-separated (auto, lookup "
-                        "or a draft model's name)")
+                   help="spec: drafters against plain decoding, comma-separated (auto, lookup, "
+                        "a draft model's name; the peer: mlx-lm, mlx-lm:MODEL for its "
+                        "speculative path with MODEL)")
     g.add_argument("--spec-tasks", default="edit,summary,chat1,chat2",
                    help="spec: tasks, comma-separated (edit, summary, chat1, chat2)")
 

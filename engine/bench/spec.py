@@ -15,9 +15,13 @@ ratio to plain decoding, by medians and paired per trial) and writes JSON with -
 at the task's start and end, the drafted and accepted tokens and the generated ones summed
 over the trials, and whether the text was identical; for the run, the BLAS threads verify
 passes ran on and each pass length's price in plain steps at the end), and says
-`bench: N% ...` progress lines on stderr for the benchmark tab. `verify_costs(lm, depth)`
-times a forward pass of L tokens against one of 1 at a depth (what a verify pass costs in
-plain steps); `python -m engine.bench.spec [depth]` prints it for the starter.
+`bench: N% ...` progress lines on stderr for the benchmark tab. The peer, named like a
+drafter: "mlx-lm" (its own greedy decode) and "mlx-lm:MODEL" (its speculative path,
+`speculative_generate_step`, with the draft model MODEL), on fresh caches of its own each
+run; whether its text is the plain decode's is kept apart (`peer_identical`).
+`verify_costs(lm, depth)` times a forward pass of L tokens against one of 1 at a depth
+(what a verify pass costs in plain steps); `python -m engine.bench.spec [depth]` prints it
+for the starter.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import mlx.core as mx
 
 from engine.bench.common import REPO, machine_facts, say
 from engine.errors import StrataError
@@ -60,6 +66,10 @@ CHAT = (
 )
 GREEDY = SamplingParams(temperature=0.0)
 SCHEMA_ID = "strata-bench-spec/1"
+# The peer: mlx-lm's own decode ("mlx-lm") and its speculative path with a draft model
+# ("mlx-lm:MODEL", speculative_generate_step), drafting its CLI's default count each step.
+PEER = "mlx-lm"
+PEER_DRAFT_TOKENS = 3
 
 
 @dataclass
@@ -80,6 +90,10 @@ class Result:
     generated: dict[str, int] = field(default_factory=dict)
     identical: bool = True
     load: list[float] = field(default_factory=list)  # 1-minute load average, start and end
+    # mlx-lm's runs: their tokens, and whether they are the plain decode's (kept apart from
+    # `identical`, which is about Strata's drafters).
+    peer_texts: dict[str, list[list[int]]] = field(default_factory=dict, repr=False)
+    peer_identical: dict[str, bool] = field(default_factory=dict)
 
     def median(self, drafter: str) -> float:
         return statistics.median(self.tps[drafter])
@@ -133,10 +147,52 @@ def tasks(tok: Any, edit_file: Path = EDIT_FILE) -> list[Task]:
     return out
 
 
+def peer_run(lm: LoadedModel, task: Task, max_tokens: int, draft: LoadedModel | None = None
+             ) -> tuple[float, list[int], int, int]:
+    """One greedy reply by mlx-lm itself on fresh caches of its own: `generate_step`, or with
+    `draft` its `speculative_generate_step`. (decode tok/s from the first token to the last,
+    the tokens, drafted tokens, drafted tokens kept.)"""
+    # The peer is loaded where it runs: mlx-lm's generator, not the engine's.
+    from mlx_lm.generate import generate_step, speculative_generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    prompt = mx.array(task.ids)
+    greedy = lambda logits: mx.argmax(logits, axis=-1)  # noqa: E731
+    if draft is None:
+        steps: Any = ((t, lp, False) for t, lp in generate_step(
+            prompt, lm.model, max_tokens=max_tokens, sampler=greedy,
+            prompt_cache=make_prompt_cache(lm.model)))
+    else:
+        steps = speculative_generate_step(
+            prompt, lm.model, draft.model, num_draft_tokens=PEER_DRAFT_TOKENS,
+            max_tokens=max_tokens, sampler=greedy,
+            prompt_cache=make_prompt_cache(lm.model) + make_prompt_cache(draft.model))
+    toks: list[int] = []
+    kept = 0
+    first = last = 0.0
+    eos = lm.tokenizer.eos_ids()
+    for tok, _logprobs, from_draft in steps:
+        toks.append(int(tok))
+        kept += bool(from_draft)
+        last = time.perf_counter()
+        if len(toks) == 1:
+            first = last
+        if toks[-1] in eos:
+            break
+    tps = (len(toks) - 1) / (last - first) if len(toks) > 1 and last > first else 0.0
+    # mlx-lm drafts PEER_DRAFT_TOKENS a verify step (fewer near the end) and reports only
+    # the kept ones, so "drafted" is counted from its steps: one a token it did not draft.
+    drafted = 0 if draft is None else PEER_DRAFT_TOKENS * max(1, len(toks) - kept)
+    return tps, toks, drafted, kept
+
+
 def measure(lm: LoadedModel, task: Task, drafters: list[str], max_tokens: int,
-            trials: int, models: dict[str, ModelDrafter] | None = None) -> Result:
-    """`drafters`: "off", "auto", "lookup" or names of `models` (draft models)."""
+            trials: int, models: dict[str, ModelDrafter] | None = None,
+            peers: dict[str, LoadedModel | None] | None = None) -> Result:
+    """`drafters`: "off", "auto", "lookup", names of `models` (draft models) or of `peers`
+    ("mlx-lm", "mlx-lm:MODEL": mlx-lm's own decode, its speculative path with MODEL)."""
     models = models or {}
+    peers = peers or {}
     res = Result(task.name, task.kind, len(task.ids), load=[_load()])
     cache = lm.new_cache()
     plain_tokens: list[int] | None = None
@@ -145,7 +201,17 @@ def measure(lm: LoadedModel, task: Task, drafters: list[str], max_tokens: int,
         for t in range(trials):
             order = drafters[t % len(drafters):] + drafters[:t % len(drafters)]
             for d in order:
-                toks: list[int] = []
+                if d in peers:
+                    tps, toks, drafted, kept = peer_run(lm, task, max_tokens, peers[d])
+                    res.tps.setdefault(d, []).append(tps)
+                    res.drafted[d] = res.drafted.get(d, 0) + drafted
+                    res.accepted[d] = res.accepted.get(d, 0) + kept
+                    res.generated[d] = res.generated.get(d, 0) + len(toks)
+                    res.peer_texts.setdefault(d, []).append(toks)
+                    say(f"  {task.name} trial {t + 1} {d}: {tps:.2f} tok/s, {kept} drafted "
+                        "tokens kept")
+                    continue
+                toks = []
                 last = None
                 for ev in generate(lm, task.ids, GREEDY, max_tokens,
                                    drafter=models.get(d, d), prompt_cache=cache):
@@ -166,7 +232,14 @@ def measure(lm: LoadedModel, task: Task, drafters: list[str], max_tokens: int,
         cache.close()
     res.load.append(_load())
     res.identical = all(toks == plain_tokens for runs in texts.values() for toks in runs)
+    # The reference's text beside ours: the same greedy tokens, or where they part.
+    res.peer_identical = {d: all(toks == plain_tokens for toks in runs)
+                          for d, runs in res.peer_texts.items()}
     return res
+
+
+def _is_peer(drafter: str) -> bool:
+    return drafter == PEER or drafter.startswith(PEER + ":")
 
 
 def _load() -> float:
@@ -183,7 +256,14 @@ def run(args: argparse.Namespace) -> int:
     drafters = ["off", *[d for d in args.drafters.split(",") if d and d != "off"]]
     # A draft model (a name that is no setting): same vocabulary, or one line.
     models = {d: ModelDrafter(lm, LoadedModel.load(d)) for d in drafters
-              if d not in DRAFT_SETTINGS}
+              if d not in DRAFT_SETTINGS and not _is_peer(d)}
+    peers: dict[str, LoadedModel | None] = {}
+    for d in drafters:
+        if _is_peer(d):
+            name = d.partition(":")[2]
+            if name and name not in models:  # the same vocabulary check, or one line
+                models[name] = ModelDrafter(lm, LoadedModel.load(name))
+            peers[d] = models[name].lm if name else None
     results: list[Result] = []
     try:
         chosen = [t for t in args.spec_tasks.split(",") if t]
@@ -191,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
         for i, task in enumerate(todo):
             say(f"bench: {100 * i // max(len(todo), 1)}% {task.name}")
             say(f"{task.name}: {len(task.ids)} prompt tokens")
-            results.append(measure(lm, task, drafters, max_tokens, trials, models))
+            results.append(measure(lm, task, drafters, max_tokens, trials, models, peers))
     finally:
         for m in models.values():
             m.close()
@@ -204,6 +284,11 @@ def run(args: argparse.Namespace) -> int:
                           for d in drafters[1:])
         print(f"{r.task:10} {r.prompt_tokens:6d} {r.median('off'):10.2f}  {cells}  "
               f"{str(r.identical):9}  {r.load[0]:.1f}-{r.load[-1]:.1f}")
+        for d, same in r.peer_identical.items():
+            gain = (f", {r.median(d) / r.median(PEER):.2f}x mlx-lm's own decode"
+                    if d != PEER and PEER in r.tps and r.median(PEER) else "")
+            print(f"{'':10} {d}: {'the same' if same else 'not the same'} greedy text as "
+                  f"plain decoding{gain}")
     # What the speculator measured in this process: which BLAS thread count its verify passes
     # ran on (the calibration's choice, made once, in whatever moment it ran) and the price
     # of each pass length in plain steps at the end, so a slow run can be told from a fast one.
@@ -219,7 +304,8 @@ def run(args: argparse.Namespace) -> int:
                "model": lm.manifest["name"], "models": [{"name": lm.manifest["name"]}],
                "drafters": drafters, "profile": lm.profile.name, "kv_mode": kv.mode,
                "max_tokens": max_tokens, "trials": trials, "machine": machine_facts(),
-               "results": [{**asdict(r), "median_tps": {d: r.median(d) for d in drafters},
+               "results": [{**{k: v for k, v in asdict(r).items() if k != "peer_texts"},
+                            "median_tps": {d: r.median(d) for d in drafters},
                             "ratio": {d: r.ratio(d) for d in drafters},
                             "paired_ratio": {d: r.paired(d) for d in drafters}}
                            for r in results]}
