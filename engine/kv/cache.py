@@ -221,6 +221,7 @@ class PagedLayerCache:
             self.offset = end
             return keys, values
         self.view = (n_pages, self._tail_k, self._tail_v)
+        self.store.write_behind(self.layer)  # a few pages a step of a buffer let go
         if self._tail_k is None:
             k, v = keys, values
         else:

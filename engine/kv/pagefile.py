@@ -295,6 +295,12 @@ class PageWriter:
         self._q.put(job)
         return job.serial
 
+    def room(self) -> int:
+        """Pages `put` could queue now without waiting (0 once the tier is full)."""
+        if self.full_reason is not None:
+            return 0
+        return max(0, self._q.maxsize - self._q.qsize())
+
     def pending_page(self, layer: int, index: int) -> tuple[Parts, Parts] | None:
         with self._lock:
             job = self.pending.get((layer, index))

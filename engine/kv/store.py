@@ -26,9 +26,14 @@ of it and the tier holds no second copy (`commit_buffered` registers and summari
 reads copy out of the buffer). Nor is it written to the SSD tier while buffered: nothing
 evicts it there, and the prefix cache writes a stored prompt's pages into its own run, so a
 page of a chat that stays under the buffer's limit is written once, not twice.
-`unbuffer_layer` copies the pages into the tier's slots when the buffer goes and writes
-them through then; an operation that needs slots (a commit from outside, `ensure_resident`,
-a mapped restore) makes the owner let go of it first.
+`unbuffer_layer` copies the pages into the tier's slots when the buffer goes; an operation
+that needs slots (a commit from outside, `ensure_resident`, a mapped restore) makes the owner
+let go of it first. Their write-through is queued behind (`write_behind`): each call (once a
+layer per step, from the layer's cache) queues at most WRITE_BEHIND_PAGES of them where the
+writer has room, so crossing the buffer's limit costs no step the writes of every page at
+once; an eviction (of that layer), a manifest, `flush` and a store closed with its files kept
+write the rest first. Until written such a page is in RAM only, as a page on its way to the
+disk is (kill -9 loses it, as it loses pages in flight).
 """
 
 from __future__ import annotations
@@ -64,6 +69,10 @@ from engine.kv.table import LayerTable
 # Sparse mode's admission rule (the module's contract); False keeps every page a step reads
 # while a slot is free, as exact mode does (tests compare the two).
 REUSE_ADMISSION = True
+# Pages of an unbuffered layer queued for the SSD tier per `write_behind` call (per layer
+# per step): ~3 MB of copies a layer at the starter's shape; 3,840 pages at 16k drain in
+# about 8 steps instead of one step waiting for all of them (docs/benchmarks.md).
+WRITE_BEHIND_PAGES = 16
 
 
 class KVRamFull(KVStoreError):
@@ -130,6 +139,9 @@ class KVStore:
         self._layouts: dict[int, RecordFile] = {}
         # Per layer: the cache whose buffer holds its resident pages (no slots), or None.
         self._buffers: list[BufferOwner | None] = [None] * n_layers
+        # Per layer: resident pages still to be queued for the SSD tier (`write_behind`),
+        # in page order (the oldest first: eviction takes those).
+        self._behind: list[list[int]] = [[] for _ in range(n_layers)]
         self.prefetcher: Prefetcher | None = Prefetcher(self._read_np, settings.prefetch_depth)
         if settings.ssd:
             root = settings.folder()
@@ -276,6 +288,8 @@ class KVStore:
                 self.pool_v[layer] = tuple(mx.concatenate([a, z])
                                            for a, z in zip(pv, zeros(), strict=True))
             return used
+        if self._behind[layer]:
+            self._write_behind_all(layer)  # an eviction needs its pages on the disk
         victim = table.evict_candidate()
         if victim is None and table.lru and self.writer is not None:
             # The oldest page is still on its way to disk: wait for it rather than fail.
@@ -406,6 +420,7 @@ class KVStore:
         assert table.all_resident(n), "a buffered layer's pages must all be in RAM"
         self.pool_k[layer] = self.pool_v[layer] = None
         self._free[layer] = []
+        self._behind[layer] = []  # in the buffer again: unqueued, as buffered pages are
         table.slot_of[:n] = np.arange(n, dtype=np.int32)
         table.page_of_slot = list(range(n))
         table.identity = True
@@ -422,17 +437,48 @@ class KVStore:
         n = table.n_pages
         table.page_of_slot = list(range(n))
         if n:
-            kp, vp = self._from_buffer(owner, n, np.arange(n))
+            kp, vp = self._from_buffer(owner, n, None)
             self.pool_k[layer], self.pool_v[layer] = kp, vp
-            # Written through now (the pages may be evicted from here on).
-            for p in self._unwritten(layer):
-                self._write(layer, p, (kp[0][p],), (vp[0][p],))
+            # Written through behind the steps (`write_behind`), not all in this one.
+            if self.writer is not None and self.writer.full_reason is None:
+                self._behind[layer] = self._unwritten(layer)
+
+    def write_behind(self, layer: int, limit: int | None = None) -> int:
+        """Queue up to `limit` (WRITE_BEHIND_PAGES) of the layer's pages still to be written
+        (oldest first) where the writer's queue has room, without waiting; returns how many
+        were queued. The layer's cache calls this once a step."""
+        todo = self._behind[layer]
+        if not todo:
+            return 0
+        w = self.writer
+        if w is None or w.full_reason is not None:
+            todo.clear()  # the tier takes no more pages: they stay RAM only, as any would
+            return 0
+        n = min(WRITE_BEHIND_PAGES if limit is None else limit, len(todo), w.room())
+        for p in todo[:n]:
+            self._write_slot(layer, p)
+        del todo[:n]
+        return n
+
+    def _write_behind_all(self, layer: int) -> None:
+        """Queue every page of the layer still to be written (waiting for room)."""
+        todo, self._behind[layer] = self._behind[layer], []
+        for p in todo:
+            self._write_slot(layer, p)
+
+    def _write_slot(self, layer: int, page: int) -> None:
+        slot = int(self.tables[layer].slot_of[page])
+        pk, pv = self.pool_k[layer], self.pool_v[layer]
+        assert slot >= 0 and pk is not None and pv is not None, "a page behind is resident"
+        self._write(layer, page, tuple(a[slot] for a in pk), tuple(a[slot] for a in pv))
 
     def _unwritten(self, layer: int) -> list[int]:
-        """Pages never queued for the SSD tier (not on it, not on their way, not mapped)."""
+        """Pages never queued for the SSD tier (not on it, not on their way, not mapped, not
+        waiting in `write_behind`'s list)."""
         table, ser, mapped = self.tables[layer], self._serials[layer], self._mapped[layer]
+        behind = set(self._behind[layer])
         return [int(p) for p in np.flatnonzero(~table.on_disk[:table.n_pages])
-                if int(p) not in ser and int(p) not in mapped]
+                if int(p) not in ser and int(p) not in mapped and int(p) not in behind]
 
     def _write_buffered(self, layer: int) -> None:
         """Write a buffered layer's pages not on the SSD yet (a manifest is to list them)."""
@@ -451,16 +497,19 @@ class KVStore:
             owner.release_buffer()
             assert self._buffers[layer] is None
 
-    def _from_buffer(self, owner: BufferOwner, n_pages: int, pages: np.ndarray
+    def _from_buffer(self, owner: BufferOwner, n_pages: int, pages: np.ndarray | None
                      ) -> tuple[Parts, Parts]:
-        """Copies of `pages` out of a buffer holding n_pages pages, page-major (len(pages),
-        kv_heads, P, n) as the pool holds them, evaluated: nothing keeps the buffer."""
-        idx = mx.array(np.asarray(pages, np.int32))
+        """Copies of `pages` (None: all n_pages in order) out of a buffer holding n_pages
+        pages, page-major (len(pages), kv_heads, P, n) as the pool holds them, evaluated:
+        nothing keeps the buffer."""
         out = []
         for buf in (owner.buf_k, owner.buf_v):
             _, h, _, d = buf.shape
             a = buf[0, :, :n_pages * self.P].reshape(h, n_pages, self.P, d)
-            out.append(mx.contiguous(mx.take(a, idx, axis=1).transpose(1, 0, 2, 3)))
+            if pages is not None:
+                # A gather costs ~6x the plain transposed copy (16k: 0.34 s against 0.06).
+                a = mx.take(a, mx.array(np.asarray(pages, np.int32)), axis=1)
+            out.append(mx.contiguous(a.transpose(1, 0, 2, 3)))
         mx.eval(out)
         return (out[0],), (out[1],)
 
@@ -486,6 +535,7 @@ class KVStore:
         for p in [p for p in m if p >= n_pages]:
             del m[p]
         self._seen[layer] = {p for p in self._seen[layer] if p < n_pages}
+        self._behind[layer] = [p for p in self._behind[layer] if p < n_pages]
 
     def page_np(self, layer: int, page: int) -> tuple[Any, Any]:
         """One page's (k, v) as MLX arrays (kv_heads, P, head_dim), from either tier."""
@@ -527,7 +577,7 @@ class KVStore:
         table = self.tables[layer]
         owner = self._buffers[layer]
         if owner is not None and 0 < n_pages <= table.n_pages:
-            return self._from_buffer(owner, table.n_pages, np.arange(n_pages))
+            return self._from_buffer(owner, n_pages, None)
         pk, pv = self.pool_k[layer], self.pool_v[layer]
         if n_pages == 0 or pk is None or pv is None or not table.all_resident(n_pages):
             return None
@@ -651,10 +701,15 @@ class KVStore:
 
     # -- life cycle and telemetry ---------------------------------------------------------
     def flush(self) -> None:
+        """Every page queued for the SSD tier, those behind included, on the disk."""
         if self.writer is not None:
+            for layer in range(self.n_layers):
+                self._write_behind_all(layer)
             self.writer.flush()
 
     def close(self) -> None:
+        if self.writer is not None and self.settings.keep_files:
+            self.flush()  # files kept for a later store: what is behind goes to them first
         if self.writer is not None:
             self.writer.close()
             self.writer = None
