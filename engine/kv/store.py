@@ -45,6 +45,7 @@ import os
 import shutil
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -98,6 +99,20 @@ class BufferOwner(Protocol):
         """Let go of the buffer (the store's `unbuffer_layer` first), keeping the tail."""
 
 
+def _weak(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` through a weak reference to its object: once the store is collected, a call
+    raises OSError (the writer then stops storing: a dropped session's tier is deleted)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        m = ref()
+        if m is None:
+            raise OSError("KV store closed")
+        return m(*args)
+
+    return call
+
+
 class KVStore:
     """All layers' pages and the two tiers; counters for telemetry in `stats()`."""
 
@@ -149,8 +164,10 @@ class KVStore:
             sweep_dead_sessions(root)
             self.folder = root / (session or f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
             check_writable(self.folder)
-            self.writer = PageWriter(self._file, settings.ssd_mb << 20, settings.writer_queue,
-                                     on_written=self._on_written)
+            # Weakly bound: a thread holding the store's methods would keep a dropped store
+            # (and its KV buffers) alive forever; unreferenced, `__del__` closes it.
+            self.writer = PageWriter(_weak(self._file), settings.ssd_mb << 20,
+                                     settings.writer_queue, on_written=_weak(self._on_written))
 
     # -- SSD tier -------------------------------------------------------------------------
     def _file(self, layer: int) -> RecordFile:
