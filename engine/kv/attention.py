@@ -100,6 +100,13 @@ VOTE_PAST_MAX = SPARSE_PREFILL_PAST
 # token, which writes the reply's first token) attends exactly, as the rest of the prompt
 # did. Off: at 4k and 8k it changed no answer (docs/benchmarks.md).
 FIRST_EXACT = (os.environ.get("STRATA_SPARSE_FIRST_EXACT") or "0") != "0"
+# Past the trained length a prefill chunk attends sparsely (remapped), but with a budget of
+# the trained length less the chunk (its sinks, chosen blocks, window and chunk then fill the
+# trained window), not the decode budget: at a 768 budget the prose past the trained length
+# was encoded with 768-token attention and no fact there was found, even with positions
+# left true (docs/benchmarks.md, issue 19's eighth pass). STRATA_SPARSE_PREFILL_REACH=0
+# prefills at the decode budget.
+PREFILL_REACH = (os.environ.get("STRATA_SPARSE_PREFILL_REACH") or "1") != "0"
 
 _Partial = tuple[Any, Any, Any]  # running max (H, R), sum (H, R), output (H, R, D)
 
@@ -221,7 +228,11 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
                     and store.tables[layer].votes_at == start):
                 acc = _exact(store, layer, qg, n_pages, acc)
             else:
-                acc = _sparse(store, layer, qg, n_pages, recent, spec, start, start + L)
+                budget = None
+                if spec is not None and PREFILL_REACH and L > SPARSE_MAX_L:
+                    budget = max(settings.budget_tokens, spec.trained - rk.shape[1])
+                acc = _sparse(store, layer, qg, n_pages, recent, spec, start, start + L,
+                              budget)
         else:
             acc = _exact(store, layer, qg, n_pages, acc)
     assert acc is not None
@@ -444,7 +455,8 @@ def _voted(table: Any, lo: int, hi: int, nb: int, k_vote: int, start: int) -> An
 
 
 def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
-            spec: remap.RopeSpec | None = None, start: int = -1, end: int = 0) -> _Partial:
+            spec: remap.RopeSpec | None = None, start: int = -1, end: int = 0,
+            budget: int | None = None) -> _Partial:
     """Quest over blocks of BLOCK_TOKENS (8): per KV head, the blocks most likely to matter to any
     of its query heads, within the budget; the sinks and the window are read whole.
 
@@ -464,9 +476,11 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     the chosen blocks and the window sit contiguously inside the trained window
     (remap.block_deltas); selection itself ranks by the keys as cached. `start`: the
     position of the step's first query (question votes are for the steps after theirs);
-    `end`: the chunk's end (the remapped layout keeps what the trained length reaches)."""
+    `end`: the chunk's end (the remapped layout keeps what the trained length reaches);
+    `budget`: tokens to attend instead of the settings' (a prefill chunk past the trained
+    length, PREFILL_REACH)."""
     held: dict[str, Any] = {}  # pages the shortlist's keys were read from for this step
-    chosen = select_blocks(store, layer, qg, n_pages, acc, start, held)
+    chosen = select_blocks(store, layer, qg, n_pages, acc, start, held, budget)
     if chosen is None:
         return _exact(store, layer, qg, n_pages, acc)
     top, sink, hi = chosen
@@ -529,15 +543,15 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
 
 
 def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
-                  start: int = -1, held: dict[str, Any] | None = None
-                  ) -> tuple[Any, int, int] | None:
+                  start: int = -1, held: dict[str, Any] | None = None,
+                  budget: int | None = None) -> tuple[Any, int, int] | None:
     """The blocks a sparse step over pages [0, n_pages) attends besides the sinks and the
     window (see `_sparse`): (top (H, k) block indices, sink pages, hi: the window's first
     page), or None when the budget holds every candidate (the step is then exact). The same
     summaries, votes and keys choose the same blocks whatever tier each page is in."""
     table = store.tables[layer]
     P = store.P
-    budget = store.settings.budget_tokens
+    budget = store.settings.budget_tokens if budget is None else budget
     sink = min(table.sink_pages, n_pages)
     win = max(1, min(table.window_pages, int(budget * FIXED_SHARE) // P - sink))
     win = min(win, n_pages - sink)

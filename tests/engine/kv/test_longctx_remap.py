@@ -245,3 +245,52 @@ def test_inside_the_trained_window_remapping_changes_nothing(
     # scale moving blocks by at most ~200 positions changes the logits by ~1e-5 only.)
     small = _logits(starter_lm, prompt, sparse, spec)
     assert calls and float(mx.abs(small - exact).max()) > 0.0
+
+
+def test_prefill_past_the_trained_length_attends_to_the_trained_reach(
+        starter_lm: Any, prompt: list[int], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill chunk past the trained length selects with a budget of the trained length
+    less the chunk (PREFILL_REACH), a decode step with the settings' budget: at the decode
+    budget the prose past the trained length lost every fact (docs/benchmarks.md, issue 19's
+    eighth pass)."""
+    import mlx.core as mx
+
+    from engine.kv import close_caches, make_paged_cache
+
+    budgets: list[tuple[int, Any]] = []
+    real = attention.select_blocks
+
+    def spied(store: Any, layer: int, qg: Any, *a: Any, **k: Any) -> Any:
+        budgets.append((qg.shape[1], a[4] if len(a) > 4 else k.get("budget")))
+        return real(store, layer, qg, *a, **k)
+
+    monkeypatch.setattr(attention, "select_blocks", spied)  # the real one, observed
+    settings = KVSettings(mode="sparse", page_tokens=64, sink_tokens=64, window_tokens=128,
+                          budget_tokens=256, ssd_dir=tmp_path / "kv").validate()
+    g = starter_lm.kv_geometry
+    trained = 384
+    cache = make_paged_cache(starter_lm.model, settings, g)
+    remap.attach(cache[0].store, remap.RopeSpec(g.rope_dims, g.rope_traditional, g.rope_base,
+                                                g.rope_scale, trained))
+    try:
+        n = 448
+        for i in range(0, n, 64):
+            starter_lm.model(mx.array(prompt[i:i + 64])[None], cache=cache)
+        mx.eval(starter_lm.model(mx.array(prompt[n:n + 1])[None], cache=cache))
+    finally:
+        close_caches(cache)
+    rows = 3 * 64  # the starter's 9 query heads over 3 KV heads, 64 queries a chunk
+    assert (rows, trained - 64) in budgets            # the chunk [384, 448)
+    assert any(r == 3 and b is None for r, b in budgets)  # the decode step: the settings'
+    monkeypatch.setattr(attention, "PREFILL_REACH", False)
+    budgets.clear()
+    cache = make_paged_cache(starter_lm.model, settings, g)
+    remap.attach(cache[0].store, remap.RopeSpec(g.rope_dims, g.rope_traditional, g.rope_base,
+                                                g.rope_scale, trained))
+    try:
+        for i in range(0, 448, 64):
+            starter_lm.model(mx.array(prompt[i:i + 64])[None], cache=cache)
+    finally:
+        close_caches(cache)
+    assert budgets and all(b is None for _, b in budgets)
