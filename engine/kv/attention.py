@@ -10,7 +10,9 @@ the recent window and the blocks of BLOCK_TOKENS (engine.kv.table) whose bound o
 attention weight any query head of the group could give them is highest (with every page in
 RAM or on the SSD, the bound's best RESCORE x the budget re-ranked by their true
 logits; VOTE_SHARE of the budget's blocks fixed for the reply by the question's votes, the
-exact weights of the prompt's last chunk), within the token budget; `attend` keeps every
+exact weights of the prompt's last chunk), within the token budget (a prefill chunk past the
+trained length, which attends sparsely with positions remapped, within the trained length
+instead: PREFILL_REACH); `attend` keeps every
 layer's block summaries as pages are committed, in every mode, and in sparse mode the votes
 of each prefill chunk.
 `install_hook(model)` routes the model module's scaled_dot_product_attention here for paged
