@@ -12,7 +12,7 @@ RAM or on the SSD, the bound's best RESCORE x the budget re-ranked by their true
 logits; VOTE_SHARE of the budget's blocks fixed for the reply by the question's votes, the
 exact weights of the prompt's last chunk), within the token budget (a prefill chunk past the
 trained length, which attends sparsely with positions remapped, within the trained length
-instead: PREFILL_REACH); `attend` keeps every
+instead, over at most PREFILL_REACH_PAST past tokens: PREFILL_REACH); `attend` keeps every
 layer's block summaries as pages are committed, in every mode, and in sparse mode the votes
 of each prefill chunk.
 `install_hook(model)` routes the model module's scaled_dot_product_attention here for paged
@@ -109,6 +109,11 @@ FIRST_EXACT = (os.environ.get("STRATA_SPARSE_FIRST_EXACT") or "0") != "0"
 # left true (docs/benchmarks.md, issue 19's eighth pass). STRATA_SPARSE_PREFILL_REACH=0
 # prefills at the decode budget.
 PREFILL_REACH = (os.environ.get("STRATA_SPARSE_PREFILL_REACH") or "1") != "0"
+# Only over at most this many past tokens: further on generate.py chunks the prompt at
+# SPARSE_CHUNK_L so that each chunk's selection stays cheap, and a question's 64-token chunk
+# gathering the trained reach from 128k stored tokens took its first token from 1.7 s to
+# 16.0 s (docs/benchmarks.md, issue 19's eighth pass); past it the decode budget holds.
+PREFILL_REACH_PAST = SPARSE_PREFILL_PAST
 
 _Partial = tuple[Any, Any, Any]  # running max (H, R), sum (H, R), output (H, R, D)
 
@@ -231,7 +236,8 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
                 acc = _exact(store, layer, qg, n_pages, acc)
             else:
                 budget = None
-                if spec is not None and PREFILL_REACH and L > SPARSE_MAX_L:
+                if (spec is not None and PREFILL_REACH and L > SPARSE_MAX_L
+                        and past <= PREFILL_REACH_PAST):
                     budget = max(settings.budget_tokens, spec.trained - rk.shape[1])
                 acc = _sparse(store, layer, qg, n_pages, recent, spec, start, start + L,
                               budget)

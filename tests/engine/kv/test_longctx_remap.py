@@ -253,7 +253,8 @@ def test_prefill_past_the_trained_length_attends_to_the_trained_reach(
     """A prefill chunk past the trained length selects with a budget of the trained length
     less the chunk (PREFILL_REACH), a decode step with the settings' budget: at the decode
     budget the prose past the trained length lost every fact (docs/benchmarks.md, issue 19's
-    eighth pass)."""
+    eighth pass). Over more than PREFILL_REACH_PAST past tokens (a question after a stored
+    128k context) a chunk keeps the settings' budget too."""
     import mlx.core as mx
 
     from engine.kv import close_caches, make_paged_cache
@@ -283,14 +284,16 @@ def test_prefill_past_the_trained_length_attends_to_the_trained_reach(
     rows = 3 * 64  # the starter's 9 query heads over 3 KV heads, 64 queries a chunk
     assert (rows, trained - 64) in budgets            # the chunk [384, 448)
     assert any(r == 3 and b is None for r, b in budgets)  # the decode step: the settings'
-    monkeypatch.setattr(attention, "PREFILL_REACH", False)
-    budgets.clear()
-    cache = make_paged_cache(starter_lm.model, settings, g)
-    remap.attach(cache[0].store, remap.RopeSpec(g.rope_dims, g.rope_traditional, g.rope_base,
-                                                g.rope_scale, trained))
-    try:
-        for i in range(0, 448, 64):
-            starter_lm.model(mx.array(prompt[i:i + 64])[None], cache=cache)
-    finally:
-        close_caches(cache)
-    assert budgets and all(b is None for _, b in budgets)
+    for name, value in (("PREFILL_REACH", False), ("PREFILL_REACH_PAST", 0)):
+        with monkeypatch.context() as m:
+            m.setattr(attention, name, value)
+            budgets.clear()
+            cache = make_paged_cache(starter_lm.model, settings, g)
+            remap.attach(cache[0].store, remap.RopeSpec(
+                g.rope_dims, g.rope_traditional, g.rope_base, g.rope_scale, trained))
+            try:
+                for i in range(0, 448, 64):
+                    starter_lm.model(mx.array(prompt[i:i + 64])[None], cache=cache)
+            finally:
+                close_caches(cache)
+            assert budgets and all(b is None for _, b in budgets), name
