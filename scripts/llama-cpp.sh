@@ -3,7 +3,7 @@
 # imports against and a peer in `strata bench`) into the virtual environment, and unpack
 # llama.cpp's real vocabulary files and chat templates (models/ggml-vocab-*.gguf,
 # models/templates/*.jinja: the tokenizer tests' inputs).
-# PyPI has only its source: it is built once (about 2.5 minutes on 2 cores) into a wheel kept
+# PyPI has only its source: it is built once (2.5 to 7 minutes on 2 cores) into a wheel kept
 # in the user cache, so later installs take seconds. Usage: scripts/llama-cpp.sh VENV_PYTHON
 # The build targets AVX2 (GGML_NATIVE=OFF), not the build machine: a native build on a Xeon
 # that reports AMX compiles llama.cpp's AMX kernels in, and on these VMs every Q8_0/Q4_K

@@ -111,7 +111,7 @@ FIRST_EXACT = (os.environ.get("STRATA_SPARSE_FIRST_EXACT") or "0") != "0"
 PREFILL_REACH = (os.environ.get("STRATA_SPARSE_PREFILL_REACH") or "1") != "0"
 # Only over at most this many past tokens: further on generate.py chunks the prompt at
 # SPARSE_CHUNK_L so that each chunk's selection stays cheap, and a question's 64-token chunk
-# gathering the trained reach from 128k stored tokens took its first token from 1.7 s to
+# gathering the trained reach from 128k stored tokens took its first token from 4.2 s to
 # 16.0 s (docs/benchmarks.md, issue 19's eighth pass); past it the decode budget holds.
 PREFILL_REACH_PAST = SPARSE_PREFILL_PAST
 
