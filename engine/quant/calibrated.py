@@ -41,7 +41,7 @@ from typing import Any
 from engine.errors import Cancelled, StrataError
 from engine.library.store import Library
 from engine.quant.methods import decode_source
-from engine.quant.quantize import apply_plan, quantize
+from engine.quant.quantize import AWQ_GRID, apply_plan, quantize
 from engine.quant.recipes import Format, RecipeError
 from engine.quant.rounding import pack as pack_codes
 from engine.quant.sensitivity import calibration_tokens
@@ -126,13 +126,13 @@ def calibration_batches(tokenizer: Any, text: Path, n_tokens: int, method: str) 
 
 def apply_method(method: str, model: Any, config: dict[str, Any], plan: dict[str, Format],
                  data: Any, progress: Progress | None = None,
-                 cancel: CancelFlag | None = None) -> None:
+                 cancel: CancelFlag | None = None, awq_grid: int = AWQ_GRID) -> None:
     """Quantize `model` (float32) in place as `plan` says, calibrated by `method`."""
     steps = _Steps(0, progress, cancel)
     if method == "gptq":
         _gptq(model, plan, data, steps)
     elif method == "awq":
-        _awq(model, config, plan, data, steps)
+        _awq(model, config, plan, data, steps, awq_grid)
     elif method == "dwq":
         _dwq(model, plan, data, steps)
     else:
@@ -141,12 +141,12 @@ def apply_method(method: str, model: Any, config: dict[str, Any], plan: dict[str
 
 def calibrate(method: str, model: Any, config: dict[str, Any], plan: dict[str, Format],
               tokenizer: Any, text: Path, n_tokens: int, progress: Progress | None = None,
-              cancel: CancelFlag | None = None) -> int:
+              cancel: CancelFlag | None = None, *, awq_grid: int = AWQ_GRID) -> int:
     """Quantize `model` in place by `method` on `n_tokens` tokens of `text`; the tokens used.
 
     engine.quant.quantize.Calibrate: what this child passes to `quantize`."""
     data = calibration_batches(tokenizer, text, n_tokens, method)
-    apply_method(method, model, config, plan, data, progress, cancel)
+    apply_method(method, model, config, plan, data, progress, cancel, awq_grid)
     return int(data.size)
 
 
@@ -222,7 +222,7 @@ def _pack(w: Any, bits: int, scales: Any, biases: Any) -> Any:
 
 
 def _awq(model: Any, config: dict[str, Any], plan: dict[str, Format], data: Any,
-         steps: _Steps) -> None:
+         steps: _Steps, n_grid: int) -> None:
     from mlx_lm.quant import awq  # heavy: mlx-lm's quant modules load only when calibrating
 
     model_type = str(config.get("model_type"))
@@ -236,7 +236,8 @@ def _awq(model: Any, config: dict[str, Any], plan: dict[str, Format], data: Any,
     steps.total = len(model.layers) + 1
     with _patched(awq, tqdm=steps.bar()):
         awq.awq_quantize(model, data, cfg, group_size=block.group_size, bits=block.bits,
-                         embed_group_size=block.group_size, embed_bits=block.bits)
+                         embed_group_size=block.group_size, embed_bits=block.bits,
+                         n_grid=n_grid)
     # AWQ does not change embeddings or the head (its scales go into norms and blocks); it
     # rounds them with MLX's grid. Strata rounds them as the recipe says, with its own grid.
     _swap(model, outside)
@@ -298,6 +299,7 @@ def main(argv: list[str]) -> int:
             calibration=Path(job["calibration"]) if job.get("calibration") else None,
             calibration_tokens=job["calibration_tokens"], method=job["method"],
             replace=job.get("replace", False), calibrate=calibrate,
+            awq_grid=job.get("awq_grid", AWQ_GRID),
             progress=lambda done, total: send(progress=[done, total]),
             cancel=lambda: os.getppid() != parent)
     except StrataError as exc:

@@ -41,7 +41,8 @@ def cmd_quantize(args: argparse.Namespace, open_source: OpenSource,
     m = quantize(lib, open_source(args.source, lib), args.recipe, args.name,
                  target_bpw=args.bpw, calibration=calibration_from_args(args),
                  calibration_tokens=args.calibration_tokens, method=args.method,
-                 progress=progress("quantizing"), replace=args.replace)
+                 progress=progress("quantizing"), replace=args.replace,
+                 awq_grid=args.awq_grid)
     print_quantized(m, args.json)
     return 0
 
@@ -50,14 +51,15 @@ def requantize_from_args(args: argparse.Namespace) -> Requantize | None:
     """The Requantize that `--recipe` and the options beside it ask for; None without --recipe
     (the weights are kept as stored), where --method and --bpw are an error."""
     if args.recipe is None:
-        if args.method != "rtn" or args.bpw is not None:
-            raise ImportFailed("--method and --bpw need --recipe (the weights are kept as stored)")
+        if args.method != "rtn" or args.bpw is not None or args.awq_grid != 20:
+            raise ImportFailed("--method, --bpw and --awq-grid need --recipe (the weights are "
+                               "kept as stored)")
         return None
     from engine.quant.quantize import Requantize  # start-up: MLX loads when an import runs
 
     return Requantize(args.recipe, method=args.method, target_bpw=args.bpw,
                       calibration=calibration_from_args(args),
-                      calibration_tokens=args.calibration_tokens)
+                      calibration_tokens=args.calibration_tokens, awq_grid=args.awq_grid)
 
 
 def calibration_from_args(args: argparse.Namespace) -> Path | None:
@@ -98,6 +100,10 @@ def add_recipe_arguments(p: argparse.ArgumentParser, required: bool) -> None:
                         "(default: ../shared/data/tinyshakespeare.txt)")
     p.add_argument("--calibration-tokens", type=int, default=2048, metavar="N",
                    help="calibration tokens (default 2048)")
+    # 20 is engine.quant.quantize.AWQ_GRID, not imported: the parser builds before MLX loads.
+    p.add_argument("--awq-grid", type=int, default=20, metavar="N",
+                   help="with --method awq: the points its scale and clip searches try "
+                        "(mlx-lm's --n-grid; default 20; fewer is faster and coarser)")
 
 
 def cmd_recipes(args: argparse.Namespace) -> int:

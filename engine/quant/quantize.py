@@ -62,6 +62,8 @@ from engine.runtime.model import build_model
 from engine.runtime.tokenizer import Tokenizer
 from engine.telemetry import CancelFlag, Progress
 
+AWQ_GRID = 20  # AWQ's search points: mlx-lm's default --n-grid
+
 
 class Calibrate(Protocol):
     """The calibrated rounding (gptq, awq, dwq), given by the child process that runs it
@@ -70,7 +72,8 @@ class Calibrate(Protocol):
 
     def __call__(self, method: str, model: Any, config: dict[str, Any],
                  plan: dict[str, Format], tokenizer: Any, text: Path, n_tokens: int,
-                 progress: Progress | None, cancel: CancelFlag | None) -> int: ...
+                 progress: Progress | None, cancel: CancelFlag | None, *,
+                 awq_grid: int = ...) -> int: ...
 
 
 def _float_model(config: dict[str, Any]) -> Any:
@@ -258,13 +261,20 @@ def quantize(
     replace: bool = False,
     method: str = "rtn",
     calibrate: Calibrate | None = None,
+    awq_grid: int = AWQ_GRID,
 ) -> Manifest:
     """Quantize SOURCE by recipe into library model `name`. See the module docstring.
 
-    A calibrated `method` runs in a child process, which passes its `calibrate`."""
+    A calibrated `method` runs in a child process, which passes its `calibrate`. `awq_grid`:
+    the points AWQ's scale and clip searches try (mlx-lm's --n-grid), method awq only."""
     import mlx.core as mx  # heavy: MLX loads only when weights are quantized
     from mlx.utils import tree_flatten
 
+    if awq_grid != AWQ_GRID and method != "awq":
+        raise RecipeError(f"an AWQ grid ({awq_grid}) applies only to method 'awq', "
+                          f"not {method!r}")
+    if awq_grid < 2:
+        raise RecipeError(f"AWQ grid {awq_grid} is too small: it needs at least 2 points")
     job = prepare(library, source, recipe_spec, name, target_bpw, replace, calibration,
                   method)
     if method in CALIBRATED and calibrate is None:
@@ -274,7 +284,8 @@ def quantize(
                 "recipe": str(recipe_file.resolve()) if recipe_file.is_file() else recipe_spec,
                 "name": name, "target_bpw": target_bpw, "method": method,
                 "calibration": str(Path(calibration).resolve()) if calibration else None,
-                "calibration_tokens": calibration_tokens, "replace": replace}
+                "calibration_tokens": calibration_tokens, "replace": replace,
+                "awq_grid": awq_grid}
         return run_child(library.home, spec, progress, cancel)
     cancel = cancel or (lambda: False)
     weights = source.float_weights(None, cancel)
@@ -310,9 +321,11 @@ def quantize(
             assert calibration is not None and calibrate is not None
             used = calibrate(method, model, weights.config, plan,
                              Tokenizer.load(weights.folder), calibration, calibration_tokens,
-                             progress, cancel)
+                             progress, cancel, awq_grid=awq_grid)
             sens_info.update(method=method, calibration=calibration.name,
                              calibration_tokens=used)
+            if method == "awq":
+                sens_info.update(awq_grid=awq_grid)
         arrays = dict(tree_flatten(model.parameters()))
         mx.eval(arrays)
         config = quantized_config(weights.config, recipe, plan)
@@ -353,6 +366,7 @@ class Requantize:
     target_bpw: float | None = None
     calibration: Path | None = None
     calibration_tokens: int = 2048
+    awq_grid: int = AWQ_GRID
 
     def install(self, library: Library, source: QuantSource, name: str, *,
                 progress: Progress | None = None, cancel: CancelFlag | None = None,
@@ -360,4 +374,5 @@ class Requantize:
         return quantize(library, source, self.recipe, name, target_bpw=self.target_bpw,
                         calibration=self.calibration,
                         calibration_tokens=self.calibration_tokens, progress=progress,
-                        cancel=cancel, replace=replace, method=self.method)
+                        cancel=cancel, replace=replace, method=self.method,
+                        awq_grid=self.awq_grid)

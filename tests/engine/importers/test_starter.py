@@ -74,16 +74,18 @@ def test_models_lists_starter(starter: dict[str, Any], strata_home: Path) -> Non
 @pytest.mark.parametrize("profile", ["cpu-f32", "native"])
 def test_greedy_tokens_equal_mlx_lm(starter_lm: Any, starter: dict[str, Any], profile: str
                                     ) -> None:
-    """Same model folder, same prompt: Strata's 64 greedy tokens are mlx-lm's, token for token."""
+    """Same model folder, same prompt: Strata's greedy tokens are mlx-lm's, token for token
+    (64 in float32; 32 in the native profile, whose quantized CPU matmuls run at ~9 tok/s)."""
     from engine.platform import compute_profile
     from engine.runtime.generate import LoadedModel, generate
     from engine.runtime.sampling import SamplingParams
 
+    n = 64 if profile == "cpu-f32" else 32
     story = "Write a short story about a robot who learns to paint."
     messages = [{"role": "user", "content": story}]
     ref = subprocess.run(
         [sys.executable, str(REPO / "tests" / "engine" / "mlxlm_reference.py"), starter["path"],
-         profile, "64"],
+         profile, str(n)],
         input=json.dumps(messages), capture_output=True, text=True, timeout=600, cwd=REPO,
     )
     assert ref.returncode == 0, ref.stderr
@@ -92,9 +94,9 @@ def test_greedy_tokens_equal_mlx_lm(starter_lm: Any, starter: dict[str, Any], pr
         starter["path"], profile=compute_profile(profile))
     ids = lm.tokenizer.encode_chat(messages)
     assert ids == expected["prompt_ids"]
-    tokens = [ev.token for ev in generate(lm, ids, SamplingParams(temperature=0), 64)
+    tokens = [ev.token for ev in generate(lm, ids, SamplingParams(temperature=0), n)
               if ev.token is not None]
-    assert len(expected["tokens"]) == 64
+    assert len(expected["tokens"]) == n
     assert tokens == expected["tokens"]
 
 

@@ -84,11 +84,13 @@ def test_awq_loads_generates_and_keeps_the_bits(library: Any, starter: Any,
     from engine.quant.quantize import quantize
 
     # AWQ searches every block (30 here), so few tokens; with 128 its scales and clips
-    # overfit and the answer changes even at 8 bits, with 256 it holds.
+    # overfit and the answer changes even at 8 bits, with 256 it holds. A 4-point grid (of
+    # mlx-lm's 20) still searches scales and clips, in a fraction of the time.
     m = quantize(library, _source(library, "starter"), "q8-g64", "t-awq", method="awq",
-                 calibration=shared_data / "tinyshakespeare.txt", calibration_tokens=256)
+                 calibration=shared_data / "tinyshakespeare.txt", calibration_tokens=256,
+                 awq_grid=4)
     assert _quantizable_formats(m) == {Format(8, 64)}
-    assert m["recipe"]["method"] == "awq"
+    assert m["recipe"]["method"] == "awq" and m["recipe"]["awq_grid"] == 4
     assert "Paris" in _generate(library, "t-awq", "What is the capital of France?")
 
 
@@ -118,6 +120,9 @@ def test_cancelled_calibration_leaves_the_library_as_it_was(
     (["--recipe", "q4-g128", "--method", "awq"], "4-bit g128, 4-bit g64"),
     (["--recipe", "auto", "--bpw", "4", "--method", "awq"], "cannot follow recipe 'auto'"),
     (["--recipe", "f16", "--method", "awq"], "nothing to calibrate"),
+    (["--recipe", "q8-g64", "--method", "awq", "--awq-grid", "1"], "AWQ grid 1 is too small"),
+    (["--recipe", "q4-g64", "--method", "gptq", "--awq-grid", "4"],
+     "applies only to method 'awq'"),
     (["--recipe", "q4-g64", "--method", "gptq", "--calibration", "/nonexistent.txt"],
      "no such calibration text"),
     (["--recipe", "q4-g64", "--method", "imatrix", "--calibration", "/nonexistent.txt"],
@@ -163,6 +168,8 @@ def test_import_with_a_recipe_is_quantize(library: Any, starter: Any, capsys: An
     assert _cli("import", str(gguf), "--name", "t-import-bad", "--method", "gptq") == 1
     err = capsys.readouterr().err.strip()
     assert "need --recipe" in err and len(err.splitlines()) == 1, err
+    assert _cli("import", str(gguf), "--name", "t-import-bad", "--awq-grid", "4") == 1
+    assert "need --recipe" in capsys.readouterr().err
     assert _library_state(library) == before
 
 
