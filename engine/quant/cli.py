@@ -49,7 +49,7 @@ def cmd_quantize(args: argparse.Namespace, open_source: OpenSource,
 
 def requantize_from_args(args: argparse.Namespace) -> Requantize | None:
     """The Requantize that `--recipe` and the options beside it ask for; None without --recipe
-    (the weights are kept as stored), where --method and --bpw are an error."""
+    (the weights are kept as stored), where --method, --bpw and --awq-grid are an error."""
     if args.recipe is None:
         if args.method != "rtn" or args.bpw is not None or args.awq_grid != 20:
             raise ImportFailed("--method, --bpw and --awq-grid need --recipe (the weights are "
