@@ -114,6 +114,20 @@ PREFILL_REACH = (os.environ.get("STRATA_SPARSE_PREFILL_REACH") or "1") != "0"
 # gathering the trained reach from 128k stored tokens took its first token from 4.2 s to
 # 16.0 s (docs/benchmarks.md, issue 19's eighth pass); past it the decode budget holds.
 PREFILL_REACH_PAST = SPARSE_PREFILL_PAST
+# Such a chunk reads, besides the sinks, the most recent tokens its budget holds (StreamingLLM
+# inside the trained reach) rather than choosing blocks: a choice ranks far blocks by logits
+# at distances past the trained length, which are noise, and packs the ones it takes in
+# beside the near text (docs/benchmarks.md, issue 19's tenth pass). The far text is reached
+# by the decode steps' selection. STRATA_SPARSE_PREFILL_RECENT=0 chooses as a decode step.
+PREFILL_RECENT = (os.environ.get("STRATA_SPARSE_PREFILL_RECENT") or "1") != "0"
+# A decode step past the trained length scores each candidate the trained length does not
+# reach (it starts before E = end - trained) as if it sat where the remapped layout puts the
+# first chosen block, just after the moved sinks (E + S): its bound, its rescored logits and
+# the question's votes for it come from the query rotated back by that shift (exact for the
+# bound: RoPE is a rotation, and every key of a block moves alike). At true positions those
+# logits are at distances the model never saw. STRATA_SPARSE_FAR_ROTATE=0 scores them as
+# cached.
+FAR_ROTATE = (os.environ.get("STRATA_SPARSE_FAR_ROTATE") or "1") != "0"
 
 _Partial = tuple[Any, Any, Any]  # running max (H, R), sum (H, R), output (H, R, D)
 
@@ -240,7 +254,7 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
                         and past <= PREFILL_REACH_PAST):
                     budget = max(settings.budget_tokens, spec.trained - rk.shape[1])
                 acc = _sparse(store, layer, qg, n_pages, recent, spec, start, start + L,
-                              budget)
+                              budget, recent_only=budget is not None and PREFILL_RECENT)
         else:
             acc = _exact(store, layer, qg, n_pages, acc)
     assert acc is not None
@@ -353,15 +367,34 @@ def _page_rows(table: Any, pages: Any) -> tuple[Any, Any]:
         h, -1, d) for a in (bmin, bmax))  # type: ignore[return-value]
 
 
-def _score(bmin: Any, bmax: Any, qt: Any, m: Any) -> Any:
+def _score(bmin: Any, bmax: Any, qt: Any, m: Any, starts: Any = None,
+           far: tuple[remap.RopeSpec, int, int] | None = None) -> Any:
     """Per KV head and block, the bound on the attention weight any query row could give it:
     logsumexp over rows of (bound on q.k) - m, m being the row's running max (H, R).
     bmin, bmax (H, n, D) key min and max; qt (H, D, R). The bound is computed in the
     queries' dtype: on the CPU a float16 matmul has no BLAS kernel (0.1-0.8 s a layer for a
-    64-token chunk over 128k), and the cast costs little beside it."""
-    bound = (bmax.astype(qt.dtype) @ mx.maximum(qt, 0) +
-             bmin.astype(qt.dtype) @ mx.minimum(qt, 0))             # (H, n, R)
+    64-token chunk over 128k), and the cast costs little beside it. With `far` (spec, E, S)
+    and the blocks' first positions `starts` (1 or H, n): the blocks starting before E are
+    bounded as if moved to E + S, by the query rotated back per block (`_far_shift`)."""
+    bmax, bmin = bmax.astype(qt.dtype), bmin.astype(qt.dtype)
+    if far is None:
+        bound = bmax @ mx.maximum(qt, 0) + bmin @ mx.minimum(qt, 0)    # (H, n, R)
+    else:
+        h, d, r = qt.shape
+        delta = mx.broadcast_to(_far_shift(starts, far), (h, bmax.shape[1]))
+        q = mx.broadcast_to(qt.swapaxes(-1, -2)[:, None], (h, bmax.shape[1], r, d))
+        q = remap.rerotate(q, -delta, far[0])                         # (H, n, R, D)
+        bound = (mx.maximum(q, 0) * bmax[:, :, None] + mx.minimum(q, 0) * bmin[:, :, None]
+                 ).sum(axis=-1)
     return mx.logsumexp(bound - m[:, None, :], axis=-1)
+
+
+def _far_shift(starts: Any, far: tuple[remap.RopeSpec, int, int]) -> Any:
+    """Positions to move each candidate starting at `starts` by (FAR_ROTATE): E + S - start
+    before E = end - trained, where the trained length does not reach; else 0."""
+    _, e, s = far
+    starts = starts.astype(mx.int32)
+    return mx.where(starts < e, e + s - starts, 0)
 
 
 def note_votes(store: Any, layer: int, queries: Any, scale: float, n_pages: int,
@@ -370,7 +403,8 @@ def note_votes(store: Any, layer: int, queries: Any, scale: float, n_pages: int,
     (1, q_heads, L, D) give each block of the pages [0, n_pages) and of rk (H, T, D), the
     tail plus the chunk (causal), summed over the group's query heads and those queries, kept
     in the layer's table (kv_heads, blocks). Keys from either tier, in page order, so the
-    votes do not depend on where the pages live."""
+    votes do not depend on where the pages live; past the trained length, the keys it does
+    not reach are voted on moved as a decode step scores them (FAR_ROTATE)."""
     table = store.tables[layer]
     h, t, d = rk.shape
     _, hq, L, _ = queries.shape
@@ -380,9 +414,19 @@ def note_votes(store: Any, layer: int, queries: Any, scale: float, n_pages: int,
     b = table.block_tokens
     nb = store.P // b
     parts: list[tuple[Any, Any, Any]] = []                            # (max, sum, block sums)
+    spec = remap.spec_for(store, n_pages * store.P + t) if FAR_ROTATE else None
+    far = None if spec is None else (spec, n_pages * store.P + t - spec.trained,
+                                     min(table.sink_pages, n_pages) * store.P)
     if n_pages:
         group = max(1, SCORE_ELEMENTS // (h * r * store.P))
+        at = 0
         for k in _key_groups(store, layer, np.arange(n_pages), group):
+            if far is not None and at * store.P < far[1]:
+                # Keys past the trained reach as the decode steps will score them (`_score`)
+                shift = _far_shift((mx.arange(at, at + k.shape[0]) * store.P)[None], far)
+                k = remap.rerotate(k.transpose(1, 0, 2, 3), mx.broadcast_to(
+                    shift, (h, k.shape[0])), far[0]).transpose(1, 0, 2, 3)
+            at += k.shape[0]
             s = q[None] @ k.swapaxes(-1, -2)                          # (n, H, R, P)
             m = s.max(axis=(0, 3))
             e = mx.exp(s - m[None, :, :, None])
@@ -464,7 +508,7 @@ def _voted(table: Any, lo: int, hi: int, nb: int, k_vote: int, start: int) -> An
 
 def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
             spec: remap.RopeSpec | None = None, start: int = -1, end: int = 0,
-            budget: int | None = None) -> _Partial:
+            budget: int | None = None, recent_only: bool = False) -> _Partial:
     """Quest over blocks of BLOCK_TOKENS (8): per KV head, the blocks most likely to matter to any
     of its query heads, within the budget; the sinks and the window are read whole.
 
@@ -486,9 +530,16 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     position of the step's first query (question votes are for the steps after theirs);
     `end`: the chunk's end (the remapped layout keeps what the trained length reaches);
     `budget`: tokens to attend instead of the settings' (a prefill chunk past the trained
-    length, PREFILL_REACH)."""
+    length, PREFILL_REACH); `recent_only`: the budget's blocks are the most recent ones
+    (PREFILL_RECENT)."""
     held: dict[str, Any] = {}  # pages the shortlist's keys were read from for this step
-    chosen = select_blocks(store, layer, qg, n_pages, acc, start, held, budget)
+    far = None
+    # Decode steps only: a chunk's rows would multiply the rotated queries (a 64-token chunk
+    # past 128k: 150 MB a layer).
+    if spec is not None and FAR_ROTATE and budget is None and end - start <= SPARSE_MAX_L:
+        far = (spec, end - spec.trained, min(store.tables[layer].sink_pages, n_pages) * store.P)
+    chosen = select_blocks(store, layer, qg, n_pages, acc, start, held, budget, recent_only,
+                           far)
     if chosen is None:
         return _exact(store, layer, qg, n_pages, acc)
     top, sink, hi = chosen
@@ -552,11 +603,15 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
 
 def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
                   start: int = -1, held: dict[str, Any] | None = None,
-                  budget: int | None = None) -> tuple[Any, int, int] | None:
+                  budget: int | None = None, recent_only: bool = False,
+                  far: tuple[remap.RopeSpec, int, int] | None = None
+                  ) -> tuple[Any, int, int] | None:
     """The blocks a sparse step over pages [0, n_pages) attends besides the sinks and the
     window (see `_sparse`): (top (H, k) block indices, sink pages, hi: the window's first
     page), or None when the budget holds every candidate (the step is then exact). The same
-    summaries, votes and keys choose the same blocks whatever tier each page is in."""
+    summaries, votes and keys choose the same blocks whatever tier each page is in.
+    `recent_only`: the k blocks just before the window, nothing scored. `far` (spec, E, S):
+    candidates starting before position E are scored moved to E + S (FAR_ROTATE)."""
     table = store.tables[layer]
     P = store.P
     budget = store.settings.budget_tokens if budget is None else budget
@@ -569,6 +624,11 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     lo, hi = sink, n_pages - win
     if (hi - lo) * nb <= k_sel or k_sel <= 0:
         return None
+    if recent_only:
+        top = mx.arange(hi * nb - k_sel, hi * nb)
+        return mx.broadcast_to(top[None], (store.kv_heads, k_sel)), sink, hi
+    if far is not None and lo * P >= far[1]:
+        far = None  # every candidate within the trained reach
     _catch_up(store, layer, n_pages)
     h, r, d = qg.shape
     voted = _voted(table, lo, hi, nb, int(k_sel * VOTE_SHARE), start)
@@ -581,14 +641,16 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     n_first = max(TWO_LEVEL_MIN_PAGES, TWO_LEVEL_FACTOR * -(-k_sel * b // P))
     if c > 2 * n_first:
         pmin, pmax = table.kmin[lo:hi], table.kmax[lo:hi]          # (c, H, D)
-        pscore = _score(pmin.transpose(1, 0, 2), pmax.transpose(1, 0, 2), qt, acc[0])
+        pscore = _score(pmin.transpose(1, 0, 2), pmax.transpose(1, 0, 2), qt, acc[0],
+                        (mx.arange(lo, hi) * P)[None], far)
         first = mx.argpartition(-pscore, kth=n_first - 1, axis=-1)[:, :n_first]  # (H, M)
         cand = (first[..., None] * nb + mx.arange(nb)).reshape(h, -1) + lo * nb  # (H, M*nb)
-        score = _score(*_page_rows(table, first + lo), qt, acc[0])
+        score = _score(*_page_rows(table, first + lo), qt, acc[0], cand * b, far)
         pages_of, n_cand = first, n_first                          # (H, M) pages - lo
     else:
         cand = None
-        score = _score(bmin[:, lo * nb:hi * nb], bmax[:, lo * nb:hi * nb], qt, acc[0])
+        score = _score(bmin[:, lo * nb:hi * nb], bmax[:, lo * nb:hi * nb], qt, acc[0],
+                       (mx.arange(lo * nb, hi * nb) * b)[None], far)
         pages_of, n_cand = None, c
     ninf = mx.array(-mx.inf, score.dtype)
     if voted is not None:
@@ -618,7 +680,7 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
         assert voted is not None
         return voted, sink, hi
     if RESCORE > 1:
-        top = _rescore(store, layer, qg, acc, score, k_step, cand, lo, n_pages, held)
+        top = _rescore(store, layer, qg, acc, score, k_step, cand, lo, n_pages, held, far)
     else:
         top = mx.argpartition(-score, kth=k_step - 1, axis=-1)[:, :k_step]
         top = top + lo * nb if cand is None else mx.take_along_axis(cand, top, axis=-1)
@@ -689,7 +751,8 @@ def _gather_keys(store: Any, layer: int, at: Any, n_pages: int,
 
 
 def _rescore(store: Any, layer: int, qg: Any, acc: _Partial, score: Any, k_sel: int,
-             cand: Any, lo: int, n_pages: int, held: dict[str, Any] | None = None) -> Any:
+             cand: Any, lo: int, n_pages: int, held: dict[str, Any] | None = None,
+             far: tuple[remap.RopeSpec, int, int] | None = None) -> Any:
     """The k_sel blocks (H, k_sel) among `score`'s candidates (the blocks of pages lo.., or
     with two levels the blocks `cand` names per head) chosen by their true largest logit: the
     RESCORE * k_sel best by bound are read (keys only, from either tier) and ranked by max
@@ -697,7 +760,8 @@ def _rescore(store: Any, layer: int, qg: Any, acc: _Partial, score: Any, k_sel: 
     candidate the bound ruled out (-inf: voted, or outside the pages kept) stays out.
     The box bound of 8 keys in 64 dimensions is loose on natural text: at 4k tokens and a
     768 budget it missed a fact that true logits find (docs/benchmarks.md, issue 19); the
-    bound still prunes, so a step reads RESCORE x the chosen blocks' keys, not all keys."""
+    bound still prunes, so a step reads RESCORE x the chosen blocks' keys, not all keys.
+    `far`: keys past the trained reach are rotated first, as `_score` bounds them."""
     h, r, d = qg.shape
     b = store.tables[layer].block_tokens
     nb = store.P // b
@@ -708,6 +772,8 @@ def _rescore(store: Any, layer: int, qg: Any, acc: _Partial, score: Any, k_sel: 
     pre = mx.argpartition(-score, kth=m - 1, axis=-1)[:, :m]             # (H, m) candidates
     at = pre + lo * nb if cand is None else mx.take_along_axis(cand, pre, axis=-1)
     k = _gather_keys(store, layer, at, n_pages, held)                    # (H, m, b, D)
+    if far is not None:
+        k = remap.rerotate(k, _far_shift(at * b, far), far[0])
     s = (qg @ k.reshape(h, m * b, d).swapaxes(-1, -2)).reshape(h, r, m, b).max(axis=-1)
     true = mx.logsumexp(s - acc[0][:, :, None], axis=1)                  # (H, m)
     out = mx.take_along_axis(score, pre, axis=-1) == -mx.inf

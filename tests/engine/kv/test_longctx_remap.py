@@ -88,11 +88,12 @@ def test_reach_layout_moves_only_what_the_trained_length_does_not_reach() -> Non
 
 
 def _step(tmp_path: Path, spec: remap.RopeSpec | None, L: int,
-          moved: Any = None) -> tuple[Any, Any]:
+          moved: Any = None, read: Any = None) -> tuple[Any, Any]:
     """One sparse chunk of L queries over 10 pages whose pages 3 and 6 hold keys aligned with
     the queries (the bound surely chooses them: budget 4 pages = sink, window, 2 blocks).
     Returns (attend's output, attention computed directly at the remapped positions: the
-    InfLLM layout's, or `moved`(read positions) with the query at its own)."""
+    InfLLM layout's, or `moved`(read positions) with the query at its own; `read`: the
+    positions read, if not those)."""
     import mlx.core as mx
 
     mx.random.seed(0)
@@ -119,8 +120,9 @@ def _step(tmp_path: Path, spec: remap.RopeSpec | None, L: int,
     store.close()
     # Directly: the tokens read (sink page, pages 3 and 6, window page 9, the chunk) at
     # positions 0.. in that order when remapped, at their own positions when not.
-    read = mx.concatenate([mx.arange(0, P), mx.arange(3 * P, 4 * P), mx.arange(6 * P, 7 * P),
-                           mx.arange(9 * P, n + L)])
+    if read is None:
+        read = mx.concatenate([mx.arange(0, P), mx.arange(3 * P, 4 * P),
+                               mx.arange(6 * P, 7 * P), mx.arange(9 * P, n + L)])
     new = read if spec is None else moved(read) if moved is not None else mx.arange(
         read.shape[0])
     kd = _rope(u[read], new)
@@ -161,6 +163,74 @@ def test_reach_step_equals_attention_at_the_new_positions(tmp_path: Path, L: int
     packed, direct_packed = _step(tmp_path / "b", spec, L)
     assert float(mx.abs(packed - direct_packed).max()) < 1e-4
     assert float(mx.abs(packed - out).max()) > 1e-2
+
+
+def test_prefill_chunk_past_the_trained_length_reads_the_recent_reach(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill chunk past the trained length (PREFILL_RECENT) reads the sinks and the most
+    recent tokens its budget (the trained length less the chunk) holds, all at their own
+    distances but the sinks', which move just before them (StreamingLLM inside the trained
+    reach): pages 3 and 6, the aligned ones a selection would choose, are not read."""
+    import mlx.core as mx
+
+    L = 8  # a prefill chunk; trained 48: budget 40 = sink page, window page, 3 pages chosen
+    spec = remap.RopeSpec(D, False, 10000.0, 1.0, 48)
+    recent = mx.concatenate([mx.arange(0, P), mx.arange(6 * P, 10 * P + L)])
+    out, direct = _step(tmp_path, spec, L, lambda read: mx.where(read < P, read + 5 * P, read),
+                        read=recent)
+    assert float(mx.abs(out - direct).max()) < 1e-4
+    monkeypatch.setattr(attention, "PREFILL_RECENT", False)   # chooses: other blocks
+    chosen, _ = _step(tmp_path / "b", spec, L, read=recent)
+    assert float(mx.abs(chosen - out).max()) > 1e-2
+
+
+def _far_step(tmp_path: Path) -> tuple[Any, Any]:
+    """A decode step at 320 over 40 pages, the spec trained at 64 (E = 257): pages 2 and 5
+    hold keys aligned with the query once moved where the reach layout puts chosen blocks
+    (E + S = 265 on), and not at their own positions (base 100: every frequency turns).
+    Returns (attend's output, attention with pages 2 and 5 read at 265 and 273, the sinks
+    at 257)."""
+    import mlx.core as mx
+
+    mx.random.seed(2)
+    base, n = 100.0, 40 * P
+    s = KVSettings(mode="sparse", page_tokens=P, ssd_dir=tmp_path / "kv", sink_tokens=P,
+                   window_tokens=P, budget_tokens=4 * P).validate()
+    store = KVStore(s, n_layers=1, kv_heads=H, head_dim=D)
+    spec = remap.RopeSpec(D, False, base, 1.0, 64)
+    remap.attach(store, spec)
+    uq = mx.random.normal((1, D))
+    q = _rope(uq, mx.array([n]), base=base)
+    u = 0.3 * mx.random.normal((n + 1, D))
+    want = mx.broadcast_to(2 * q[0], (P, D))
+    for page, at in ((2, 265), (5, 273)):
+        u[page * P:(page + 1) * P] = _rope(want, -mx.arange(at, at + P), base=base)
+    k = _rope(u, mx.arange(n + 1), base=base)
+    v = mx.random.normal((n + 1, D))
+    cache = PagedLayerCache(store, 0)
+    cache.update_and_fetch(k[None, None, :n], v[None, None, :n])
+    kk, vv = cache.update_and_fetch(k[None, None, n:], v[None, None, n:])
+    out = attention.attend(cache, q[None, None], kk, vv, 1.0)[0, 0]
+    store.close()
+    read = mx.concatenate([mx.arange(0, P), mx.arange(2 * P, 3 * P), mx.arange(5 * P, 6 * P),
+                           mx.arange(39 * P, n + 1)])
+    new = mx.concatenate([mx.arange(257, 281), mx.arange(39 * P, n + 1)])
+    sc = _rope(uq, new[-1:], base=base) @ _rope(u[read], new, base=base).T
+    return out, mx.softmax(sc, axis=-1) @ v[read]
+
+
+def test_far_candidates_are_scored_where_they_will_be_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FAR_ROTATE: a decode step scores a candidate the trained length does not reach with
+    the query rotated back to where the layout would put it, so the blocks that match there
+    are chosen (and read there); scored at their own positions they are not."""
+    import mlx.core as mx
+
+    out, direct = _far_step(tmp_path)
+    assert float(mx.abs(out - direct).max()) < 1e-4
+    monkeypatch.setattr(attention, "FAR_ROTATE", False)
+    plain, _ = _far_step(tmp_path / "b")
+    assert float(mx.abs(plain - direct).max()) > 1e-2
 
 
 def test_models_with_their_own_scaling_are_not_remapped(starter_lm: Any) -> None:
