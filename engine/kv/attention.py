@@ -368,30 +368,33 @@ def _page_rows(table: Any, pages: Any) -> tuple[Any, Any]:
 
 
 def _score(bmin: Any, bmax: Any, qt: Any, m: Any, starts: Any = None,
-           far: tuple[remap.RopeSpec, int, int] | None = None) -> Any:
+           far: tuple[remap.RopeSpec, int, int] | None = None, group: int = 1) -> Any:
     """Per KV head and block, the bound on the attention weight any query row could give it:
     logsumexp over rows of (bound on q.k) - m, m being the row's running max (H, R).
     bmin, bmax (H, n, D) key min and max; qt (H, D, R). The bound is computed in the
     queries' dtype: on the CPU a float16 matmul has no BLAS kernel (0.1-0.8 s a layer for a
     64-token chunk over 128k), and the cast costs little beside it. With `far` (spec, E, S)
-    and the blocks' first positions `starts` (1 or H, n): the blocks starting before E are
-    bounded as if moved to E + S, by the query rotated back per block (`_far_shift`)."""
+    and the rows' first positions `starts` (1 or H, n): rows in runs of `group` (a page's
+    blocks) whose run starts before E are bounded moved by `_far_shift` of that start, by
+    the query rotated back once a run (a rotation per block cost 6x the plain bound)."""
     bmax, bmin = bmax.astype(qt.dtype), bmin.astype(qt.dtype)
     if far is None:
         bound = bmax @ mx.maximum(qt, 0) + bmin @ mx.minimum(qt, 0)    # (H, n, R)
     else:
         h, d, r = qt.shape
-        delta = mx.broadcast_to(_far_shift(starts, far), (h, bmax.shape[1]))
-        q = mx.broadcast_to(qt.swapaxes(-1, -2)[:, None], (h, bmax.shape[1], r, d))
-        q = remap.rerotate(q, -delta, far[0])                         # (H, n, R, D)
-        bound = (mx.maximum(q, 0) * bmax[:, :, None] + mx.minimum(q, 0) * bmin[:, :, None]
-                 ).sum(axis=-1)
+        g = bmax.shape[1] // group
+        delta = mx.broadcast_to(_far_shift(starts[:, ::group], far), (h, g))
+        q = mx.broadcast_to(qt.swapaxes(-1, -2)[:, None], (h, g, r, d))
+        q = remap.rerotate(q, -delta, far[0]).swapaxes(-1, -2)        # (H, g, D, R)
+        bound = (bmax.reshape(h, g, group, d) @ mx.maximum(q, 0) +
+                 bmin.reshape(h, g, group, d) @ mx.minimum(q, 0)).reshape(h, -1, r)
     return mx.logsumexp(bound - m[:, None, :], axis=-1)
 
 
 def _far_shift(starts: Any, far: tuple[remap.RopeSpec, int, int]) -> Any:
     """Positions to move each candidate starting at `starts` by (FAR_ROTATE): E + S - start
-    before E = end - trained, where the trained length does not reach; else 0."""
+    before E = end - trained, where the trained length does not reach; else 0. (Scoring
+    moves a page's blocks by its first block's shift, so one at offset o sits at E + S + o.)"""
     _, e, s = far
     starts = starts.astype(mx.int32)
     return mx.where(starts < e, e + s - starts, 0)
@@ -645,12 +648,12 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
                         (mx.arange(lo, hi) * P)[None], far)
         first = mx.argpartition(-pscore, kth=n_first - 1, axis=-1)[:, :n_first]  # (H, M)
         cand = (first[..., None] * nb + mx.arange(nb)).reshape(h, -1) + lo * nb  # (H, M*nb)
-        score = _score(*_page_rows(table, first + lo), qt, acc[0], cand * b, far)
+        score = _score(*_page_rows(table, first + lo), qt, acc[0], cand * b, far, nb)
         pages_of, n_cand = first, n_first                          # (H, M) pages - lo
     else:
         cand = None
         score = _score(bmin[:, lo * nb:hi * nb], bmax[:, lo * nb:hi * nb], qt, acc[0],
-                       (mx.arange(lo * nb, hi * nb) * b)[None], far)
+                       (mx.arange(lo * nb, hi * nb) * b)[None], far, nb)
         pages_of, n_cand = None, c
     ninf = mx.array(-mx.inf, score.dtype)
     if voted is not None:

@@ -233,6 +233,26 @@ def test_far_candidates_are_scored_where_they_will_be_read(
     assert float(mx.abs(plain - direct).max()) > 1e-2
 
 
+def test_far_scores_rotate_once_a_page() -> None:
+    """`_score` with far rows in runs of a page's blocks rotates the query once a run: the
+    same bound as rotating it for each block by its page's shift."""
+    import mlx.core as mx
+
+    mx.random.seed(3)
+    h, n, nb, d, r = 3, 64, 16, 64, 3
+    bmin = mx.random.normal((h, n, d))
+    bmax, qt = bmin + mx.abs(mx.random.normal((h, n, d))), mx.random.normal((h, d, r))
+    spec = remap.RopeSpec(d, False, 100000.0, 1.0, 8192)
+    far, starts = (spec, 300, 128), (mx.arange(n) * 8)[None]        # pages of 128 tokens
+    paged = attention._score(bmin, bmax, qt, mx.zeros((h, r)), starts, far, nb)
+    each = attention._score(bmin, bmax, qt, mx.zeros((h, r)), starts // 128 * 128, far)
+    plain = attention._score(bmin, bmax, qt, mx.zeros((h, r)))
+    assert float(mx.abs(paged - each).max()) < 1e-4
+    # Pages 0-2 start before E = 300 and are moved; page 3 is not.
+    assert float(mx.abs(paged - plain)[:, :48].max()) > 1e-2
+    assert float(mx.abs(paged - plain)[:, 48:].max()) < 1e-5
+
+
 def test_models_with_their_own_scaling_are_not_remapped(starter_lm: Any) -> None:
     from engine.kv import geometry_of
 
