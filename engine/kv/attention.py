@@ -12,7 +12,9 @@ RAM or on the SSD, the bound's best RESCORE x the budget re-ranked by their true
 logits; VOTE_SHARE of the budget's blocks fixed for the reply by the question's votes, the
 exact weights of the prompt's last chunk), within the token budget (a prefill chunk past the
 trained length, which attends sparsely with positions remapped, within the trained length
-instead, over at most PREFILL_REACH_PAST past tokens: PREFILL_REACH); `attend` keeps every
+instead, over at most PREFILL_REACH_PAST past tokens: PREFILL_REACH, reading the most recent
+of them: PREFILL_RECENT; a decode step there scores the candidates the trained length does
+not reach as moved into it: FAR_ROTATE); `attend` keeps every
 layer's block summaries as pages are committed, in every mode, and in sparse mode the votes
 of each prefill chunk.
 `install_hook(model)` routes the model module's scaled_dot_product_attention here for paged
@@ -529,7 +531,8 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     tiers, and the shortlist's keys are read from either (`_gather_keys`).
     `spec` (past the trained length): the gathered keys are re-rotated so that the sinks,
     the chosen blocks and the window sit contiguously inside the trained window
-    (remap.block_deltas); selection itself ranks by the keys as cached. `start`: the
+    (remap.block_deltas); a decode step's selection scores the candidates the trained length
+    does not reach as moved (FAR_ROTATE), a chunk's ranks by the keys as cached. `start`: the
     position of the step's first query (question votes are for the steps after theirs);
     `end`: the chunk's end (the remapped layout keeps what the trained length reaches);
     `budget`: tokens to attend instead of the settings' (a prefill chunk past the trained
