@@ -179,7 +179,9 @@ def rerotate(k: Any, delta: Any, spec: RopeSpec) -> Any:
     mx.fast.rope uses (base^(-2i/dims), positions times scale). The angles are computed once
     per block, not per token: mx.fast.rope with one offset per row (each token its own
     batch entry) cost 5-18 ms a layer for a 2,048 budget at load 11, this about 1 ms
-    (now ~0.5: the angles come from `_cos_sin`'s tables). |delta| < SPLIT**2 (16.7M)."""
+    (now ~0.5: the angles come from `_cos_sin`'s tables). |delta| < SPLIT**2 (16.7M).
+    k and delta broadcast: k (H, 1, R, D) and delta (1, n) rotate H x R rows n ways (the
+    query rotated back per far page) with the angles computed once, not H times."""
     half = spec.dims // 2
     c, s = _cos_sin(delta, spec)                                          # (H, n, half)
     c, s = c[..., None, :].astype(k.dtype), s[..., None, :].astype(k.dtype)
@@ -187,8 +189,12 @@ def rerotate(k: Any, delta: Any, spec: RopeSpec) -> Any:
     if spec.traditional:  # pairs (2i, 2i + 1)
         x = rot.reshape(*rot.shape[:-1], half, 2)
         x1, x2 = x[..., 0], x[..., 1]
-        out = mx.stack([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).reshape(rot.shape)
+        out = mx.stack([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1)
+        out = out.reshape(*out.shape[:-2], spec.dims)
     else:  # halves (i, i + dims / 2)
         x1, x2 = rot[..., :half], rot[..., half:]
         out = mx.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1)
-    return out if rest.shape[-1] == 0 else mx.concatenate([out, rest], axis=-1)
+    if rest.shape[-1] == 0:
+        return out
+    return mx.concatenate([out, mx.broadcast_to(rest, (*out.shape[:-1], rest.shape[-1]))],
+                          axis=-1)

@@ -253,6 +253,33 @@ def test_far_scores_rotate_once_a_page() -> None:
     assert float(mx.abs(paged - plain)[:, 48:].max()) < 1e-5
 
 
+@pytest.mark.parametrize("run", [1, 4])
+def test_far_pages_bound_in_runs_equal_each_page_at_its_run_start(run: int) -> None:
+    """The page pass (one row a page) rotates once a run of `run` pages; 10 pages in runs of
+    4 leave a partial last run, padded and cut: the same bound as each page shifted by its
+    run's first page, and the far pages' bound moves while the near ones' does not."""
+    import mlx.core as mx
+
+    mx.random.seed(5)
+    h, n, d, r = 2, 10, 64, 4
+    bmin = mx.random.normal((h, n, d))
+    bmax, qt = bmin + mx.abs(mx.random.normal((h, n, d))), mx.random.normal((h, d, r))
+    spec = remap.RopeSpec(d, True, 10000.0, 1.0, 8192)
+    starts = (mx.arange(n) * 128)[None]
+    far = (spec, 900, 64)                                   # pages 0-7 start before E = 900
+    runs = attention._score(bmin, bmax, qt, mx.zeros((h, r)), starts, far, run)
+    each = attention._score(bmin, bmax, qt, mx.zeros((h, r)), starts // (run * 128) * (run * 128),
+                            far)
+    assert runs.shape == (h, n)
+    assert float(mx.abs(runs - each).max()) < 1e-4
+    import numpy as np
+
+    diff = np.array(mx.abs(runs - attention._score(bmin, bmax, qt, mx.zeros((h, r)))))
+    moved = np.array(starts // (run * 128) * (run * 128) < 900)[0]
+    assert diff[:, moved].max() > 1e-2
+    assert diff[:, ~moved].max() < 1e-5
+
+
 def test_models_with_their_own_scaling_are_not_remapped(starter_lm: Any) -> None:
     from engine.kv import geometry_of
 
