@@ -14,7 +14,8 @@ exact weights of the prompt's last chunk), within the token budget (a prefill ch
 trained length, which attends sparsely with positions remapped, within the trained length
 instead, over at most PREFILL_REACH_PAST past tokens: PREFILL_REACH, reading the most recent
 of them: PREFILL_RECENT; a decode step there scores the candidates the trained length does
-not reach as moved into it: FAR_ROTATE); `attend` keeps every
+not reach as moved into it: FAR_ROTATE; a choice serves up to RESELECT_STEPS consecutive
+decode steps); `attend` keeps every
 layer's block summaries as pages are committed, in every mode, and in sparse mode the votes
 of each prefill chunk.
 `install_hook(model)` routes the model module's scaled_dot_product_attention here for paged
@@ -133,6 +134,15 @@ FAR_ROTATE = (os.environ.get("STRATA_SPARSE_FAR_ROTATE") or "1") != "0"
 # The two-level first pass bounds far pages in runs of this many, one rotation a run (a page
 # then sits up to 3 pages after E + S): at 32k 1.7 ms a layer once a page, under load.
 FAR_PAGE_RUN = 4
+
+# A decode step reuses the blocks the step before it chose (same layer and pages, the next
+# position) for up to RESELECT_STEPS steps in all, then chooses again; a new page (every
+# page_tokens steps), a trim or a new prompt chooses at once. Choosing is most of a sparse
+# step past a few thousand tokens (bound, shortlist, true logits; the attention itself is
+# over the budget only), and consecutive queries of a reply mostly want the same blocks;
+# the question's votes already fix half of them for the whole reply (docs/benchmarks.md,
+# issue 18's sparse 32k decode). STRATA_SPARSE_RESELECT=1 chooses every step (Quest).
+RESELECT_STEPS = max(1, int(os.environ.get("STRATA_SPARSE_RESELECT") or 4))
 
 _Partial = tuple[Any, Any, Any]  # running max (H, R), sum (H, R), output (H, R, D)
 
@@ -557,8 +567,8 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     # past 128k: 150 MB a layer).
     if spec is not None and FAR_ROTATE and budget is None and end - start <= SPARSE_MAX_L:
         far = (spec, end - spec.trained, min(store.tables[layer].sink_pages, n_pages) * store.P)
-    chosen = select_blocks(store, layer, qg, n_pages, acc, start, held, budget, recent_only,
-                           far)
+    chosen = _select_or_reuse(store, layer, qg, n_pages, acc, start, end, held, budget,
+                              recent_only, far)
     if chosen is None:
         return _exact(store, layer, qg, n_pages, acc)
     top, sink, hi = chosen
@@ -618,6 +628,27 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     k_rot = remap.rerotate(gather(0, slice(0, n_rot)), rot, spec).reshape(h, -1, d)
     k_win = gather(0, slice(n_rot, None)).reshape(h, -1, d)
     return _merge(acc, _partial_parts(qg, (k_rot, k_win), v))
+
+
+def _select_or_reuse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
+                     start: int, end: int, held: dict[str, Any], budget: int | None,
+                     recent_only: bool, far: tuple[remap.RopeSpec, int, int] | None
+                     ) -> tuple[Any, int, int] | None:
+    """`select_blocks`, or for a decode step right after the one that chose (same layer,
+    same pages, same budget, its next position) that step's choice, up to RESELECT_STEPS
+    steps in all (see RESELECT_STEPS)."""
+    table = store.tables[layer]
+    decode = budget is None and not recent_only and end - start <= SPARSE_MAX_L
+    key = (n_pages, store.settings.budget_tokens, store.P)
+    last = table.chosen
+    if (decode and RESELECT_STEPS > 1 and last is not None and last[0] == key
+            and last[1] == start and last[2] < RESELECT_STEPS):
+        table.chosen = (key, end, last[2] + 1, last[3])
+        return last[3]  # type: ignore[no-any-return]
+    chosen = select_blocks(store, layer, qg, n_pages, acc, start, held, budget, recent_only,
+                           far)
+    table.chosen = (key, end, 1, chosen) if decode else None
+    return chosen
 
 
 def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,

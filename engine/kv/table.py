@@ -59,6 +59,9 @@ class LayerTable:
         # prompt's last chunk when it ended at token `votes_at`; a later chunk replaces them.
         self.votes: Any = None
         self.votes_at = -1
+        # The last decode step's chosen blocks (engine.kv.attention.RESELECT_STEPS): (key,
+        # next position, steps it served, choice), or None.
+        self.chosen: Any = None
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _grow(self, n: int) -> None:
@@ -125,6 +128,7 @@ class LayerTable:
     def truncate(self, n_pages: int) -> list[int]:
         """Forget pages >= n_pages; returns the slots they held."""
         freed = []
+        self.chosen = None
         for p in range(n_pages, self.n_pages):
             s = int(self.slot_of[p])
             if s >= 0:
