@@ -14,8 +14,8 @@ exact weights of the prompt's last chunk), within the token budget (a prefill ch
 trained length, which attends sparsely with positions remapped, within the trained length
 instead, over at most PREFILL_REACH_PAST past tokens: PREFILL_REACH, reading the most recent
 of them: PREFILL_RECENT; a decode step there scores the candidates the trained length does
-not reach as moved into it: FAR_ROTATE; a choice serves up to RESELECT_STEPS consecutive
-decode steps); `attend` keeps every
+not reach as moved into it: FAR_ROTATE; the bound's shortlist serves up to RESELECT_STEPS
+consecutive decode steps); `attend` keeps every
 layer's block summaries as pages are committed, in every mode, and in sparse mode the votes
 of each prefill chunk.
 `install_hook(model)` routes the model module's scaled_dot_product_attention here for paged
@@ -135,13 +135,13 @@ FAR_ROTATE = (os.environ.get("STRATA_SPARSE_FAR_ROTATE") or "1") != "0"
 # then sits up to 3 pages after E + S): at 32k 1.7 ms a layer once a page, under load.
 FAR_PAGE_RUN = 4
 
-# A decode step reuses the blocks the step before it chose (same layer and pages, the next
-# position) for up to RESELECT_STEPS steps in all, then chooses again; a new page (every
-# page_tokens steps), a trim or a new prompt chooses at once. Choosing is most of a sparse
-# step past a few thousand tokens (bound, shortlist, true logits; the attention itself is
-# over the budget only), and consecutive queries of a reply mostly want the same blocks;
-# the question's votes already fix half of them for the whole reply (docs/benchmarks.md,
-# issue 18's sparse 32k decode). STRATA_SPARSE_RESELECT=1 chooses every step (Quest).
+# A decode step re-ranks the shortlist the bound gave the step before it (same layer and
+# pages, the next position) for up to RESELECT_STEPS steps in all, then bounds again; a new
+# page (every page_tokens steps), a trim or a new prompt bounds at once. Bounding (page and
+# block bounds, the far rotation) is most of a sparse step at depth, and consecutive queries
+# mostly rank the same candidates high; the true logits still rank the shortlist for each
+# step's own query (reusing the chosen blocks instead lost the 4k fact at 63%,
+# docs/benchmarks.md, the eleventh pass). STRATA_SPARSE_RESELECT=1 bounds every step.
 RESELECT_STEPS = max(1, int(os.environ.get("STRATA_SPARSE_RESELECT") or 4))
 
 _Partial = tuple[Any, Any, Any]  # running max (H, R), sum (H, R), output (H, R, D)
@@ -567,8 +567,9 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     # past 128k: 150 MB a layer).
     if spec is not None and FAR_ROTATE and budget is None and end - start <= SPARSE_MAX_L:
         far = (spec, end - spec.trained, min(store.tables[layer].sink_pages, n_pages) * store.P)
-    chosen = _select_or_reuse(store, layer, qg, n_pages, acc, start, end, held, budget,
-                              recent_only, far)
+    step = end if budget is None and not recent_only and end - start <= SPARSE_MAX_L else None
+    chosen = select_blocks(store, layer, qg, n_pages, acc, start, held, budget, recent_only,
+                           far, step)
     if chosen is None:
         return _exact(store, layer, qg, n_pages, acc)
     top, sink, hi = chosen
@@ -630,38 +631,20 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     return _merge(acc, _partial_parts(qg, (k_rot, k_win), v))
 
 
-def _select_or_reuse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
-                     start: int, end: int, held: dict[str, Any], budget: int | None,
-                     recent_only: bool, far: tuple[remap.RopeSpec, int, int] | None
-                     ) -> tuple[Any, int, int] | None:
-    """`select_blocks`, or for a decode step right after the one that chose (same layer,
-    same pages, same budget, its next position) that step's choice, up to RESELECT_STEPS
-    steps in all (see RESELECT_STEPS)."""
-    table = store.tables[layer]
-    decode = budget is None and not recent_only and end - start <= SPARSE_MAX_L
-    key = (n_pages, store.settings.budget_tokens, store.P)
-    last = table.chosen
-    if (decode and RESELECT_STEPS > 1 and last is not None and last[0] == key
-            and last[1] == start and last[2] < RESELECT_STEPS):
-        table.chosen = (key, end, last[2] + 1, last[3])
-        return last[3]  # type: ignore[no-any-return]
-    chosen = select_blocks(store, layer, qg, n_pages, acc, start, held, budget, recent_only,
-                           far)
-    table.chosen = (key, end, 1, chosen) if decode else None
-    return chosen
-
-
 def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
                   start: int = -1, held: dict[str, Any] | None = None,
                   budget: int | None = None, recent_only: bool = False,
-                  far: tuple[remap.RopeSpec, int, int] | None = None
-                  ) -> tuple[Any, int, int] | None:
+                  far: tuple[remap.RopeSpec, int, int] | None = None,
+                  step_end: int | None = None) -> tuple[Any, int, int] | None:
     """The blocks a sparse step over pages [0, n_pages) attends besides the sinks and the
     window (see `_sparse`): (top (H, k) block indices, sink pages, hi: the window's first
     page), or None when the budget holds every candidate (the step is then exact). The same
     summaries, votes and keys choose the same blocks whatever tier each page is in.
     `recent_only`: the k blocks just before the window, nothing scored. `far` (spec, E, S):
-    candidates starting before position E are scored moved to E + S (FAR_ROTATE)."""
+    candidates starting before position E are scored moved to E + S (FAR_ROTATE).
+    `step_end`: a decode step's end; such a step right after the one that bounded (same
+    pages and budget, starting where it ended) re-ranks that step's shortlist instead of
+    bounding again, up to RESELECT_STEPS steps in all."""
     table = store.tables[layer]
     P = store.P
     budget = store.settings.budget_tokens if budget is None else budget
@@ -680,9 +663,40 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     if far is not None and lo * P >= far[1]:
         far = None  # every candidate within the trained reach
     _catch_up(store, layer, n_pages)
-    h, r, d = qg.shape
     voted = _voted(table, lo, hi, nb, int(k_sel * VOTE_SHARE), start)
     k_step = k_sel - (0 if voted is None else voted.shape[1])
+    key, last = (n_pages, budget), table.chosen
+    if (step_end is not None and RESELECT_STEPS > 1 and last is not None and last[0] == key
+            and last[1] == start and last[2] < RESELECT_STEPS):
+        score, cand = last[3]
+        table.chosen = (key, step_end, last[2] + 1, last[3])
+    else:
+        score, cand = _bounded(store, layer, qg, n_pages, acc, lo, hi, k_sel, voted, far)
+        table.chosen = None if step_end is None else (key, step_end, 1, (score, cand))
+    if k_step <= 0:
+        assert voted is not None
+        return voted, sink, hi
+    if RESCORE > 1:
+        top = _rescore(store, layer, qg, acc, score, k_step, cand, lo, n_pages, held, far)
+    else:
+        top = mx.argpartition(-score, kth=k_step - 1, axis=-1)[:, :k_step]
+        top = top + lo * nb if cand is None else mx.take_along_axis(cand, top, axis=-1)
+    if voted is not None:
+        top = mx.concatenate([voted.astype(top.dtype), top], axis=1)
+    return top, sink, hi
+
+
+def _bounded(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial, lo: int, hi: int,
+             k_sel: int, voted: Any, far: tuple[remap.RopeSpec, int, int] | None
+             ) -> tuple[Any, Any]:
+    """`select_blocks`' shortlist before the true logits: each candidate block's bound
+    (H, n) with -inf for the voted blocks and those outside the pages a step reads, and the
+    candidates' block indices (H, n), or None when they are every block of pages [lo, hi)."""
+    table = store.tables[layer]
+    P = store.P
+    b = table.block_tokens
+    nb = P // b
+    h = qg.shape[0]
     bmin, bmax = table.block_summaries
     qt = qg.swapaxes(-1, -2)                                        # (H, D, R)
     c = hi - lo
@@ -726,17 +740,7 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
         ok = chosen[None] if pages_of is None else chosen[pages_of]  # (1 or H, n_cand)
         score = mx.where(ok[..., None], score.reshape(h, n_cand, nb),
                          ninf).reshape(h, n_cand * nb)
-    if k_step <= 0:
-        assert voted is not None
-        return voted, sink, hi
-    if RESCORE > 1:
-        top = _rescore(store, layer, qg, acc, score, k_step, cand, lo, n_pages, held, far)
-    else:
-        top = mx.argpartition(-score, kth=k_step - 1, axis=-1)[:, :k_step]
-        top = top + lo * nb if cand is None else mx.take_along_axis(cand, top, axis=-1)
-    if voted is not None:
-        top = mx.concatenate([voted.astype(top.dtype), top], axis=1)
-    return top, sink, hi
+    return score, cand
 
 
 def _step_pages(store: Any, layer: int, uniq: np.ndarray, held: dict[str, Any] | None

@@ -59,8 +59,8 @@ class LayerTable:
         # prompt's last chunk when it ended at token `votes_at`; a later chunk replaces them.
         self.votes: Any = None
         self.votes_at = -1
-        # The last decode step's chosen blocks (engine.kv.attention.RESELECT_STEPS): (key,
-        # next position, steps it served, choice), or None.
+        # The last decode step's shortlist (engine.kv.attention.RESELECT_STEPS): (key, next
+        # position, steps it served, (bound, candidates)), or None.
         self.chosen: Any = None
 
     # -- bookkeeping ----------------------------------------------------------------------
