@@ -14,8 +14,8 @@ exact weights of the prompt's last chunk), within the token budget (a prefill ch
 trained length, which attends sparsely with positions remapped, within the trained length
 instead, over at most PREFILL_REACH_PAST past tokens: PREFILL_REACH, reading the most recent
 of them: PREFILL_RECENT; a decode step there scores the candidates the trained length does
-not reach as moved into it: FAR_ROTATE; the bound's shortlist serves up to RESELECT_STEPS
-consecutive decode steps); `attend` keeps every
+not reach as moved into it: FAR_ROTATE; with RESELECT_STEPS > 1 the bound's shortlist
+serves that many consecutive decode steps); `attend` keeps every
 layer's block summaries as pages are committed, in every mode, and in sparse mode the votes
 of each prefill chunk.
 `install_hook(model)` routes the model module's scaled_dot_product_attention here for paged
@@ -135,14 +135,15 @@ FAR_ROTATE = (os.environ.get("STRATA_SPARSE_FAR_ROTATE") or "1") != "0"
 # then sits up to 3 pages after E + S): at 32k 1.7 ms a layer once a page, under load.
 FAR_PAGE_RUN = 4
 
-# A decode step re-ranks the shortlist the bound gave the step before it (same layer and
-# pages, the next position) for up to RESELECT_STEPS steps in all, then bounds again; a new
-# page (every page_tokens steps), a trim or a new prompt bounds at once. Bounding (page and
-# block bounds, the far rotation) is most of a sparse step at depth, and consecutive queries
-# mostly rank the same candidates high; the true logits still rank the shortlist for each
-# step's own query (reusing the chosen blocks instead lost the 4k fact at 63%,
-# docs/benchmarks.md, the eleventh pass). STRATA_SPARSE_RESELECT=1 bounds every step.
-RESELECT_STEPS = max(1, int(os.environ.get("STRATA_SPARSE_RESELECT") or 4))
+# STRATA_SPARSE_RESELECT=N (N > 1): a decode step re-ranks the shortlist the bound gave the
+# step before it (same layer and pages, the next position) for up to N steps in all, then
+# bounds again; a new page (every page_tokens steps), a trim or a new prompt bounds at once.
+# Bounding (page and block bounds, the far rotation) is a large part of a sparse step at
+# depth: with 4, sparse decode at 32k went from 1.49x to 1.94x mlx-lm. Off by default: with
+# 4 it lost the 8k fact at 81% (a wrong last digit) that bounding every step finds, and
+# reusing the chosen blocks instead also lost the 4k fact at 63% (docs/benchmarks.md, the
+# eleventh pass).
+RESELECT_STEPS = max(1, int(os.environ.get("STRATA_SPARSE_RESELECT") or 1))
 
 _Partial = tuple[Any, Any, Any]  # running max (H, R), sum (H, R), output (H, R, D)
 
