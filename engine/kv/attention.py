@@ -15,9 +15,10 @@ trained length, which attends sparsely with positions remapped, within the train
 instead, over at most PREFILL_REACH_PAST past tokens: PREFILL_REACH, reading the most recent
 of them: PREFILL_RECENT; a decode step there scores the candidates the trained length does
 not reach as moved into it: FAR_ROTATE; with RESELECT_STEPS > 1 the bound's shortlist
-serves that many consecutive decode steps); `attend` keeps every
-layer's block summaries as pages are committed, in every mode, and in sparse mode the votes
-of each prefill chunk.
+serves that many consecutive decode steps; within the trained length, over at most
+DENSE_TOP_PAST tokens, the top DENSE_TOP share of the layers attends exactly); `attend`
+keeps every layer's block summaries as pages are committed, in every mode, and in sparse
+mode the votes of each prefill chunk.
 `install_hook(model)` routes the model module's scaled_dot_product_attention here for paged
 layers; every other cache (a sliding-window layer's WindowLayerCache, mlx-lm's caches) goes
 to mlx-lm's function with the mask the model built.
@@ -144,6 +145,16 @@ FAR_PAGE_RUN = 4
 # reusing the chosen blocks instead also lost the 4k fact at 63% (docs/benchmarks.md, the
 # eleventh pass).
 RESELECT_STEPS = max(1, int(os.environ.get("STRATA_SPARSE_RESELECT") or 1))
+# Within the trained length and over at most DENSE_TOP_PAST past tokens, the top DENSE_TOP
+# share of a sparse store's layers attends exactly: at 8k the starter's answer needs their
+# broad attention. With it exact, the 8k facts at 54% and 46% were found. Giving those layers
+# the 48 blocks of most exact weight (an oracle), a budget of 1,536 or 2,048, or an estimate of
+# the blocks left out (their mean key and value) did not find both. Exact lower layers found
+# neither (docs/benchmarks.md, the twelfth pass). Past the trained length every layer
+# stays sparse and remapped: exact logits there are at untrained distances.
+# STRATA_SPARSE_DENSE_TOP=0 keeps every layer sparse.
+DENSE_TOP = float(os.environ.get("STRATA_SPARSE_DENSE_TOP") or 0.25)
+DENSE_TOP_PAST = FUSED_PAST_MAX
 
 _Partial = tuple[Any, Any, Any]  # running max (H, R), sum (H, R), output (H, R, D)
 
@@ -261,8 +272,9 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
         if settings.mode == "sparse" and (spec is not None or L <= SPARSE_MAX_L or (
                 L <= SPARSE_CHUNK_L and n_pages * store.P > SPARSE_PREFILL_PAST)):
             start = past + rk.shape[1] - L  # the chunk's first position
-            if (FIRST_EXACT and spec is None and L <= SPARSE_MAX_L
-                    and store.tables[layer].votes_at == start):
+            if spec is None and (dense_top(store, layer, past) or (
+                    FIRST_EXACT and L <= SPARSE_MAX_L
+                    and store.tables[layer].votes_at == start)):
                 acc = _exact(store, layer, qg, n_pages, acc)
             else:
                 budget = None
@@ -278,6 +290,14 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
         acc = _merge(acc, _sink_partial(sinks, h, L, dv, acc[2].dtype))
     out = acc[2] / acc[1][..., None]
     return out.reshape(1, hq, L, dv).astype(queries.dtype)
+
+
+def dense_top(store: Any, layer: int, past: int) -> bool:
+    """Whether sparse mode attends this layer exactly over `past` tokens within the trained
+    length: one of the top DENSE_TOP share of the store's layers (rounded: 8 of 30, none of
+    one), at most DENSE_TOP_PAST in."""
+    n = store.n_layers
+    return past <= DENSE_TOP_PAST and layer >= n - int(DENSE_TOP * n + 0.5)
 
 
 def _fused_all(queries: Any, k: Any, v: Any, scale: float, sinks: Any = None) -> Any:
