@@ -145,6 +145,7 @@ def _run_contexts(lm: Any, args: argparse.Namespace, modes: list[str]) -> int:
                     store.settings = settings.with_(mode=mode)
                     for c in paged:
                         c.trim(c.offset - ctx)  # back to the prompt after the previous mode
+                        c.follow_settings()     # sparse: no buffer of every position
                     cache, start = paged, (paged_first if paged_first is not None else first)
                 before = dict(store.counters)
                 toks, tps, step1 = _decode(lm, cache, start, args.gen)

@@ -181,9 +181,10 @@ def run_long(lm: Any, opts: LongOptions, say: Callable[[str], None],
                 say(f"{mode}: skipped (0 tokens asked)")
                 continue
             sampler.phase = f"decode {mode}"
+            store.settings = settings.with_(mode=mode)
             for c in caches:
                 c.trim(c.offset - base)
-            store.settings = settings.with_(mode=mode)
+                c.follow_settings()  # sparse: no buffer of every position
             before = dict(store.counters)
             t = time.perf_counter()
             toks, times = _decode(lm, caches, first_token, count, cancel)

@@ -130,9 +130,10 @@ def run_passkey(lm: Any, lengths: Sequence[int], depths: Sequence[float],
             try:
                 _prefill(lm, cache, ids[:-1])
                 for mode in modes:
+                    store.settings = base.with_(mode=mode)
                     for c in cache:
                         c.trim(c.offset - (len(ids) - 1))  # back to the shared prompt pages
-                    store.settings = base.with_(mode=mode)
+                        c.follow_settings()  # sparse: no buffer of every position
                     t = time.perf_counter()
                     toks = _answer(lm, cache, ids[-1], MAX_ANSWER_TOKENS)
                     answer = lm.tokenizer.decode(toks)

@@ -79,9 +79,8 @@ class PagedLayerCache:
         self.buf_v: Any = None
         self.buf_len = 0
         self.contig: tuple[Any, Any] | None = None
-        s = store.settings
-        self.contig_max = 0 if store.codec.quantized else (
-            min(CONTIG_MAX, s.budget_tokens) if s.mode == "sparse" else CONTIG_MAX)
+        self.contig_max = 0
+        self.follow_settings()
 
     # The tail: while the buffer is used, a copy of its positions after the last page (a
     # held slice would keep the buffer alive past the next in-place write, which then
@@ -119,6 +118,16 @@ class PagedLayerCache:
         out = mx.take(buf, mx.arange(t0, self.offset), axis=2)
         mx.eval(out)
         return out
+
+    def follow_settings(self) -> None:
+        """Size the buffer for the store's settings as they are now. A benchmark that
+        switches a store from exact to sparse mode calls this. Past a sparse budget the
+        next update then lets the buffer go and attention reads the pages. Without this, a
+        buffer built in exact mode kept every position, so the "sparse" runs within 16k
+        attended everything."""
+        s = self.store.settings
+        self.contig_max = 0 if self.store.codec.quantized else (
+            min(CONTIG_MAX, s.budget_tokens) if s.mode == "sparse" else CONTIG_MAX)
 
     def release_buffer(self) -> None:
         """Let go of the buffer, its pages copied into the store's slots and the tail kept

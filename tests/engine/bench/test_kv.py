@@ -110,3 +110,20 @@ def test_bench_kv_output_shape(starter: Any, tmp_path: Path, capsys: Any) -> Non
     assert set(rows) == {"mlx", "exact", "sparse"}
     assert rows["exact"]["tokens_same_as_mlx"] == "3/3"
     assert all(r["decode_tps"] > 0 and r["fill"].startswith("synthetic") for r in rows.values())
+
+
+def test_bench_kv_sparse_rows_select_within_the_contiguous_limit(starter: Any, tmp_path: Path
+                                                                 ) -> None:
+    """A 2,048-token context with a 768 budget: the store starts in exact mode, where the
+    cache keeps every position in one buffer. The sparse row must still select, so its
+    first step's logits differ from mlx-lm's. Before `follow_settings` they were equal to the
+    last bit, because the sparse run read the exact buffer."""
+    from app.cli import main
+
+    out = tmp_path / "kv.json"
+    assert main(["bench", "kv", "--contexts", "2048", "--synthetic-fill", "256", "--gen", "2",
+                 "--kv-budget", "768", "--modes", "mlx,exact,sparse",
+                 "--json", str(out)]) == 0
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["exact"]["max_abs_logit_diff_step1"] < 1e-3
+    assert rows["sparse"]["max_abs_logit_diff_step1"] > 1e-3
