@@ -199,12 +199,15 @@ def run_needle(lm: Any, lengths: Sequence[int], depths: Sequence[float],
                seed: int = 0, text: Path = TEXT, ssd_dir: Path | None = None,
                on_cell: Callable[[NeedleCell], None] | None = None,
                cancel: Callable[[], bool] | None = None,
-               only: Collection[float] | None = None) -> list[NeedleCell]:
+               only: Collection[float] | None = None,
+               progress: Callable[[int, int], None] | None = None) -> list[NeedleCell]:
     """Every (length, depth, kind) prompt prefilled once, every (mode, budget) answering
     from the same pages (see the module docstring). `model` replaces lm.model (a model
     built at another context, e.g. with RoPE extended; `rope` names it in the cells).
     `only`: run just these of `depths` (each depth's fact still fixed by its index in
-    `depths`, so a rerun of some cells asks what the full run asked)."""
+    `depths`, so a rerun of some cells asks what the full run asked). `progress(done,
+    total)` is called before a prompt's prefill and after each chunk of it, with the prompt
+    tokens in the cache."""
     # Engine imports here: the suite's parent process and this module's prompt functions
     # (used by tests) need no KV machinery.
     from engine.bench.fill import paged_cache
@@ -241,7 +244,7 @@ def run_needle(lm: Any, lengths: Sequence[int], depths: Sequence[float],
                     return cells
                 cells += _depths(lm, model, base, pre, group, length, kind, depths, only,
                                  least, seed, text, "remap" if remapped and pre.mode ==
-                                 "sparse" else rope, on_cell, cancel)
+                                 "sparse" else rope, on_cell, cancel, progress)
     return cells
 
 
@@ -249,7 +252,8 @@ def _depths(lm: Any, model: Any, base: Any, pre: Any, runs: Sequence[tuple[str, 
             length: int, kind: str, depths: Sequence[float], only: Collection[float] | None,
             least: int, seed: int, text: Path, rope: str,
             on_cell: Callable[[NeedleCell], None] | None,
-            cancel: Callable[[], bool] | None) -> list[NeedleCell]:
+            cancel: Callable[[], bool] | None,
+            progress: Callable[[int, int], None] | None = None) -> list[NeedleCell]:
     """The depths of one (length, kind), prefilled with settings `pre`, each run of `runs`
     answering from those pages (see run_needle)."""
     from engine.bench.fill import paged_cache  # as in run_needle
@@ -276,9 +280,16 @@ def _depths(lm: Any, model: Any, base: Any, pre: Any, runs: Sequence[tuple[str, 
                 c.trim(c.offset - keep)
             store.settings = pre
             t = time.perf_counter()
+            if progress is not None:
+                progress(keep, len(ids) - 1)  # what this prompt resumes from
             for i in range(keep, len(ids) - 1, 512):
-                model(mx.array(ids[i:min(i + 512, len(ids) - 1)])[None], cache=cache)
+                end = min(i + 512, len(ids) - 1)
+                model(mx.array(ids[i:end])[None], cache=cache)
                 mx.eval([c.state for c in cache])
+                if progress is not None:
+                    progress(end, len(ids) - 1)
+                if cancel is not None and cancel():
+                    return cells
             prefill = (len(ids) - 1 - keep) / max(1e-9, time.perf_counter() - t)
             held = ids[:-1]
             for mode, budget in runs:
@@ -321,6 +332,35 @@ def _found(answer: str, reply: str) -> bool:
     return bool(a) and (a in r or a.replace(" ", "") in r.replace(" ", ""))
 
 
+PROGRESS_TOKENS = 4096  # a prefill says where it is once per this many tokens
+
+
+def prefill_progress(every: int) -> Callable[[int, int], None]:
+    """progress(done, total) saying, once per `every` tokens and at the end, the tokens
+    prefilled, the rate since the last line, RSS and load: a 100k prefill takes an hour or
+    more here, and a stopped run must still say how far it got and how fast."""
+    from engine.bench.common import say
+    from engine.bench.system import peak_rss_bytes, rss_bytes
+
+    last = {"done": float("inf"), "t": 0.0, "mark": 0.0}
+
+    def progress(done: int, total: int) -> None:
+        now = time.perf_counter()
+        if done <= last["done"]:  # a new prompt starts here
+            last.update(done=done, mark=done, t=now)
+            return
+        last["done"] = done
+        if done // every == last["mark"] // every and done != total:
+            return
+        rate = (done - last["mark"]) / max(1e-9, now - last["t"])
+        last["mark"], last["t"] = done, now
+        say(f"  prefill {done:,}/{total:,} tokens, {rate:.1f} tok/s, RSS "
+            f"{rss_bytes() / 1e9:.2f} GB (peak {peak_rss_bytes() / 1e9:.2f}), load "
+            f"{os.getloadavg()[0]:.1f}, {time.strftime('%H:%M:%S')}")
+
+    return progress
+
+
 def needle_table(cells: Sequence[NeedleCell]) -> str:
     """Markdown: one row per (length, rope, mode, budget), one column per depth; Y found,
     - not (several kinds: found/asked in the cell); prefill and decode speed averaged."""
@@ -351,6 +391,7 @@ def run(args: argparse.Namespace) -> int:
     """`strata bench needle`: the table over --needle-lengths x --needle-depths x kinds."""
     # The runtime loads only when the suite runs (engine.bench's contract).
     from engine.bench.common import machine_facts, say
+    from engine.bench.system import peak_rss_bytes
     from engine.runtime.fit import trained_context
     from engine.runtime.generate import LoadedModel
     from engine.runtime.model import extend_rope, load_weights_into_model
@@ -375,6 +416,7 @@ def run(args: argparse.Namespace) -> int:
             f"tok/s, decode {c.decode_tok_s} tok/s, load {os.getloadavg()[0]:.1f}, "
             f"{time.strftime('%H:%M:%S')})")
 
+    t0 = time.perf_counter()
     complete = True
     try:
         for length in lengths:
@@ -386,17 +428,21 @@ def run(args: argparse.Namespace) -> int:
                 name = f"yarn x{config['rope_scaling']['factor']:g}"
                 subjects = ([] if args.needle_rope == "yarn" else subjects) + [(name, scaled)]
             for rope, model in subjects:
-                run_needle(lm, [length], depths, modes, budgets, kinds=kinds,
-                                    model=model, rope=rope, seed=args.seed, text=text,
-                                    page_tokens=args.page_tokens, on_cell=show)
+                run_needle(lm, [length], depths, modes, budgets, kinds=kinds, model=model,
+                           rope=rope, seed=args.seed, text=text, page_tokens=args.page_tokens,
+                           on_cell=show, progress=prefill_progress(PROGRESS_TOKENS))
     except KeyboardInterrupt:
         complete = False
         say("interrupted: reporting what finished")
+    wall = time.perf_counter() - t0
     print(needle_table(cells))
+    # A long context's functional check is quoted with its wall time and peak RSS (issue 19).
+    say(f"wall {wall:.0f} s, peak RSS {peak_rss_bytes() / 1e9:.2f} GB")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(
             {"schema": "strata-bench-needle/1", "model": lm.manifest["name"],
              "profile": lm.profile.name, "trained_context": trained, "complete": complete,
              "command": " ".join(sys.argv), "machine": machine_facts(),
+             "wall_s": round(wall, 1), "peak_rss_bytes": peak_rss_bytes(),
              "cells": [c.as_dict() for c in cells]}, indent=2))
     return 0 if complete else 130

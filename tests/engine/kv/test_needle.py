@@ -73,6 +73,7 @@ def test_starter_past_trained_length_is_mlx_lm_yarn(starter_lm: Any, folder: Pat
 # -- sparse selection on natural text -----------------------------------------------------
 NEEDLE_TOKENS = 1536
 DEPTHS = (0.2, 0.5, 0.8)
+PREFILLED: list[tuple[int, int]] = []  # the needles' progress(done, total) calls
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,8 @@ def needles(starter_lm: Any, shared_data: Path) -> list[Any]:
 
     return run_needle(starter_lm, [NEEDLE_TOKENS], DEPTHS, ("exact", "sparse"), (384,),
                       page_tokens=64, sink_tokens=64, window_tokens=128,
-                      text=shared_data / "wikitext-2-test.txt")
+                      text=shared_data / "wikitext-2-test.txt",
+                      progress=lambda done, total: PREFILLED.append((done, total)))
 
 
 def test_sparse_finds_the_fact_where_exact_does(needles: list[Any]) -> None:
@@ -93,6 +95,32 @@ def test_sparse_finds_the_fact_where_exact_does(needles: list[Any]) -> None:
     sparse = {c.depth for c in needles if c.mode == "sparse" and c.found}
     assert len(exact) >= 2, [c.reply for c in needles if c.mode == "exact"]
     assert exact <= sparse, [(c.depth, c.mode, c.reply) for c in needles]
+
+
+def test_prefill_reports_its_progress(needles: list[Any],
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Each prompt's prefill calls progress where it resumes (the deeper prompts first, each
+    later one keeping the pages it shares) and once a chunk up to its own length; the
+    suite's reporter says a line a stretch and one at each prompt's end."""
+    from engine.bench.needle import prefill_progress
+
+    ends = [i for i, (done, total) in enumerate(PREFILLED) if done == total]
+    assert len(ends) == len(DEPTHS), PREFILLED
+    assert {PREFILLED[i][1] for i in ends} == {c.length - 1 for c in needles}
+    start = 0
+    for end in ends:
+        run = [done for done, _ in PREFILLED[start:end + 1]]
+        assert len(run) >= 2 and all(0 < b - a <= 512 for a, b in zip(run, run[1:],
+                                                                       strict=False)), run
+        start = end + 1
+    assert PREFILLED[0][0] == 0 and PREFILLED[ends[0] + 1][0] > 0  # the second resumes
+    say = prefill_progress(1000)
+    for done, total in PREFILLED:
+        say(done, total)
+    lines = [x for x in capsys.readouterr().err.splitlines() if "prefill" in x]
+    assert lines[0].startswith("  prefill ") and "tok/s" in lines[0] and "RSS" in lines[0]
+    assert sum(f"{total:,}/{total:,} tokens" in x for x in lines for total in
+               {PREFILLED[i][1] for i in ends}) == len(DEPTHS)
 
 
 def _head_major(pair: tuple[Any, Any]) -> list[Any]:
