@@ -74,6 +74,12 @@ REUSE_ADMISSION = True
 # per step): ~3 MB of copies a layer at the starter's shape; 3,840 pages at 16k drain in
 # about 8 steps instead of one step waiting for all of them (docs/benchmarks.md).
 WRITE_BEHIND_PAGES = 16
+# A layer's RAM tier grows by this share of its slots when full (16 at least), up to its
+# budget. Doubling left up to half the pool as zeroed slots: a 100k-token prefill in RAM
+# held 1,024 slots a layer for 782 pages (7.5 GB RSS for 4.6 GB of float32 KV). Growing by a
+# quarter costs about 5x the final pool in copies over a long prefill instead of 2x: at
+# 100k ~0.1 s a layer, against minutes of prefill (docs/benchmarks.md, issue 19's 100k).
+GROW_SHARE = 0.25
 
 
 class KVRamFull(KVStoreError):
@@ -290,7 +296,7 @@ class KVStore:
         if used < cap:
             return used
         if cap < self.max_slots:
-            grow = min(self.max_slots, max(16, 2 * cap)) - cap
+            grow = min(self.max_slots, cap + max(16, int(cap * GROW_SHARE))) - cap
             dims = self.codec.part_dims(self.head_dim)
 
             def zeros() -> Parts:  # fresh arrays for k and v: slot writes update in place

@@ -34,6 +34,27 @@ def _store(tmp_path: Path, pages_in_ram: int | None = None, **kw: object) -> KVS
     return store
 
 
+def test_ram_tier_grows_by_a_quarter_not_doubling(tmp_path: Path) -> None:
+    """A layer's pool holds at most a quarter more slots than its pages (16 at least), and
+    stops at the RAM budget: doubling held up to twice the pages' bytes in zeroed slots."""
+    import mlx.core as mx
+
+    store = _store(tmp_path, ssd=False)
+    k = mx.ones((H, P, D))
+    for n in range(1, 301):
+        store.commit(0, k * n, k * -n)
+        cap = store.pool_k[0][0].shape[0]
+        assert n <= cap <= n - 1 + max(16, (n - 1) // 4), (n, cap)
+    assert float(store.pool_k[0][0][299, 0, 0, 0]) == 300.0
+    assert float(store.pool_v[0][0][0, 0, 0, 0]) == -1.0
+    capped = _store(tmp_path, pages_in_ram=40, ssd=False)
+    for _ in range(40):
+        capped.commit(0, k, k)
+    assert capped.pool_k[0][0].shape[0] == 40
+    store.close()
+    capped.close()
+
+
 def _reference(q, ks, vs):  # noqa: ANN001, ANN202
     import mlx.core as mx
 
