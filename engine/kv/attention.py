@@ -156,15 +156,41 @@ RESELECT_STEPS = max(1, int(os.environ.get("STRATA_SPARSE_RESELECT") or 1))
 DENSE_TOP = float(os.environ.get("STRATA_SPARSE_DENSE_TOP") or 0.25)
 DENSE_TOP_PAST = FUSED_PAST_MAX
 
+# MLX's CPU exp runs about 50M elements/s on these machines, numpy's (SIMD) about ten times
+# that, so the exp of a long softmax was most of a chunk's attention (a 512-token chunk over
+# 7,680 keys: 0.75 of 1.1 s a layer) and much of a decode step's at depth. On the CPU a
+# partial over at least this many float32 logits evaluates them and does the exp, the sums
+# and the value product in numpy (docs/benchmarks.md, the numpy exp); 0 never does.
+NP_EXP_MIN = int(os.environ.get("STRATA_NP_EXP_MIN") or 1 << 16)
+
 _Partial = tuple[Any, Any, Any]  # running max (H, R), sum (H, R), output (H, R, D)
+
+
+def _stats(s: Any, v: Any) -> _Partial:
+    """Softmax statistics (row max, row sum of exp, exp @ v) of logits s (H, R, T) over
+    values v (H, T, Dv), or of s (n, H, R, P) over pages v (n, H, P, Dv) summed over the
+    pages. On the CPU, past NP_EXP_MIN float32 logits, the logits are evaluated and the
+    rest runs in numpy (see NP_EXP_MIN)."""
+    pages = s.ndim == 4
+    axes = (0, 3) if pages else (2,)
+    if (NP_EXP_MIN and s.size >= NP_EXP_MIN and s.dtype == v.dtype == mx.float32
+            and mx.default_device() == mx.cpu):
+        mx.eval(s, v)
+        a = np.asarray(s)
+        m = a.max(axis=axes)
+        e = a - (m[None, :, :, None] if pages else m[..., None])
+        np.exp(e, out=e)
+        o = np.matmul(e, np.asarray(v))
+        return mx.array(m), mx.array(e.sum(axis=axes)), mx.array(o.sum(axis=0) if pages else o)
+    m = s.max(axis=axes)
+    p = mx.exp(s - (m[None, :, :, None] if pages else m[..., None]))
+    o = p @ v
+    return m, p.sum(axis=axes), (o.sum(axis=0) if pages else o)
 
 
 def _partial_pages(qg: Any, k: Any, v: Any) -> _Partial:
     """Softmax statistics of queries qg (H, R, D) over pages k, v (n, H, P, D)."""
-    s = qg[None] @ k.swapaxes(-1, -2)                     # (n, H, R, P)
-    m = s.max(axis=(0, 3))
-    p = mx.exp(s - m[None, :, :, None])
-    return m, p.sum(axis=(0, 3)), (p @ v).sum(axis=0)
+    return _stats(qg[None] @ k.swapaxes(-1, -2), v)        # s: (n, H, R, P)
 
 
 def _partial_gathered(qg: Any, k: Any, v: Any) -> _Partial:
@@ -176,19 +202,13 @@ def _partial_gathered(qg: Any, k: Any, v: Any) -> _Partial:
 
 def _partial_flat(qg: Any, kk: Any, vv: Any) -> _Partial:
     """Over per-head keys and values kk, vv (H, T, D), no mask."""
-    s = qg @ kk.swapaxes(-1, -2)                          # (H, R, T)
-    m = s.max(axis=-1)
-    p = mx.exp(s - m[..., None])
-    return m, p.sum(axis=-1), p @ vv
+    return _stats(qg @ kk.swapaxes(-1, -2), vv)            # s: (H, R, T)
 
 
 def _partial_parts(qg: Any, ks: tuple[Any, ...], vv: Any) -> _Partial:
     """As `_partial_flat` over the keys `ks` (each (H, T_i, D)) taken in order, vv (H, sum
     T_i, D): the logits are joined, not the keys (a few thousand floats, not the keys)."""
-    s = mx.concatenate([qg @ k.swapaxes(-1, -2) for k in ks], axis=-1)   # (H, R, T)
-    m = s.max(axis=-1)
-    p = mx.exp(s - m[..., None])
-    return m, p.sum(axis=-1), p @ vv
+    return _stats(mx.concatenate([qg @ k.swapaxes(-1, -2) for k in ks], axis=-1), vv)
 
 
 def _partial_recent(qg: Any, k: Any, v: Any, L: int) -> _Partial:
@@ -201,9 +221,7 @@ def _partial_recent(qg: Any, k: Any, v: Any, L: int) -> _Partial:
         mask = rows >= mx.arange(t)[None, :]               # (L, T)
         s = s.reshape(h, r // L, L, t)
         s = mx.where(mask, s, mx.array(-mx.inf, s.dtype)).reshape(h, r, t)
-    m = s.max(axis=-1)
-    p = mx.exp(s - m[..., None])
-    return m, p.sum(axis=-1), p @ v
+    return _stats(s, v)
 
 
 def _merge(a: _Partial | None, b: _Partial) -> _Partial:
