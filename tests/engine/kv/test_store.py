@@ -96,6 +96,33 @@ def test_exact_attention_matches_mlx_in_ram_and_from_ssd(tmp_path: Path) -> None
     store.close()
 
 
+def test_numpy_exp_partials_match_mlx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past NP_EXP_MIN logits a partial's softmax runs in numpy (MLX's CPU exp is ~10x
+    slower): page-wise attention of long chunks, in RAM and from the SSD tier, and the
+    statistics themselves, equal MLX's within float32 rounding."""
+    import mlx.core as mx
+
+    from engine.kv import attention
+
+    monkeypatch.setattr(attention, "FUSED_PAST_MAX", 0)  # the page-wise path, not MLX's kernel
+    chunks = [200, 300, 1, 1, 250]  # logits of the long chunks: 2 x 750 x 500+ >= 2**16
+    assert attention.NP_EXP_MIN and 2 * REP * 250 * 500 >= attention.NP_EXP_MIN
+    assert _run(_store(tmp_path), chunks) < 1e-5
+    store = _store(tmp_path, pages_in_ram=5)
+    assert _run(store, chunks) < 1e-5
+    store.close()
+    mx.random.seed(1)
+    for shape_s, shape_v in [((H, 600, 300), (H, 300, D)), ((7, H, 600, P), (7, H, P, D))]:
+        s, v = mx.random.normal(shape_s) * 4, mx.random.normal(shape_v)
+        monkeypatch.setattr(attention, "NP_EXP_MIN", 1)
+        ours = attention._stats(s, v)
+        monkeypatch.setattr(attention, "NP_EXP_MIN", 0)
+        ref = attention._stats(s, v)
+        for a, b in zip(ours, ref, strict=True):
+            assert a.shape == b.shape and float(mx.abs(a - b).max()) <= 1e-4 * float(
+                mx.abs(b).max())
+
+
 def test_sparse_with_full_budget_is_exact(tmp_path: Path) -> None:
     chunks = [60, 1, 1, 1]
     assert _run(_store(tmp_path, mode="sparse", budget_tokens=64 * P), chunks) < 1e-5
