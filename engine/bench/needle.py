@@ -339,6 +339,7 @@ def prefill_progress(every: int) -> Callable[[int, int], None]:
     """progress(done, total) saying, once per `every` tokens and at the end, the tokens
     prefilled, the rate since the last line, RSS and load: a 100k prefill takes an hour or
     more here, and a stopped run must still say how far it got and how fast."""
+    # Here, as in run(): the prompt functions (the tests') need none of the suite's reporting.
     from engine.bench.common import say
     from engine.bench.system import peak_rss_bytes, rss_bytes
 
