@@ -158,9 +158,10 @@ DENSE_TOP_PAST = FUSED_PAST_MAX
 
 # MLX's CPU exp runs about 50M elements/s on these machines, numpy's (SIMD) about ten times
 # that, so the exp of a long softmax was most of a chunk's attention (a 512-token chunk over
-# 7,680 keys: 0.75 of 1.1 s a layer) and much of a decode step's at depth. On the CPU a
-# partial over at least this many float32 logits evaluates them and does the exp, the sums
-# and the value product in numpy (docs/benchmarks.md, the numpy exp); 0 never does.
+# 7,680 keys: 0.75 of 1.1 s a layer; with numpy a 10k prefill chunk ran 1.6x faster). On
+# the CPU a partial over at least this many float32 logits evaluates them and does the exp,
+# the sums and the value product in numpy; exact decode at 16k neither gained nor lost
+# (docs/benchmarks.md, thirteenth pass). 0 never does.
 NP_EXP_MIN = int(os.environ.get("STRATA_NP_EXP_MIN") or 1 << 16)
 
 _Partial = tuple[Any, Any, Any]  # running max (H, R), sum (H, R), output (H, R, D)
