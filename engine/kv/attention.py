@@ -160,9 +160,11 @@ DENSE_TOP_PAST = FUSED_PAST_MAX
 # that, so the exp of a long softmax was most of a chunk's attention (a 512-token chunk over
 # 7,680 keys: 0.75 of 1.1 s a layer; with numpy a 10k prefill chunk ran 1.6x faster). On
 # the CPU a partial over at least this many float32 logits evaluates them and does the exp,
-# the sums and the value product in numpy; exact decode at 16k neither gained nor lost
+# the sums and the value product in numpy. Not below: each such partial is a sync, and a
+# question's 64-token chunks after 128k stored tokens (~0.5M logits a partial) took their
+# prefill from 2.1 to 3.2 s at 65,536; at 5.9M (24k, budget 768) it neither gained nor lost
 # (docs/benchmarks.md, thirteenth pass). 0 never does.
-NP_EXP_MIN = int(os.environ.get("STRATA_NP_EXP_MIN") or 1 << 16)
+NP_EXP_MIN = int(os.environ.get("STRATA_NP_EXP_MIN") or 1 << 22)
 
 _Partial = tuple[Any, Any, Any]  # running max (H, R), sum (H, R), output (H, R, D)
 
