@@ -148,6 +148,32 @@ def set_blas_threads(n: int) -> bool:
     return True
 
 
+def numpy_blas_one_thread() -> bool:
+    """Make numpy's own bundled OpenBLAS (scipy-openblas in Linux wheels, apart from the one
+    MLX runs on) use one thread. Its workers spin after each call, and on a few cores they
+    took the cores MLX's stream and the page reads needed: a question after 128k stored
+    tokens with the sparse selection in numpy went 1.7 -> 2.5-3.3 s (docs/benchmarks.md);
+    numpy's matmuls there are small. False where numpy bundles no OpenBLAS."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import glob  # (one lookup at start, not at every import of this leaf)
+
+    import numpy as np  # (the same: loading the engine needs no numpy)
+    libs = Path(np.__file__).resolve().parent.parent / "numpy.libs"
+    for path in sorted(glob.glob(str(libs / "lib*openblas*.so*"))):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads_64_",
+                     "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn(ctypes.c_int(1))
+                return True
+    return False
+
+
 def blas_status() -> str:
     """Which BLAS MLX's CPU path uses: 'openblas (path)', 'reference' or 'accelerate'."""
     if sys.platform == "darwin":

@@ -35,7 +35,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine.kv import remap
+from engine.kv import cpu_select, remap
 from engine.kv.cache import PagedLayerCache
 
 # A score block of page group x heads x queries x page tokens stays under this many floats.
@@ -615,6 +615,14 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     if chosen is None:
         return _exact(store, layer, qg, n_pages, acc)
     top, sink, hi = chosen
+    if end - start <= SPARSE_MAX_L and cpu_select.enabled():
+        # A decode step over pages all in RAM: attended in numpy too (the query and the
+        # recent partial are evaluated already), one conversion back instead of ~20 ops.
+        part = cpu_select.attend_blocks(store, layer, cpu_select.to_np(qg),
+                                        tuple(cpu_select.to_np(a) for a in acc),  # type: ignore[arg-type]
+                                        np.asarray(top), sink, hi, n_pages, spec, end)
+        if part is not None:
+            return mx.array(part[0]), mx.array(part[1]), mx.array(part[2])
     table = store.tables[layer]
     P = store.P
     b = table.block_tokens
@@ -705,9 +713,12 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     if far is not None and lo * P >= far[1]:
         far = None  # every candidate within the trained reach
     _catch_up(store, layer, n_pages)
+    if cpu_select.enabled():
+        return _select_np(store, layer, qg, n_pages, acc, start, held, budget, far,
+                          step_end, sink, hi, k_sel)
     voted = _voted(table, lo, hi, nb, int(k_sel * VOTE_SHARE), start)
     k_step = k_sel - (0 if voted is None else voted.shape[1])
-    key, last = (n_pages, budget), table.chosen
+    key, last = (n_pages, budget, False), table.chosen
     if (step_end is not None and RESELECT_STEPS > 1 and last is not None and last[0] == key
             and last[1] == start and last[2] < RESELECT_STEPS):
         score, cand = last[3]
@@ -726,6 +737,56 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     if voted is not None:
         top = mx.concatenate([voted.astype(top.dtype), top], axis=1)
     return top, sink, hi
+
+
+def _select_np(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial, start: int,
+               held: dict[str, Any] | None, budget: int,
+               far: tuple[remap.RopeSpec, int, int] | None, step_end: int | None, sink: int,
+               hi: int, k_sel: int) -> tuple[Any, int, int]:
+    """`select_blocks` past its early returns, in numpy (engine.kv.cpu_select): the same
+    votes, bound, shortlist reuse and rescoring, one synchronisation (the query and its
+    running max) instead of ~40 small MLX ops."""
+    table = store.tables[layer]
+    b = table.block_tokens
+    nb = store.P // b
+    lo = sink
+    q, m0 = cpu_select.to_np(qg), cpu_select.to_np(acc[0])
+    voted = cpu_select.voted(table.votes, table.votes_at, lo, hi, nb, int(k_sel * VOTE_SHARE),
+                             start)
+    k_step = k_sel - (0 if voted is None else voted.shape[1])
+    key, last = (n_pages, budget, True), table.chosen
+    if (step_end is not None and RESELECT_STEPS > 1 and last is not None and last[0] == key
+            and last[1] == start and last[2] < RESELECT_STEPS):
+        score, cand = last[3]
+        table.chosen = (key, step_end, last[2] + 1, last[3])
+    else:
+        pages = -(-k_sel * b // store.P)
+        n_first = max(TWO_LEVEL_MIN_PAGES, TWO_LEVEL_FACTOR * pages)
+        score, cand = cpu_select.bounded(table, q, m0, n_pages, lo, hi, n_first,
+                                         max(2, READ_PAGES_FACTOR * RESCORE * pages), voted,
+                                         far, FAR_PAGE_RUN)
+        table.chosen = None if step_end is None else (key, step_end, 1, (score, cand))
+    if k_step <= 0:
+        assert voted is not None
+        return mx.array(voted), sink, hi
+    if RESCORE > 1:
+        m = RESCORE * k_step
+        if RESCORE_CAP > 0:
+            m = min(m, max(k_step, int(RESCORE_CAP * store.settings.budget_tokens) // b))
+
+        def keys_of(at: np.ndarray) -> np.ndarray:
+            k = cpu_select.resident_keys(store, layer, at) if table.all_resident(
+                n_pages) else None
+            return k if k is not None else cpu_select.to_np(
+                _gather_keys(store, layer, mx.array(at), n_pages, held))
+
+        top = cpu_select.rescore(q, m0, score, k_step, m, cand, lo, nb, b, far, keys_of)
+    else:
+        top = np.argpartition(-score, k_step - 1, axis=-1)[:, :k_step]
+        top = top + lo * nb if cand is None else np.take_along_axis(cand, top, axis=-1)
+    if voted is not None:
+        top = np.concatenate([voted, top], axis=1)
+    return mx.array(top.astype(np.int32)), sink, hi
 
 
 def _bounded(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial, lo: int, hi: int,

@@ -128,19 +128,20 @@ def block_deltas(top: Any, sink: int, hi: int, n_pages: int, P: int, b: int, end
     window and the queries after them at their own distances. The queries move by S + K -
     W0, so delta = (k' - p_k) - (S + K - W0): sinks W0 - S - K, window 0, chosen block j:
     W0 - K + j b - s_j (the block just before the window, if chosen last, stays put)."""
+    xp = _xp(top)
     h, k = top.shape
     nb = P // b
-    top = mx.sort(top, axis=-1)
+    top = xp.sort(top, axis=-1)
     S, K, W0 = sink * P, k * b, hi * P
     E = end - trained
-    steps = mx.arange(k, dtype=mx.int32)[None] * b - top.astype(mx.int32) * b   # j b - s_j
+    steps = xp.arange(k, dtype=xp.int32)[None] * b - top.astype(xp.int32) * b   # j b - s_j
     if LAYOUT == "reach" and trained > 0 and 0 <= E <= W0 - S - K:
-        shift, chosen = E, mx.maximum(steps + (E + S), 0)
+        shift, chosen = E, xp.maximum(steps + (E + S), 0)
     else:
         shift, chosen = W0 - S - K, steps + (W0 - K)
-    fixed = mx.concatenate([mx.full((sink * nb,), shift, mx.int32),
-                            mx.zeros(((n_pages - hi) * nb,), mx.int32)])
-    delta = mx.concatenate([mx.broadcast_to(fixed[None], (h, fixed.shape[0])), chosen], axis=1)
+    fixed = xp.concatenate([xp.full((sink * nb,), shift, xp.int32),
+                            xp.zeros(((n_pages - hi) * nb,), xp.int32)])
+    delta = xp.concatenate([xp.broadcast_to(fixed[None], (h, fixed.shape[0])), chosen], axis=1)
     return top, delta
 
 
@@ -151,26 +152,45 @@ def block_deltas(top: Any, sink: int, hi: int, n_pages: int, P: int, b: int, end
 # 2,048, load 7), the tables' lookups a few hundredths.
 SPLIT = 4096
 _tables: dict[RopeSpec, tuple[Any, Any, Any, Any]] = {}
+_np_tables: dict[RopeSpec, tuple[np.ndarray, ...]] = {}
+
+
+def _split_tables(spec: RopeSpec) -> tuple[np.ndarray, ...]:
+    """cos and sin of lo and of hi * SPLIT positions (SPLIT, dims / 2) each, float32 from
+    float64: the angle tables `_cos_sin` looks up (as MLX or numpy arrays)."""
+    t = _np_tables.get(spec)
+    if t is None:
+        inv = spec.base ** (-np.arange(0, spec.dims, 2, dtype=np.float64) / spec.dims)
+        n = np.arange(SPLIT, dtype=np.float64)[:, None] * spec.scale * inv    # (SPLIT, half)
+        t = tuple(f(a).astype(np.float32) for a in (n, n * SPLIT) for f in (np.cos, np.sin))
+        _np_tables[spec] = t
+    return t
+
+
+def _xp(a: Any) -> Any:
+    """numpy for numpy arrays (the CPU's sparse path, engine.kv.cpu_select), else MLX."""
+    return np if isinstance(a, np.ndarray) else mx
 
 
 def _cos_sin(delta: Any, spec: RopeSpec) -> tuple[Any, Any]:
     """cos and sin (H, n, dims / 2), float32, of each delta (H, n) times the frequencies
-    mx.fast.rope uses (base^(-2i/dims), positions times scale)."""
-    t = _tables.get(spec)
-    if t is None:
-        inv = spec.base ** (-np.arange(0, spec.dims, 2, dtype=np.float64) / spec.dims)
-        n = np.arange(SPLIT, dtype=np.float64)[:, None] * spec.scale * inv    # (SPLIT, half)
-        t = tuple(mx.array(f(a).astype(np.float32)) for a in (n, n * SPLIT)
-                  for f in (np.cos, np.sin))  # type: ignore[assignment]
-        _tables[spec] = t  # type: ignore[assignment]
-    cl, sl, ch, sh = t  # type: ignore[misc]
-    d = delta.astype(mx.int32)
-    a = mx.abs(d)
+    mx.fast.rope uses (base^(-2i/dims), positions times scale); numpy for a numpy delta."""
+    xp = _xp(delta)
+    if xp is np:
+        cl, sl, ch, sh = _split_tables(spec)
+    else:
+        t = _tables.get(spec)
+        if t is None:
+            t = tuple(mx.array(a) for a in _split_tables(spec))  # type: ignore[assignment]
+            _tables[spec] = t  # type: ignore[assignment]
+        cl, sl, ch, sh = t  # type: ignore[misc]
+    d = delta.astype(xp.int32)
+    a = xp.abs(d)
     hi, lo = a // SPLIT, a % SPLIT
     c_lo, s_lo, c_hi, s_hi = cl[lo], sl[lo], ch[hi], sh[hi]
     c = c_hi * c_lo - s_hi * s_lo
     s = s_hi * c_lo + c_hi * s_lo
-    return c, mx.where((d < 0)[..., None], -s, s)
+    return c, xp.where((d < 0)[..., None], -s, s)
 
 
 def rerotate(k: Any, delta: Any, spec: RopeSpec) -> Any:
@@ -182,19 +202,40 @@ def rerotate(k: Any, delta: Any, spec: RopeSpec) -> Any:
     (now ~0.5: the angles come from `_cos_sin`'s tables). |delta| < SPLIT**2 (16.7M).
     k and delta broadcast: k (H, 1, R, D) and delta (1, n) rotate H x R rows n ways (the
     query rotated back per far page) with the angles computed once, not H times."""
+    xp = _xp(k)
     half = spec.dims // 2
     c, s = _cos_sin(delta, spec)                                          # (H, n, half)
+    if xp is np and not spec.traditional and k.dtype == np.float32:
+        return _rerotate_np(k, c[..., None, :], s[..., None, :], spec)
     c, s = c[..., None, :].astype(k.dtype), s[..., None, :].astype(k.dtype)
     rot, rest = k[..., :spec.dims], k[..., spec.dims:]
     if spec.traditional:  # pairs (2i, 2i + 1)
         x = rot.reshape(*rot.shape[:-1], half, 2)
         x1, x2 = x[..., 0], x[..., 1]
-        out = mx.stack([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1)
+        out = xp.stack([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1)
         out = out.reshape(*out.shape[:-2], spec.dims)
     else:  # halves (i, i + dims / 2)
         x1, x2 = rot[..., :half], rot[..., half:]
-        out = mx.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1)
+        out = xp.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1)
     if rest.shape[-1] == 0:
         return out
-    return mx.concatenate([out, mx.broadcast_to(rest, (*out.shape[:-1], rest.shape[-1]))],
+    return xp.concatenate([out, xp.broadcast_to(rest, (*out.shape[:-1], rest.shape[-1]))],
                           axis=-1)
+
+
+
+def _rerotate_np(k: np.ndarray, c: np.ndarray, s: np.ndarray, spec: RopeSpec) -> np.ndarray:
+    """`rerotate`'s halves layout in numpy, written into one output: the concatenations and
+    dtype copies of the generic form were half of its time (2 ms a layer at 32k)."""
+    half = spec.dims // 2
+    x1, x2 = k[..., :half], k[..., half:spec.dims]
+    shape = np.broadcast_shapes(x1.shape, c.shape)
+    out = np.empty((*shape[:-1], k.shape[-1]), np.float32)
+    o1, o2 = out[..., :half], out[..., half:spec.dims]
+    np.multiply(x1, c, out=o1)
+    o1 -= x2 * s
+    np.multiply(x1, s, out=o2)
+    o2 += x2 * c
+    if k.shape[-1] > spec.dims:
+        out[..., spec.dims:] = k[..., spec.dims:]
+    return out

@@ -62,6 +62,9 @@ class LayerTable:
         # The last decode step's shortlist (engine.kv.attention.RESELECT_STEPS): (key, next
         # position, steps it served, (bound, candidates)), or None.
         self.chosen: Any = None
+        # engine.kv.cpu_select's float32 copies of the block summaries of the pages its
+        # selections looked at (min, max, converted?), or None; forgotten on truncation.
+        self.np_rows: Any = None
 
     # -- bookkeeping ----------------------------------------------------------------------
     def _grow(self, n: int) -> None:
@@ -129,6 +132,7 @@ class LayerTable:
         """Forget pages >= n_pages; returns the slots they held."""
         freed = []
         self.chosen = None
+        self.np_rows = None
         for p in range(n_pages, self.n_pages):
             s = int(self.slot_of[p])
             if s >= 0:

@@ -1,0 +1,282 @@
+"""Sparse selection in numpy, for MLX's CPU backend.
+
+Contract: `bounded`, `rescore` and `voted` compute what engine.kv.attention's `_bounded`,
+`_rescore` and `_voted` compute (the same bound, the same shortlist, the same true logits,
+the same choice up to float32 rounding and the order of ties), on numpy arrays: queries
+(H, R, D) and running maxima (H, R) in float32, the layer's summaries and votes viewed
+without a copy, block indices as int64. `enabled()` says whether attention takes this path:
+on the CPU, unless STRATA_NP_SELECT=0.
+
+Why: a sparse decode step's selection is ~40 MLX ops on arrays of 10^3 to 10^5 elements,
+and on MLX's CPU backend each costs 0.05-0.8 ms whatever its size (4.6 ms a layer at 32k,
+budget 2,048; docs/benchmarks.md). numpy does the same arithmetic in a fraction of that; the
+price is one synchronisation a layer (the query and its running max are evaluated). On a GPU
+the ops stay in MLX, where they are cheap and a sync is not.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from engine.kv import remap
+
+NP_SELECT = (os.environ.get("STRATA_NP_SELECT") or "1") != "0"
+
+Far = tuple[remap.RopeSpec, int, int]  # (spec, E, S): see attention._far_shift
+NINF = np.float32(-np.inf)
+
+
+def enabled() -> bool:
+    """Whether sparse selection runs here (numpy) rather than in MLX ops."""
+    return NP_SELECT and mx.default_device() == mx.cpu
+
+
+def to_np(a: Any) -> np.ndarray:
+    """A float32 (or integer) numpy array of MLX array `a`, evaluated; no copy when `a` is
+    float32 and contiguous already."""
+    if a.dtype in (mx.float16, mx.bfloat16):
+        a = a.astype(mx.float32)
+    return np.asarray(a)
+
+
+def lse(x: np.ndarray, axis: int) -> np.ndarray:
+    """log(sum(exp(x))) along `axis`; -inf where every element is -inf (as mx.logsumexp)."""
+    m = x.max(axis=axis, keepdims=True)
+    m = np.where(np.isfinite(m), m, np.float32(0))
+    with np.errstate(divide="ignore"):
+        return (np.log(np.exp(x - m).sum(axis=axis, keepdims=True)) + m).squeeze(axis)
+
+
+def far_shift(starts: np.ndarray, far: Far) -> np.ndarray:
+    """attention._far_shift: E + S - start for candidates starting before E, else 0."""
+    _, e, s = far
+    starts = starts.astype(np.int64)
+    return np.where(starts < e, e + s - starts, 0)
+
+
+def score(bmin: np.ndarray, bmax: np.ndarray, qt: np.ndarray, m: np.ndarray,
+          starts: np.ndarray | None = None, far: Far | None = None,
+          group: int = 1) -> np.ndarray:
+    """attention._score: per KV head and candidate (H, n), the logsumexp over query rows of
+    the bound on q.k minus the row's running max. bmin, bmax (H, n, D) float32; qt (H, D, R);
+    m (H, R); with `far`, runs of `group` candidates starting before E bounded by the query
+    rotated back by the run's first start's shift."""
+    if far is None:
+        bound = bmax @ np.maximum(qt, 0) + bmin @ np.minimum(qt, 0)       # (H, n, R)
+    else:
+        assert starts is not None
+        h, d, r = qt.shape
+        n = bmax.shape[1]
+        g = -(-n // group)
+        if g * group > n:  # a last, partial run: zero rows, cut off below
+            bmax, bmin = (np.concatenate([a, np.zeros((h, g * group - n, d), a.dtype)], 1)
+                          for a in (bmax, bmin))
+        q = remap.rerotate(qt.swapaxes(-1, -2)[:, None],
+                              -far_shift(starts[:, ::group], far), far[0])  # (H, g, R, D)
+        q = np.broadcast_to(q, (h, g, r, d))
+        if group == 1:
+            bound = (np.maximum(q, 0) * bmax[:, :, None] +
+                     np.minimum(q, 0) * bmin[:, :, None]).sum(axis=-1)
+        else:
+            q = q.swapaxes(-1, -2)                                          # (H, g, D, R)
+            bound = (bmax.reshape(h, g, group, d) @ np.maximum(q, 0) +
+                     bmin.reshape(h, g, group, d) @ np.minimum(q, 0)).reshape(h, -1, r)[:, :n]
+    return lse(bound - m[:, None, :], axis=-1)
+
+
+def _f32(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float32, copy=False)
+
+
+def page_blocks(table: Any, bmin: np.ndarray, bmax: np.ndarray, pages: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The block summaries (H, M * nb, D) float32 of pages (H, M) per head, from bmin, bmax
+    (H, block_pages * nb, D) float16. Each (head, page) is converted once and kept in
+    `table.np_rows`: float16 to float32 ran at ~0.5G values/s, 1.4 ms of a 32k decode step's
+    layer, and a step's first-level pages are mostly the last step's."""
+    h, _, d = bmin.shape
+    n = table.block_pages
+    nb = bmin.shape[1] // n
+    st = table.np_rows
+    if st is None or st[2].shape[1] < n:
+        cap = max(n, 64, 0 if st is None else 2 * st[2].shape[1])
+        # np.empty: untouched rows cost no memory; only converted rows are copied over.
+        new = (np.empty((h, cap, nb * d), np.float32), np.empty((h, cap, nb * d), np.float32),
+               np.zeros((h, cap), np.bool_))
+        if st is not None:
+            hh, pp = np.nonzero(st[2])
+            new[0][hh, pp], new[1][hh, pp], new[2][hh, pp] = st[0][hh, pp], st[1][hh, pp], True
+        table.np_rows = st = new
+    fmin, fmax, done = st
+    heads = np.arange(h)[:, None]
+    need = ~done[heads, pages]
+    if need.any():
+        hh, mm = np.nonzero(need)
+        pp = pages[hh, mm]
+        fmin[hh, pp] = bmin.reshape(h, n, nb * d)[hh, pp]
+        fmax[hh, pp] = bmax.reshape(h, n, nb * d)[hh, pp]
+        done[hh, pp] = True
+    return fmin[heads, pages].reshape(h, -1, d), fmax[heads, pages].reshape(h, -1, d)
+
+
+def voted(votes: Any, votes_at: int, lo: int, hi: int, nb: int, k_vote: int,
+          start: int) -> np.ndarray | None:
+    """attention._voted: the k_vote best-voted blocks (H, k_vote) among pages [lo, hi)."""
+    if k_vote <= 0 or votes is None or votes_at > start:
+        return None
+    v = to_np(votes)
+    n = min(v.shape[1], hi * nb) - lo * nb
+    if n <= k_vote:
+        return None
+    pick = np.argpartition(-v[:, lo * nb:lo * nb + n], k_vote - 1, axis=-1)
+    return pick[:, :k_vote] + lo * nb
+
+
+def bounded(table: Any, q: np.ndarray, m0: np.ndarray, n_pages: int, lo: int, hi: int,
+            n_first: int, read_pages: int, voted_blocks: np.ndarray | None, far: Far | None,
+            page_run: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """attention._bounded on numpy arrays: (bound (H, n) with -inf for the voted blocks and
+    those outside the `read_pages` best pages, candidates (H, n) or None for every block of
+    pages [lo, hi)). Two levels (pages first, then the blocks of the n_first best pages a
+    head) when there are more than 2 n_first candidate pages."""
+    P = table.page_tokens
+    b = table.block_tokens
+    nb = P // b
+    h = q.shape[0]
+    qt = q.swapaxes(-1, -2)                                                 # (H, D, R)
+    c = hi - lo
+    bmin, bmax = (np.asarray(a) for a in table.block_summaries)           # (H, N nb, D)
+    pages_of: np.ndarray | None
+    if c > 2 * n_first:
+        pmin = _f32(np.asarray(table.kmin)[lo:hi].transpose(1, 0, 2))     # (H, c, D)
+        pmax = _f32(np.asarray(table.kmax)[lo:hi].transpose(1, 0, 2))
+        pscore = score(pmin, pmax, qt, m0, (np.arange(lo, hi) * P)[None], far, page_run)
+        first = np.argpartition(-pscore, n_first - 1, axis=-1)[:, :n_first]   # (H, M)
+        cand: np.ndarray | None = (first[..., None] * nb + np.arange(nb)).reshape(h, -1) \
+            + lo * nb
+        rmin, rmax = page_blocks(table, bmin, bmax, first + lo)
+        assert cand is not None
+        sc = score(rmin, rmax, qt, m0, cand * b, far, nb)
+        pages_of, n_cand = first, n_first
+    else:
+        cand = None
+        sc = score(_f32(bmin[:, lo * nb:hi * nb]), _f32(bmax[:, lo * nb:hi * nb]), qt, m0,
+                   (np.arange(lo * nb, hi * nb) * b)[None], far, nb)
+        pages_of, n_cand = None, c
+    if voted_blocks is not None:
+        mask = np.zeros((h, n_pages * nb), np.bool_)
+        np.put_along_axis(mask, voted_blocks, True, axis=1)
+        taken = mask[:, lo * nb:hi * nb] if cand is None else np.take_along_axis(mask, cand,
+                                                                                  axis=1)
+        sc = np.where(taken, NINF, sc)
+    if read_pages < c:
+        per_page = sc.reshape(h, n_cand, nb).max(axis=-1)                  # (H, n_cand)
+        if pages_of is None:
+            best = per_page.max(axis=0)                                     # (c,)
+        else:
+            best = np.full((c,), NINF, per_page.dtype)
+            np.maximum.at(best, pages_of.reshape(-1), per_page.reshape(-1))
+        keep = np.argpartition(-best, read_pages - 1)[:read_pages]
+        chosen = np.zeros((c,), np.bool_)
+        chosen[keep] = True
+        ok = chosen[None] if pages_of is None else chosen[pages_of]        # (1 or H, n_cand)
+        sc = np.where(ok[..., None], sc.reshape(h, n_cand, nb), NINF).reshape(h, n_cand * nb)
+    return sc, cand
+
+
+def rescore(q: np.ndarray, m0: np.ndarray, sc: np.ndarray, k_sel: int, m: int,
+            cand: np.ndarray | None, lo: int, nb: int, b: int, far: Far | None,
+            keys_of: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """attention._rescore on numpy arrays: of the m best candidates by bound, the k_sel
+    (H, k_sel) with the largest true logit against each query row's running max, summed over
+    the group; keys_of(at) gives the float32 keys (H, m, b, D) of blocks `at` (H, m)."""
+    h, r, d = q.shape
+    m = min(m, sc.shape[1])
+    pre = np.argpartition(-sc, m - 1, axis=-1)[:, :m]                      # (H, m)
+    at = pre + lo * nb if cand is None else np.take_along_axis(cand, pre, axis=-1)
+    k = keys_of(at)                                                          # (H, m, b, D)
+    if far is None:
+        s = (q @ k.reshape(h, m * b, d).swapaxes(-1, -2)).reshape(h, r, m, b).max(axis=-1)
+    else:  # the query rotated back per block: fewer rows than the keys
+        qr = remap.rerotate(q[:, None], -far_shift(at * b, far), far[0])  # (H, m, R, D)
+        s = (qr @ k.swapaxes(-1, -2)).max(axis=-1).swapaxes(1, 2)           # (H, R, m)
+    true = lse(s - m0[:, :, None], axis=1)                                  # (H, m)
+    out = np.take_along_axis(sc, pre, axis=-1) == NINF
+    true = np.where(out, NINF, true)
+    pick = np.argpartition(-true, k_sel - 1, axis=-1)[:, :k_sel]
+    return np.take_along_axis(at, pick, axis=-1)
+
+
+def plain_pool(store: Any, layer: int) -> np.ndarray | None:
+    """The RAM tier's float32 keys pool (slots, H, P, D) viewed without a copy, or None when
+    the pages are quantized, 16-bit or buffered (the caller goes through MLX)."""
+    pool = store.pool_k[layer]
+    if pool is None or len(pool) != 1 or pool[0].dtype != mx.float32:
+        return None
+    return np.asarray(pool[0])
+
+
+def resident_keys(store: Any, layer: int, at: np.ndarray) -> np.ndarray | None:
+    """Keys (H, m, b, D) float32 of the blocks `at` (H, m), gathered in numpy from the RAM
+    tier's pool; None when the pool is not `plain_pool`."""
+    a = plain_pool(store, layer)
+    if a is None:
+        return None
+    table = store.tables[layer]
+    b = table.block_tokens
+    nb = store.P // b
+    page = at // nb
+    slots = page if table.identity else table.slot_of[page]
+    heads = np.arange(at.shape[0])[:, None]
+    return a.reshape(*a.shape[:2], nb, b, a.shape[-1])[slots, heads, at % nb]
+
+
+def attend_blocks(store: Any, layer: int, q: np.ndarray,
+                  recent: tuple[np.ndarray, np.ndarray, np.ndarray], top: np.ndarray,
+                  sink: int, hi: int, n_pages: int, spec: remap.RopeSpec | None,
+                  end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """attention._sparse's attention after selection, in numpy: the softmax partial (max,
+    sum, output) of queries q (H, R, D) over the sink pages [0, sink), the chosen blocks `top`
+    (H, k) and the window pages [hi, n_pages), re-rotated as remap.block_deltas places them
+    (`spec`), merged with the `recent` partial. None unless every page is in the RAM tier as
+    plain float32 (`plain_pool`)."""
+    table = store.tables[layer]
+    pk = plain_pool(store, layer)
+    pool_v = store.pool_v[layer]
+    if pk is None or pool_v is None or not table.all_resident(n_pages):
+        return None
+    pv = np.asarray(pool_v[0])
+    P = store.P
+    b = table.block_tokens
+    nb = P // b
+    h, _, d = q.shape
+    delta = None
+    if spec is not None:
+        top, delta = remap.block_deltas(top, sink, hi, n_pages, P, b, end, spec.trained)
+    n_top = top.shape[1]
+    blocks = np.concatenate([np.broadcast_to(np.arange(sink * nb), (h, sink * nb)),
+                             top.astype(np.int64),
+                             np.broadcast_to(np.arange(hi * nb, n_pages * nb),
+                                             (h, (n_pages - hi) * nb))], axis=1)
+    n_rot = sink * nb + n_top
+    page, blk = blocks // nb, blocks % nb
+    slots = page if table.identity else table.slot_of[page]
+    heads = np.arange(h)[:, None]
+    k = pk.reshape(*pk.shape[:2], nb, b, d)[slots, heads, blk]                # (H, n, b, D)
+    v = pv.reshape(*pv.shape[:2], nb, b, pv.shape[-1])[slots, heads, blk]
+    if delta is not None:  # the window's delta is 0: only sinks and chosen blocks turn
+        rot = np.concatenate([delta[:, :sink * nb], delta[:, delta.shape[1] - n_top:]], axis=1)
+        k[:, :n_rot] = remap.rerotate(k[:, :n_rot], rot, spec)  # type: ignore[arg-type]
+    s = q @ k.reshape(h, -1, d).swapaxes(-1, -2)                                # (H, R, T)
+    m = s.max(axis=-1)
+    e = np.exp(s - m[..., None])
+    o = e @ v.reshape(h, -1, v.shape[-1])
+    rm, rl, ro = recent
+    top_m = np.maximum(m, rm)
+    ea, eb = np.exp(rm - top_m), np.exp(m - top_m)
+    return top_m, rl * ea + e.sum(axis=-1) * eb, ro * ea[..., None] + o * eb[..., None]
