@@ -109,3 +109,25 @@ def test_gpu_check_is_skipped_on_the_cpu_by_choice(
     fake_mac.mx.metal.available = False
     monkeypatch.setenv("STRATA_DEVICE", "cpu")
     assert fake_mac.smoke.check_gpu() == {"gpu_check": "skipped (STRATA_DEVICE=cpu)"}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="numpy bundles OpenBLAS on Linux")
+def test_numpy_blas_is_held_to_one_thread_and_mlx_blas_is_not() -> None:
+    """Importing the engine holds numpy's bundled OpenBLAS to one thread (in a fresh process,
+    read back through the library's own getter), and leaves the system OpenBLAS MLX runs
+    on as it was: its thread count is still the machine's default."""
+    code = (
+        "import ctypes, glob, os, numpy as np\n"
+        "libs = glob.glob(os.path.join(os.path.dirname(np.__file__), '..', 'numpy.libs',"
+        " 'lib*openblas*.so*'))\n"
+        "lib = ctypes.CDLL(libs[0])\n"
+        "get = lib.scipy_openblas_get_num_threads64_\n"
+        "before = get()\n"
+        "import engine\n"
+        "from engine import platform\n"
+        "print(before, get(), platform.blas_threads())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, check=True, env={**os.environ, "OPENBLAS_NUM_THREADS": "2"})
+    before, after, mlx_blas = out.stdout.split()
+    assert (before, after) == ("2", "1")
+    assert mlx_blas == "2"
