@@ -615,7 +615,7 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     if chosen is None:
         return _exact(store, layer, qg, n_pages, acc)
     top, sink, hi = chosen
-    if end - start <= SPARSE_MAX_L and cpu_select.enabled():
+    if end - start <= SPARSE_MAX_L and cpu_select.enabled(qg.shape[1]):
         # A decode step over pages all in RAM: attended in numpy too (the query and the
         # recent partial are evaluated already), one conversion back instead of ~20 ops.
         part = cpu_select.attend_blocks(store, layer, cpu_select.to_np(qg),
@@ -713,7 +713,7 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     if far is not None and lo * P >= far[1]:
         far = None  # every candidate within the trained reach
     _catch_up(store, layer, n_pages)
-    if cpu_select.enabled():
+    if cpu_select.enabled(qg.shape[1]):
         return _select_np(store, layer, qg, n_pages, acc, start, held, budget, far,
                           step_end, sink, hi, k_sel)
     voted = _voted(table, lo, hi, nb, int(k_sel * VOTE_SHARE), start)

@@ -26,14 +26,19 @@ import numpy as np
 from engine.kv import remap
 
 NP_SELECT = (os.environ.get("STRATA_NP_SELECT") or "1") != "0"
+# Decode steps only (query rows: the group's query heads x at most a few tokens). A prompt
+# chunk's selection (the question after 128k stored tokens: ~120 rows) stays in MLX: in
+# numpy its first token went 2.7 -> 3.2-3.5 s (docs/benchmarks.md).
+MAX_ROWS = 32
 
 Far = tuple[remap.RopeSpec, int, int]  # (spec, E, S): see attention._far_shift
 NINF = np.float32(-np.inf)
 
 
-def enabled() -> bool:
-    """Whether sparse selection runs here (numpy) rather than in MLX ops."""
-    return NP_SELECT and mx.default_device() == mx.cpu
+def enabled(rows: int = 1) -> bool:
+    """Whether a sparse step with `rows` query rows per KV head selects here (numpy) rather
+    than in MLX ops."""
+    return NP_SELECT and rows <= MAX_ROWS and mx.default_device() == mx.cpu
 
 
 def to_np(a: Any) -> np.ndarray:
@@ -97,31 +102,38 @@ def page_blocks(table: Any, bmin: np.ndarray, bmax: np.ndarray, pages: np.ndarra
                 ) -> tuple[np.ndarray, np.ndarray]:
     """The block summaries (H, M * nb, D) float32 of pages (H, M) per head, from bmin, bmax
     (H, block_pages * nb, D) float16. Each (head, page) is converted once and kept in
-    `table.np_rows`: float16 to float32 ran at ~0.5G values/s, 1.4 ms of a 32k decode step's
-    layer, and a step's first-level pages are mostly the last step's."""
+    `table.np_rows` (row of each (head, page) or -1, then the rows converted, min and max):
+    float16 to float32 ran at ~0.5G values/s, 1.4 ms of a 32k decode step's layer, and a
+    step's first-level pages are mostly the last step's. Only pages looked at take memory."""
     h, _, d = bmin.shape
     n = table.block_pages
     nb = bmin.shape[1] // n
     st = table.np_rows
-    if st is None or st[2].shape[1] < n:
-        cap = max(n, 64, 0 if st is None else 2 * st[2].shape[1])
-        # np.empty: untouched rows cost no memory; only converted rows are copied over.
-        new = (np.empty((h, cap, nb * d), np.float32), np.empty((h, cap, nb * d), np.float32),
-               np.zeros((h, cap), np.bool_))
-        if st is not None:
-            hh, pp = np.nonzero(st[2])
-            new[0][hh, pp], new[1][hh, pp], new[2][hh, pp] = st[0][hh, pp], st[1][hh, pp], True
-        table.np_rows = st = new
-    fmin, fmax, done = st
+    if st is None:
+        st = [np.full((h, n), -1, np.int64), 0, np.empty((64, nb * d), np.float32),
+              np.empty((64, nb * d), np.float32)]
+        table.np_rows = st
+    if st[0].shape[1] < n:
+        st[0] = np.concatenate([st[0], np.full((h, 2 * n - st[0].shape[1]), -1, np.int64)], 1)
+    row_of = st[0]
     heads = np.arange(h)[:, None]
-    need = ~done[heads, pages]
+    need = row_of[heads, pages] < 0
     if need.any():
         hh, mm = np.nonzero(need)
         pp = pages[hh, mm]
-        fmin[hh, pp] = bmin.reshape(h, n, nb * d)[hh, pp]
-        fmax[hh, pp] = bmax.reshape(h, n, nb * d)[hh, pp]
-        done[hh, pp] = True
-    return fmin[heads, pages].reshape(h, -1, d), fmax[heads, pages].reshape(h, -1, d)
+        used, k = st[1], len(hh)
+        if used + k > len(st[2]):
+            size = max(used + k, 2 * len(st[2]))
+            for i in (2, 3):
+                grown = np.empty((size, nb * d), np.float32)
+                grown[:used] = st[i][:used]
+                st[i] = grown
+        st[2][used:used + k] = bmin.reshape(h, n, nb * d)[hh, pp]
+        st[3][used:used + k] = bmax.reshape(h, n, nb * d)[hh, pp]
+        row_of[hh, pp] = np.arange(used, used + k)
+        st[1] = used + k
+    rows = row_of[heads, pages]
+    return st[2][rows].reshape(h, -1, d), st[3][rows].reshape(h, -1, d)
 
 
 def voted(votes: Any, votes_at: int, lo: int, hi: int, nb: int, k_vote: int,

@@ -63,7 +63,8 @@ class LayerTable:
         # position, steps it served, (bound, candidates)), or None.
         self.chosen: Any = None
         # engine.kv.cpu_select's float32 copies of the block summaries of the pages its
-        # selections looked at (min, max, converted?), or None; forgotten on truncation.
+        # selections looked at (row of each head and page, rows used, min, max), or None;
+        # forgotten on truncation.
         self.np_rows: Any = None
 
     # -- bookkeeping ----------------------------------------------------------------------

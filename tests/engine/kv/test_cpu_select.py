@@ -23,7 +23,7 @@ def _run(tmp_path: Path, slots: int | None, spec: remap.RopeSpec | None
          ) -> tuple[KVStore, list[Any], Any]:
     """Prefill chunks of random keys (uneven scale per dimension, so the box bound and the
     true logits disagree) to ~3,000 tokens, then decode steps, through one sparse layer whose
-    RAM tier holds `slots` pages (None: all). 187 candidate pages against a budget of 6
+    RAM tier holds `slots` pages (None: all). ~187 candidate pages against a budget of 6
     blocks: two-level selection. Returns the store, every output, the last step's queries."""
     import mlx.core as mx
 
@@ -36,7 +36,7 @@ def _run(tmp_path: Path, slots: int | None, spec: remap.RopeSpec | None
     mx.random.seed(11)
     cache = PagedLayerCache(store, 0)
     outs = []
-    for n in [512] * 5 + [400, 1, 1, 1, 1]:
+    for n in [512] * 5 + [400] + [1] * 20:  # the steps cross a page: the rows kept grow
         k = mx.random.normal((1, H, n, D)) * mx.linspace(0.2, 3.0, D)
         v = mx.random.normal((1, H, n, D))
         q = mx.random.normal((1, H * REP, n, D))
@@ -73,7 +73,7 @@ def test_numpy_steps_equal_the_mlx_ops(tmp_path: Path, slots: int | None, traine
     on, outs_np, q = _run(tmp_path / "np", slots, spec)
     monkeypatch.setattr(cpu_select, "NP_SELECT", False)
     off, outs_mx, _ = _run(tmp_path / "mx", slots, spec)
-    assert ran == (["attended"] * 4 if slots is None else ["fell back"] * 4)
+    assert ran == (["attended"] * 20 if slots is None else ["fell back"] * 20)
     if slots is not None:
         assert on.tables[0].n_resident < on.tables[0].n_pages
     for a, b in zip(outs_np, outs_mx, strict=True):
