@@ -718,14 +718,8 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
                           step_end, sink, hi, k_sel)
     voted = _voted(table, lo, hi, nb, int(k_sel * VOTE_SHARE), start)
     k_step = k_sel - (0 if voted is None else voted.shape[1])
-    key, last = (n_pages, budget, False), table.chosen
-    if (step_end is not None and RESELECT_STEPS > 1 and last is not None and last[0] == key
-            and last[1] == start and last[2] < RESELECT_STEPS):
-        score, cand = last[3]
-        table.chosen = (key, step_end, last[2] + 1, last[3])
-    else:
-        score, cand = _bounded(store, layer, qg, n_pages, acc, lo, hi, k_sel, voted, far)
-        table.chosen = None if step_end is None else (key, step_end, 1, (score, cand))
+    score, cand = _shortlist(table, (n_pages, budget, False), start, step_end, lambda: _bounded(
+        store, layer, qg, n_pages, acc, lo, hi, k_sel, voted, far))
     if k_step <= 0:
         assert voted is not None
         return voted, sink, hi
@@ -737,6 +731,21 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     if voted is not None:
         top = mx.concatenate([voted.astype(top.dtype), top], axis=1)
     return top, sink, hi
+
+
+def _shortlist(table: Any, key: tuple[Any, ...], start: int, step_end: int | None,
+               bound: Any) -> tuple[Any, Any]:
+    """`bound()`'s (score, candidates), or the last step's when this decode step follows it
+    with the same key (pages, budget, backend) and it has served fewer than RESELECT_STEPS
+    steps; remembered for the next step (decode steps only)."""
+    last = table.chosen
+    if (step_end is not None and RESELECT_STEPS > 1 and last is not None and last[0] == key
+            and last[1] == start and last[2] < RESELECT_STEPS):
+        table.chosen = (key, step_end, last[2] + 1, last[3])
+        return last[3]  # type: ignore[no-any-return]
+    out = bound()
+    table.chosen = None if step_end is None else (key, step_end, 1, out)
+    return out  # type: ignore[no-any-return]
 
 
 def _select_np(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial, start: int,
@@ -754,18 +763,13 @@ def _select_np(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial, sta
     voted = cpu_select.voted(table.votes, table.votes_at, lo, hi, nb, int(k_sel * VOTE_SHARE),
                              start)
     k_step = k_sel - (0 if voted is None else voted.shape[1])
-    key, last = (n_pages, budget, True), table.chosen
-    if (step_end is not None and RESELECT_STEPS > 1 and last is not None and last[0] == key
-            and last[1] == start and last[2] < RESELECT_STEPS):
-        score, cand = last[3]
-        table.chosen = (key, step_end, last[2] + 1, last[3])
-    else:
-        pages = -(-k_sel * b // store.P)
-        n_first = max(TWO_LEVEL_MIN_PAGES, TWO_LEVEL_FACTOR * pages)
-        score, cand = cpu_select.bounded(table, q, m0, n_pages, lo, hi, n_first,
-                                         max(2, READ_PAGES_FACTOR * RESCORE * pages), voted,
-                                         far, FAR_PAGE_RUN)
-        table.chosen = None if step_end is None else (key, step_end, 1, (score, cand))
+    pages = -(-k_sel * b // store.P)
+    score, cand = _shortlist(table, (n_pages, budget, True), start, step_end,
+                             lambda: cpu_select.bounded(
+                                 table, q, m0, n_pages, lo, hi,
+                                 max(TWO_LEVEL_MIN_PAGES, TWO_LEVEL_FACTOR * pages),
+                                 max(2, READ_PAGES_FACTOR * RESCORE * pages), voted, far,
+                                 FAR_PAGE_RUN))
     if k_step <= 0:
         assert voted is not None
         return mx.array(voted), sink, hi
