@@ -24,6 +24,8 @@ layers; every other cache (a sliding-window layer's WindowLayerCache, mlx-lm's c
 to mlx-lm's function with the mask the model built.
 Quantized pages (KV bits 8 or 4) are decoded group by group as they are read, then attended
 with the same float matmuls (on CPU that beats mx.quantized_matmul, docs/benchmarks.md).
+On MLX's CPU backend a sparse decode step selects (and, over pages all in RAM, attends) in
+numpy instead (engine.kv.cpu_select: the same blocks, one synchronisation a layer).
 """
 
 from __future__ import annotations
