@@ -13,6 +13,5 @@ PySide6 or transformers.
 from engine import platform as _platform
 
 _platform.preload_blas()
-_platform.numpy_blas_one_thread()
 
 __version__ = "0.1.0"

@@ -23,7 +23,13 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from engine import platform
 from engine.kv import remap
+
+# numpy's bundled OpenBLAS at one thread from here on: its spinning workers took the cores
+# MLX and the page reads needed (here, not when the engine loads: `strata --help` and the
+# engine's import stay free of numpy).
+platform.numpy_blas_one_thread()
 
 NP_SELECT = (os.environ.get("STRATA_NP_SELECT") or "1") != "0"
 # Decode steps only (query rows: the group's query heads x at most a few tokens). A prompt

@@ -113,9 +113,9 @@ def test_gpu_check_is_skipped_on_the_cpu_by_choice(
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="numpy bundles OpenBLAS on Linux")
 def test_numpy_blas_is_held_to_one_thread_and_mlx_blas_is_not() -> None:
-    """Importing the engine holds numpy's bundled OpenBLAS to one thread (in a fresh process,
-    read back through the library's own getter), and leaves the system OpenBLAS MLX runs
-    on as it was: its thread count is still the machine's default."""
+    """Importing the paged attention holds numpy's bundled OpenBLAS to one thread (in a fresh
+    process, read back through the library's own getter), and leaves the system OpenBLAS MLX
+    runs on as it was: its thread count is still the machine's default."""
     code = (
         "import ctypes, glob, os, numpy as np\n"
         "libs = glob.glob(os.path.join(os.path.dirname(np.__file__), '..', 'numpy.libs',"
@@ -125,7 +125,7 @@ def test_numpy_blas_is_held_to_one_thread_and_mlx_blas_is_not() -> None:
         " 'openblas_get_num_threads')\n"
         "get = next(getattr(lib, n) for n in names if hasattr(lib, n))\n"
         "before = get()\n"
-        "import engine\n"
+        "import engine.kv.attention\n"
         "from engine import platform\n"
         "print(before, get(), platform.blas_threads())\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
