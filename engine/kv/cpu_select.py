@@ -2,16 +2,19 @@
 
 Contract: `bounded`, `rescore` and `voted` compute what engine.kv.attention's `_bounded`,
 `_rescore` and `_voted` compute (the same bound, the same shortlist, the same true logits,
-the same choice up to float32 rounding and the order of ties), on numpy arrays: queries
-(H, R, D) and running maxima (H, R) in float32, the layer's summaries and votes viewed
-without a copy, block indices as int64. `enabled()` says whether attention takes this path:
-on the CPU, unless STRATA_NP_SELECT=0.
+the same choice up to float32 rounding and the order of ties), and `attend_blocks` what
+`_sparse` attends after choosing (None where it cannot: pages not all in RAM as float32),
+on numpy arrays: queries (H, R, D) and running maxima (H, R) in float32, the layer's
+summaries and votes viewed without a copy, block indices as int64. `enabled(rows)` says
+whether attention takes this path: decode steps on the CPU, unless STRATA_NP_SELECT=0.
+Importing this module holds numpy's bundled OpenBLAS to one thread (engine.platform).
 
-Why: a sparse decode step's selection is ~40 MLX ops on arrays of 10^3 to 10^5 elements,
-and on MLX's CPU backend each costs 0.05-0.8 ms whatever its size (4.6 ms a layer at 32k,
-budget 2,048; docs/benchmarks.md). numpy does the same arithmetic in a fraction of that; the
-price is one synchronisation a layer (the query and its running max are evaluated). On a GPU
-the ops stay in MLX, where they are cheap and a sync is not.
+Why: a sparse decode step's selection and attention are ~60 MLX ops on arrays of 10^3 to
+10^5 elements, and on MLX's CPU backend each costs 0.05-0.8 ms whatever its size (selection
+alone 4.6 ms a layer at 32k, budget 2,048; docs/benchmarks.md). numpy does the same
+arithmetic in a fraction of that; the price is one synchronisation a layer (the query and
+its running max are evaluated). On a GPU the ops stay in MLX, where they are cheap and a
+sync is not.
 """
 
 from __future__ import annotations
