@@ -20,7 +20,6 @@ import queue
 import struct
 import tempfile
 import threading
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import numpy as np
 
 from engine.errors import StrataError
 from engine.kv.codec import PageCodec, Parts
+from engine.kv.crc import crc32
 
 MAGIC = b"STRATAKV"
 FORMAT_VERSION = 1  # pages as computed; unchanged since the first release (prefix files too)
@@ -141,7 +141,7 @@ class RecordFile:
                           self.codec.bits, self.kv_heads, self.head_dim, self.page_tokens,
                           len(payload), self.codec.group if self.codec.quantized else 0).pack()
         body = head + payload
-        data = body + _CRC.pack(zlib.crc32(body))
+        data = body + _CRC.pack(crc32(body))
         n = os.pwrite(self.fd, data, index * self.size)
         if n != len(data):
             raise OSError(28, "No space left on device (short write)")
@@ -186,7 +186,7 @@ class RecordFile:
         # A view, not a slice: a copy of the record per read cost ~0.1 s a step at 128k.
         body = memoryview(data)[:-_CRC.size]
         (crc,) = _CRC.unpack_from(data, len(data) - _CRC.size)
-        if zlib.crc32(body) != crc:
+        if crc32(body) != crc:
             raise PageCorrupt(f"KV page {where}: checksum mismatch, page not used")
         head = self._check_header(body[:self.header.size], index, where)
         off = self.header.size
@@ -224,9 +224,9 @@ class RecordFile:
             raise PageCorrupt(f"KV page {where}: truncated record ({got} bytes)")
         if bytes(head_m[:8]) != MAGIC:
             raise PageCorrupt(f"KV page {where}: not a Strata KV page")
-        crc = zlib.crc32(head_m)
+        crc = crc32(head_m)
         for a in (*k, *v):
-            crc = zlib.crc32(a, crc)
+            crc = crc32(a, crc)
         if crc != _CRC.unpack_from(crc_b)[0]:
             raise PageCorrupt(f"KV page {where}: checksum mismatch, page not used")
         head = self._check_header(head_m, index, where)

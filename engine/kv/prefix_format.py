@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import struct
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ import xxhash
 from engine.errors import StrataError
 from engine.kv.cache import WINDOW_STEP, PagedLayerCache, WindowLayerCache
 from engine.kv.codec import PageCodec
+from engine.kv.crc import crc32
 from engine.kv.pagefile import (
     _CRC,
     _HEADER,
@@ -190,7 +190,7 @@ def read_run_head(path: Path, remove_link: bool = False) -> RunHead | None:
             return None
         if size > len(head):
             head += os.pread(fd, size - len(head), len(head))
-        if len(head) < size or zlib.crc32(head[:size - _CRC.size]) != _CRC.unpack_from(
+        if len(head) < size or crc32(head[:size - _CRC.size]) != _CRC.unpack_from(
                 head, size - _CRC.size)[0]:
             return None
         hashes = [head[_RUN.size + 32 * i:_RUN.size + 32 * (i + 1)] for i in range(n)]
@@ -411,7 +411,7 @@ class PrefixLayout:
         checks (CRC, magic, layout, its hash, depth, tokens); None otherwise."""
         P = self.P
         body = head[:-_CRC.size]
-        if zlib.crc32(body) != _CRC.unpack(head[-_CRC.size:])[0]:
+        if crc32(body) != _CRC.unpack(head[-_CRC.size:])[0]:
             return None
         (magic, version, ptok, d, layers, _parent, own, digest,
          sum_digest) = _PX.unpack(body[:_PX.size])
@@ -450,7 +450,7 @@ class PrefixLayout:
     def _window_head(self, h: bytes, depth: int, counts: Sequence[int], digest: int) -> bytes:
         body = _WIN.pack(WINDOW_MAGIC, PREFIX_VERSION, self.P, depth, len(self.sliding), h,
                          digest) + struct.pack(f"<{len(counts)}I", *counts)
-        return body + _CRC.pack(zlib.crc32(body))
+        return body + _CRC.pack(crc32(body))
 
     def _parse_window(self, data: bytes, h: bytes, depth: int
                       ) -> list[tuple[Any, Any]] | None:
@@ -459,7 +459,7 @@ class PrefixLayout:
         if len(data) < head_size:
             return None
         body = data[:head_size - _CRC.size]
-        if zlib.crc32(body) != _CRC.unpack_from(data, head_size - _CRC.size)[0]:
+        if crc32(body) != _CRC.unpack_from(data, head_size - _CRC.size)[0]:
             return None
         magic, version, ptok, d, layers, own, digest = _WIN.unpack_from(body)
         if (magic, version, ptok, d, layers, own) != (WINDOW_MAGIC, PREFIX_VERSION, self.P,

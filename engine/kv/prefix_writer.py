@@ -20,7 +20,6 @@ import sqlite3
 import threading
 import time
 import weakref
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +28,7 @@ import numpy as np
 import xxhash
 
 from engine.kv.codec import Parts
+from engine.kv.crc import crc32
 from engine.kv.pagefile import _CRC, PageHeader
 from engine.kv.prefix_format import (
     _IOV_MAX,
@@ -160,7 +160,7 @@ class PrefixWriter(PrefixLayout):
                                 for hh in range(self.kv_heads))
             crc = 0
             for s in segs:
-                crc = zlib.crc32(s, crc)
+                crc = crc32(s, crc)
             segs.append(_CRC.pack(crc))
             for s in segs:
                 x.update(s)
@@ -168,7 +168,7 @@ class PrefixWriter(PrefixLayout):
         bufs[1] = sums.data.cast("B")
         body = _PX.pack(PREFIX_MAGIC, PREFIX_VERSION, P, depth, self.n_layers, parent, h,
                         x.intdigest(), xxhash.xxh3_64_intdigest(bufs[1])) + toks.tobytes()
-        bufs[0] = body + _CRC.pack(zlib.crc32(body))
+        bufs[0] = body + _CRC.pack(crc32(body))
         return bufs
 
     def _write_run(self, job: _Job) -> None:
@@ -181,7 +181,7 @@ class PrefixWriter(PrefixLayout):
         tmp = self.folder / f".tmp-{os.getpid()}-{h0.hex()[:16]}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.write(fd, body + _CRC.pack(zlib.crc32(body)))
+            os.write(fd, body + _CRC.pack(crc32(body)))
             for depth, par, h, toks in job.pages:
                 bufs = self._page_record(job, depth, par, h, toks)
                 for i in range(0, len(bufs), _IOV_MAX):

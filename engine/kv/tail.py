@@ -22,12 +22,13 @@ import hashlib
 import os
 import struct
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import xxhash
+
+from engine.kv.crc import crc32
 
 TAIL_MAGIC = b"STRATATL"
 TAIL_VERSION = 2
@@ -104,7 +105,7 @@ def write_tail(folder: Path, name: str, tail: Tail, parent: bytes, layout: TailL
     tmp = folder / f".tmp-{os.getpid()}-{name[:16]}t"
     try:
         with open(tmp, "wb") as f:
-            f.write(body + _CRC.pack(zlib.crc32(body)))
+            f.write(body + _CRC.pack(crc32(body)))
             for s in segs:
                 f.write(s)
         os.replace(tmp, folder / name)
@@ -145,7 +146,7 @@ def _parse(data: bytes, parent: bytes, depth: int, layout: TailLayout) -> Tail |
     if len(data) < head:
         return None
     body = data[:_TL.size]
-    if zlib.crc32(body) != _CRC.unpack_from(data, _TL.size)[0]:
+    if crc32(body) != _CRC.unpack_from(data, _TL.size)[0]:
         return None
     (magic, version, ptok, d, t, vocab, layers, heads, hd, code, par, blocks, votes_at,
      digest) = _TL.unpack(body)
