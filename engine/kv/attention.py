@@ -162,11 +162,12 @@ DENSE_TOP_PAST = FUSED_PAST_MAX
 # that, so the exp of a long softmax was most of a chunk's attention (a 512-token chunk over
 # 7,680 keys: 0.75 of 1.1 s a layer; with numpy a 10k prefill chunk ran 1.6x faster). On
 # the CPU a partial over at least this many float32 logits evaluates them and does the exp,
-# the sums and the value product in numpy. Not below: each such partial is a sync, and a
-# question's 64-token chunks after 128k stored tokens (~0.5M logits a partial) took their
-# prefill from 2.1 to 3.2 s at 65,536; at 5.9M (24k, budget 768) it neither gained nor lost
-# (docs/benchmarks.md, thirteenth pass). 0 never does.
-NP_EXP_MIN = int(os.environ.get("STRATA_NP_EXP_MIN") or 1 << 22)
+# the sums and the value product in numpy. Not below: each such partial is a sync. 65,536
+# once took a 128k question's prefill from 2.1 to 3.2 s, but numpy's bundled BLAS then ran
+# two spinning threads; held to one (engine.kv.cpu_select), the same question's first token
+# went 2.6 -> 2.3 s and a 64-token sparse chunk at 24k ran 1.17x faster (docs/benchmarks.md,
+# the 128k question, 2026-12-05). 0 never does.
+NP_EXP_MIN = int(os.environ.get("STRATA_NP_EXP_MIN") or 1 << 16)
 
 _Partial = tuple[Any, Any, Any]  # running max (H, R), sum (H, R), output (H, R, D)
 
@@ -653,7 +654,7 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
         uniq = np.unique(page_np)
         # Pages the rescoring read for this step only (RAM could not hold the shortlist) are
         # attended from what was read: a page is read once a step (never more than exact).
-        got = None if held else store.ensure_resident(layer, uniq)
+        got = None if "k" in held else store.ensure_resident(layer, uniq)
         if got is not None:
             slots = mx.array(table.slot_of[page_np])
             pools = (store.pool_k[layer], store.pool_v[layer])
@@ -715,6 +716,10 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     if far is not None and lo * P >= far[1]:
         far = None  # every candidate within the trained reach
     _catch_up(store, layer, n_pages)
+    if held is not None:
+        # The step's sinks and window: a shortlist read for this step only takes them along
+        # (`_step_pages`), so the attention after it finds every page in one read batch.
+        held["also"] = np.concatenate([np.arange(sink), np.arange(hi, n_pages)])
     if cpu_select.enabled(qg.shape[1]):
         return _select_np(store, layer, qg, n_pages, acc, start, held, budget, far,
                           step_end, sink, hi, k_sel)
@@ -864,13 +869,18 @@ def _step_pages(store: Any, layer: int, uniq: np.ndarray, held: dict[str, Any] |
     ks: list[Any] = []
     vs: list[Any] = []
     n = 0
-    if held:
+    if held and "k" in held:
         have = held["pages"]
         row[have] = held["row"][have]
         ks.append(held["k"])
         vs.append(held["v"])
         n = held["k"].shape[0]
     need = uniq[row[uniq] < 0]
+    also = None if held is None else held.pop("also", None)
+    if also is not None and len(need):
+        # Pages the step reads next (`select_blocks`): one batch now spares a second read
+        # and the copy of this one that joining them took (~6 ms a layer at 128k).
+        need = np.union1d(need, also[row[also] < 0])
     if len(need):
         res = table.resident(need)
         # `stream` gives a group's resident pages first, then the cold ones.
