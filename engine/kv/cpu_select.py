@@ -35,10 +35,12 @@ from engine.kv import remap
 platform.numpy_blas_one_thread()
 
 NP_SELECT = (os.environ.get("STRATA_NP_SELECT") or "1") != "0"
-# Decode steps only (query rows: the group's query heads x at most a few tokens). A prompt
-# chunk's selection (the question after 128k stored tokens: ~120 rows) stays in MLX: in
-# numpy its first token went 2.7 -> 3.2-3.5 s (docs/benchmarks.md).
-MAX_ROWS = 32
+# Query rows (the group's query heads x the step's tokens) up to which a step selects here:
+# decode steps, the question after 128k stored tokens (~120 rows) and the 64-token chunks of
+# a sparse prefill past 16k (192 rows for the starter). Both of those ran faster here than in
+# MLX once numpy's BLAS kept to one thread and only the rows looked at were converted (a
+# 24k chunk 1.15x, docs/benchmarks.md). The 512-token chunks below 16k stay in MLX.
+MAX_ROWS = 256
 
 Far = tuple[remap.RopeSpec, int, int]  # (spec, E, S): see attention._far_shift
 NINF = np.float32(-np.inf)
