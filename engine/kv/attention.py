@@ -724,6 +724,7 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
         return _select_np(store, layer, qg, n_pages, acc, start, held, budget, far,
                           step_end, sink, hi, k_sel)
     voted = _voted(table, lo, hi, nb, int(k_sel * VOTE_SHARE), start)
+    _also_voted(held, None if voted is None else np.array(voted), nb)
     k_step = k_sel - (0 if voted is None else voted.shape[1])
     score, cand = _shortlist(table, (n_pages, budget, False), start, step_end, lambda: _bounded(
         store, layer, qg, n_pages, acc, lo, hi, k_sel, voted, far))
@@ -738,6 +739,13 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     if voted is not None:
         top = mx.concatenate([voted.astype(top.dtype), top], axis=1)
     return top, sink, hi
+
+
+def _also_voted(held: dict[str, Any] | None, voted: np.ndarray | None, nb: int) -> None:
+    """The voted blocks' pages join the pages a step's shortlist read takes along (they
+    are chosen without being rescored, so the rescoring does not read them)."""
+    if held is not None and voted is not None and "also" in held:
+        held["also"] = np.union1d(held["also"], np.unique(voted // nb))
 
 
 def _shortlist(table: Any, key: tuple[Any, ...], start: int, step_end: int | None,
@@ -769,6 +777,7 @@ def _select_np(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial, sta
     q, m0 = cpu_select.to_np(qg), cpu_select.to_np(acc[0])
     voted = cpu_select.voted(table.votes, table.votes_at, lo, hi, nb, int(k_sel * VOTE_SHARE),
                              start)
+    _also_voted(held, voted, nb)
     k_step = k_sel - (0 if voted is None else voted.shape[1])
     pages = -(-k_sel * b // store.P)
     score, cand = _shortlist(table, (n_pages, budget, True), start, step_end,

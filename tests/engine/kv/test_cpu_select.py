@@ -19,8 +19,8 @@ from engine.kv.store import KVStore
 P, H, D, REP = 16, 2, 16, 3
 
 
-def _run(tmp_path: Path, slots: int | None, spec: remap.RopeSpec | None
-         ) -> tuple[KVStore, list[Any], Any]:
+def _run(tmp_path: Path, slots: int | None, spec: remap.RopeSpec | None,
+         session: str | None = None) -> tuple[KVStore, list[Any], Any]:
     """Prefill chunks of random keys (uneven scale per dimension, so the box bound and the
     true logits disagree) to ~3,000 tokens, then decode steps, through one sparse layer whose
     RAM tier holds `slots` pages (None: all). ~187 candidate pages against a budget of 6
@@ -29,14 +29,16 @@ def _run(tmp_path: Path, slots: int | None, spec: remap.RopeSpec | None
 
     s = KVSettings(mode="sparse", page_tokens=P, ssd_dir=tmp_path / "kv", sink_tokens=P,
                    window_tokens=P, budget_tokens=2 * P + 6 * 8).validate()
-    store = KVStore(s, n_layers=1, kv_heads=H, head_dim=D)
+    store = KVStore(s, n_layers=1, kv_heads=H, head_dim=D, session=session)
     remap.attach(store, spec)
     if slots is not None:
         store.max_slots = slots
     mx.random.seed(11)
     cache = PagedLayerCache(store, 0)
     outs = []
-    for n in [512] * 5 + [400] + [1] * 20:  # the steps cross a page: the rows kept grow
+    # 64 and 30 tokens: prompt chunks within MAX_ROWS query rows (numpy selects them too past
+    # the trained length); the steps cross a page: the rows kept grow.
+    for n in [512] * 5 + [400, 64, 30] + [1] * 20:
         k = mx.random.normal((1, H, n, D)) * mx.linspace(0.2, 3.0, D)
         v = mx.random.normal((1, H, n, D))
         q = mx.random.normal((1, H * REP, n, D))
@@ -134,3 +136,52 @@ def test_starter_logits_alike_with_numpy_steps(starter_lm: Any, tmp_path: Path,
     # and the step), and only with it on.
     assert attended == [True] * 2 * starter_lm.kv_geometry.layers
     assert float(mx.abs(logits[0] - logits[1]).max()) < 1e-4
+
+
+@pytest.mark.parametrize("np_select", [True, False])
+def test_a_step_reads_each_cold_page_once(tmp_path: Path, np_select: bool,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every page on the SSD (the run's pages adopted by a new store, as after a restart): a
+    sparse decode step's shortlist read takes the sinks and the window along, so the step
+    reads the store once and its attention reads nothing more (it had read them a second
+    time, and copied the first batch to join them)."""
+    import mlx.core as mx
+
+    monkeypatch.setattr(attention, "RESCORE", 4)
+    monkeypatch.setattr(attention, "VOTE_SHARE", 0.5)
+    monkeypatch.setattr(cpu_select, "NP_SELECT", np_select)
+    first, _, _ = _run(tmp_path, 40, None, session="restart")
+    n = first.tables[0].n_pages
+    first.write_behind(0, n)  # (the resident pages too: every page on the SSD)
+    first.save_manifest(n * P)
+    first.settings = first.settings.with_(keep_files=True)
+    first.close()
+    store = KVStore(first.settings, n_layers=1, kv_heads=H, head_dim=D, session="restart")
+    try:
+        store.adopt(0, n)
+        attention._catch_up(store, 0, n)  # block summaries, as a restore maps them
+        # RAM for the sinks, the window and little else: the shortlist is read for the step
+        # alone, as after a restore (pages read once are not yet admitted).
+        store.max_slots = 4
+        calls: list[int] = []
+        real = store._read_batch
+
+        def counted(layer: int, pages: np.ndarray) -> Any:
+            calls.append(len(pages))
+            return real(layer, pages)
+
+        monkeypatch.setattr(store, "_read_batch", counted)  # the real reads, counted
+        cache = PagedLayerCache(store, 0)
+        cache.offset = n * P
+        # A question (a prompt chunk: its votes choose blocks the rescoring does not read),
+        # then one decode step, whose reads are counted.
+        for t in (40, 1):
+            calls.clear()
+            k = mx.random.normal((1, H, t, D))
+            q = mx.random.normal((1, H * REP, t, D))
+            k2, v2 = cache.update_and_fetch(k, k)
+            mx.eval(attention.attend(cache, q, k2, v2, D ** -0.5))
+        assert store.tables[0].votes is not None
+        assert len(calls) == 1 and calls[0] > 2, calls
+    finally:
+        store.close()
