@@ -265,6 +265,9 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
             # pages' and the tail's, in order): a prompt within the budget has them too, so
             # a reply that grows past it selects as one restored from the page store does.
             _note_or_clear_votes(store, layer, queries, scale, 0, contig[0][0], 0)
+        if sinks is None and cpu_select.dense_enabled(contig[0].shape[2], hq // h * L,
+                                                      queries.dtype):
+            return _dense_np(queries, contig[0], contig[1], scale)
         return _fused_all(queries, contig[0], contig[1], scale, sinks)
     # The tail plus the chunk (1, H, T, D): the cache built it as it committed the pages.
     both = getattr(cache, "recent", None)
@@ -354,6 +357,18 @@ def _fused(queries: Any, keys: Any, values: Any, view: tuple[Any, Any], scale: f
                                                 sinks=sinks.astype(queries.dtype))
 
 
+def _dense_np(queries: Any, keys: Any, values: Any, scale: float) -> Any:
+    """A decode step's attention over keys and values (1, H, T, D) that end with its own
+    tokens, in numpy (cpu_select.dense_partial): what `_fused_all` computes."""
+    _, hq, L, d = queries.shape
+    h = keys.shape[1]
+    q = cpu_select.to_np((queries * scale).reshape(h, -1, d))
+    mx.eval(keys, values)
+    _, total, out = cpu_select.dense_partial(q, np.asarray(keys)[0], np.asarray(values)[0],
+                                             pages=False, causal_rows=L)
+    return mx.array((out / total[..., None]).reshape(1, hq, L, -1))
+
+
 def _exact(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial | None) -> _Partial:
     h, r, d = qg.shape
     group = max(1, SCORE_ELEMENTS // (h * r * store.P))
@@ -361,6 +376,16 @@ def _exact(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial | None) 
     if codec.quantized:
         group = min(group, max(1, DECODE_ELEMENTS // (h * store.P * d)))
     view = store.resident_parts(layer, n_pages)
+    if view is not None and not codec.quantized and cpu_select.dense_enabled(
+            n_pages * store.P, r, qg.dtype):
+        # A decode step over pages all in RAM: numpy, on the CPU's cores at once.
+        mx.eval(view, qg, *(() if acc is None else acc))
+        part = cpu_select.dense_partial(cpu_select.to_np(qg), np.asarray(view[0][0]),
+                                        np.asarray(view[1][0]), pages=True)
+        if acc is not None:
+            part = cpu_select.merge([part, (np.asarray(acc[0]), np.asarray(acc[1]),
+                                            np.asarray(acc[2]))])
+        return mx.array(part[0]), mx.array(part[1]), mx.array(part[2])
     if view is not None:
         kp, vp = view
         for i in range(0, n_pages, group):

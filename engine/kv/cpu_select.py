@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import mlx.core as mx
@@ -35,6 +36,7 @@ from engine.kv import remap
 platform.numpy_blas_one_thread()
 
 NP_SELECT = (os.environ.get("STRATA_NP_SELECT") or "1") != "0"
+NP_DENSE = (os.environ.get("STRATA_NP_DENSE") or "1") != "0"
 # Query rows (the group's query heads x the step's tokens) up to which a step selects here:
 # decode steps, the question after 128k stored tokens (~120 rows) and the 64-token chunks of
 # a sparse prefill past 16k (192 rows for the starter). Both of those ran faster here than in
@@ -43,6 +45,7 @@ NP_SELECT = (os.environ.get("STRATA_NP_SELECT") or "1") != "0"
 MAX_ROWS = 256
 
 Far = tuple[remap.RopeSpec, int, int]  # (spec, E, S): see attention._far_shift
+Partial = tuple[np.ndarray, np.ndarray, np.ndarray]  # softmax max, sum, output
 NINF = np.float32(-np.inf)
 
 
@@ -50,6 +53,14 @@ def enabled(rows: int = 1) -> bool:
     """Whether a sparse step with `rows` query rows per KV head selects here (numpy) rather
     than in MLX ops."""
     return NP_SELECT and rows <= MAX_ROWS and mx.default_device() == mx.cpu
+
+
+def dense_enabled(keys: int, rows: int, dtype: Any) -> bool:
+    """Whether an exact decode step (`rows` query rows a KV head, at most MAX_DENSE_ROWS) over
+    `keys` keys of `dtype` attends here (`dense_partial`) rather than through MLX: on the
+    CPU, float32, at least DENSE_MIN_KEYS keys, unless STRATA_NP_DENSE=0."""
+    return (NP_DENSE and rows <= MAX_DENSE_ROWS and keys >= DENSE_MIN_KEYS
+            and dtype == mx.float32 and mx.default_device() == mx.cpu)
 
 
 def to_np(a: Any) -> np.ndarray:
@@ -233,6 +244,83 @@ def rescore(q: np.ndarray, m0: np.ndarray, sc: np.ndarray, k_sel: int, m: int,
     true = np.where(out, NINF, true)
     pick = np.argpartition(-true, k_sel - 1, axis=-1)[:, :k_sel]
     return np.take_along_axis(at, pick, axis=-1)
+
+
+# Dense decode attention (`dense_partial`): at least this many keys, split over THREADS
+# threads (numpy's matmul and exp release the GIL). MLX's fused attention on the CPU read
+# 16k keys in 7.7-10.6 ms a layer, numpy on two threads in 2.5-3.4 ms (docs/benchmarks.md);
+# below ~1k keys the synchronisation costs more than it saves.
+DENSE_MIN_KEYS = 2048
+MAX_DENSE_ROWS = 32  # decode steps: a group of up to 8 query heads, up to 4 tokens
+THREADS = max(1, min(4, os.cpu_count() or 1))
+_pool: list[ThreadPoolExecutor] = []
+
+
+def _threads() -> ThreadPoolExecutor:
+    if not _pool:
+        _pool.append(ThreadPoolExecutor(THREADS, thread_name_prefix="strata-np-attend"))
+    return _pool[0]
+
+
+def _pages_part(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> Partial:
+    s = np.matmul(q[None], k.swapaxes(-1, -2))                         # (n, H, R, P)
+    m = s.max(axis=(0, 3))
+    s -= m[None, :, :, None]
+    np.exp(s, out=s)
+    return m, s.sum(axis=(0, 3)), np.matmul(s, v).sum(axis=0)
+
+
+def _flat_part(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None
+               ) -> Partial:
+    s = q @ k.swapaxes(-1, -2)                                          # (H, R, T)
+    if mask is not None:
+        s[:, :, s.shape[-1] - mask.shape[-1]:][:, mask] = NINF
+    m = s.max(axis=-1)
+    s -= m[..., None]
+    np.exp(s, out=s)
+    return m, s.sum(axis=-1), s @ v
+
+
+def merge(parts: list[Partial]) -> Partial:
+    """Softmax partials (max, sum, output) over disjoint keys, joined into one."""
+    m = parts[0][0]
+    for p in parts[1:]:
+        m = np.maximum(m, p[0])
+    total, out = None, None
+    for p in parts:
+        c = np.exp(p[0] - m)
+        total = p[1] * c if total is None else total + p[1] * c
+        out = p[2] * c[..., None] if out is None else out + p[2] * c[..., None]
+    assert total is not None and out is not None
+    return m, total, out
+
+
+def dense_partial(q: np.ndarray, k: np.ndarray, v: np.ndarray, pages: bool,
+                  causal_rows: int = 1) -> Partial:
+    """The softmax partial (max (H, R), sum (H, R), output (H, R, Dv)) of queries q (H, R, D)
+    (scaled) over every key: pages k, v (n, H, P, D) when `pages`, else per-head keys (H, T,
+    D) whose last `causal_rows` are the queries' own tokens (rows rep-major, as `attend`
+    reshapes them: causal among those). The keys are cut into THREADS ranges attended at
+    once and merged."""
+    n = k.shape[0] if pages else k.shape[1]
+    cut = -(-n // THREADS)
+    spans = [(a, min(n, a + cut)) for a in range(0, n, cut)]
+    mask = None
+    if not pages and causal_rows > 1:
+        t = causal_rows
+        h, r, _ = q.shape
+        # row j of each query head may not see the chunk's tokens after its own
+        mask = np.tile(np.triu(np.ones((t, t), np.bool_), 1), (r // t, 1))   # (R, t)
+
+    def part(span: tuple[int, int]) -> Partial:
+        a, b = span
+        if pages:
+            return _pages_part(q, k[a:b], v[a:b])
+        return _flat_part(q, k[:, a:b], v[:, a:b], mask if b == n else None)
+
+    if len(spans) == 1:
+        return part(spans[0])
+    return merge(list(_threads().map(part, spans)))
 
 
 def plain_pool(store: Any, layer: int) -> np.ndarray | None:

@@ -185,3 +185,90 @@ def test_a_step_reads_each_cold_page_once(tmp_path: Path, np_select: bool,
         assert len(calls) == 1 and calls[0] > 2, calls
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("buffered", [True, False])
+def test_dense_decode_in_numpy_equals_mlx(tmp_path: Path, buffered: bool,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exact decode steps (one token, and verify steps of 2 and 3 causal tokens) over the
+    layer's contiguous buffer (`buffered`) or over its pages in RAM: attended in numpy on two
+    threads (cpu_select.dense_partial) and through MLX, within 1e-5; the numpy path ran for
+    every step and only with it on."""
+    import mlx.core as mx
+
+    monkeypatch.setattr(cpu_select, "DENSE_MIN_KEYS", 256)
+    monkeypatch.setattr(cpu_select, "THREADS", 2)
+    ran: list[int] = []
+    real = cpu_select.dense_partial
+
+    def seen(*a: Any, **kw: Any) -> Any:
+        ran.append(a[1].shape[0])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(cpu_select, "dense_partial", seen)  # the real one, observed
+    outs: list[list[Any]] = []
+    for flag in (True, False):
+        monkeypatch.setattr(cpu_select, "NP_DENSE", flag)
+        s = KVSettings(mode="exact", page_tokens=P, ssd_dir=tmp_path / f"kv{flag}").validate()
+        store = KVStore(s, n_layers=1, kv_heads=H, head_dim=D)
+        cache = PagedLayerCache(store, 0)
+        if not buffered:
+            cache.contig_max = 0  # attention reads the pages
+        mx.random.seed(3)
+        got = []
+        try:
+            for n in [512, 300, 1, 3, 1, 2, 1]:
+                k = mx.random.normal((1, H, n, D)) * mx.linspace(0.2, 3.0, D)
+                v = mx.random.normal((1, H, n, D))
+                q = mx.random.normal((1, H * REP, n, D))
+                k2, v2 = cache.update_and_fetch(k, v)
+                got.append(attention.attend(cache, q, k2, v2, D ** -0.5))
+                mx.eval(got[-1])
+            assert (cache.contig is not None) == buffered
+        finally:
+            store.close()
+        outs.append(got)
+    assert len(ran) == 5  # the five decode steps, numpy on
+    for a, b in zip(*outs, strict=True):
+        assert float(mx.abs(a - b).max()) < 1e-5
+
+
+def test_starter_logits_alike_with_numpy_dense_decode(starter_lm: Any, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The starter model, 450 tokens through an exact paged cache, then decode steps: the
+    logits with the decode steps' attention in numpy equal MLX's fused attention's within
+    1e-4, and the greedy tokens are the same."""
+    import mlx.core as mx
+
+    from engine.bench.needle import facts, needle_prompt
+    from engine.kv import close_caches, make_paged_cache
+
+    monkeypatch.setattr(cpu_select, "DENSE_MIN_KEYS", 256)
+    ran: list[int] = []
+    real = cpu_select.dense_partial
+
+    def seen(*a: Any, **kw: Any) -> Any:
+        ran.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(cpu_select, "dense_partial", seen)  # the real one, observed
+    ids, _ = needle_prompt(starter_lm.tokenizer, 450, 0.3, facts(3)[0], seed=3)
+    settings = KVSettings(mode="exact", ssd_dir=tmp_path / "kv").validate()
+    runs: list[tuple[list[int], Any]] = []
+    for flag in (True, False):
+        monkeypatch.setattr(cpu_select, "NP_DENSE", flag)
+        cache = make_paged_cache(starter_lm.model, settings, starter_lm.kv_geometry)
+        try:
+            logits = starter_lm.model(mx.array(ids)[None], cache=cache)[0, -1]
+            toks, steps = [], []
+            for _ in range(4):
+                toks.append(int(mx.argmax(logits).item()))  # type: ignore[arg-type]
+                logits = starter_lm.model(mx.array([[toks[-1]]]), cache=cache)[0, -1]
+                steps.append(logits)
+            mx.eval(steps)
+            runs.append((toks, mx.stack(steps)))
+        finally:
+            close_caches(cache)
+    assert len(ran) == 4 * starter_lm.kv_geometry.layers  # every layer's steps, numpy on
+    assert runs[0][0] == runs[1][0]
+    assert float(mx.abs(runs[0][1] - runs[1][1]).max()) < 1e-4
