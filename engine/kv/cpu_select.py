@@ -71,6 +71,41 @@ def to_np(a: Any) -> np.ndarray:
     return np.asarray(a)
 
 
+# Threads for the larger numpy work (numpy's matmul and exp release the GIL).
+THREADS = max(1, min(4, os.cpu_count() or 1))
+_pool: list[ThreadPoolExecutor] = []
+
+
+def _threads() -> ThreadPoolExecutor:
+    if not _pool:
+        _pool.append(ThreadPoolExecutor(THREADS, thread_name_prefix="strata-np"))
+    return _pool[0]
+
+
+# A stacked matmul of at least this many multiply-adds is cut along its rows and run on the
+# THREADS threads at once (numpy's BLAS keeps to one thread, see above): the rescoring's
+# 123 query rows x 2,048 keys of the question after 128k stored tokens took 6.5 ms a layer
+# on one.
+SPLIT_MACS = 1 << 23
+
+
+def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b for stacked float32 matrices (..., M, K) @ (..., K, N), past SPLIT_MACS cut
+    along M over the threads."""
+    m, k = a.shape[-2:]
+    n = b.shape[-1]
+    if THREADS < 2 or m < 2 * THREADS or a[..., 0, 0].size * m * k * n < SPLIT_MACS:
+        return np.matmul(a, b)
+    out = np.empty((*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), m, n), np.float32)
+    cut = -(-m // THREADS)
+
+    def part(lo: int) -> None:
+        np.matmul(a[..., lo:lo + cut, :], b, out=out[..., lo:lo + cut, :])
+
+    list(_threads().map(part, range(0, m, cut)))
+    return out
+
+
 def lse(x: np.ndarray, axis: int) -> np.ndarray:
     """log(sum(exp(x))) along `axis`; -inf where every element is -inf (as mx.logsumexp)."""
     m = x.max(axis=axis, keepdims=True)
@@ -94,7 +129,8 @@ def score(bmin: np.ndarray, bmax: np.ndarray, qt: np.ndarray, m: np.ndarray,
     m (H, R); with `far`, runs of `group` candidates starting before E bounded by the query
     rotated back by the run's first start's shift."""
     if far is None:
-        bound = bmax @ np.maximum(qt, 0) + bmin @ np.minimum(qt, 0)       # (H, n, R)
+        bound = matmul(bmax, np.maximum(qt, 0))                           # (H, n, R)
+        bound += matmul(bmin, np.minimum(qt, 0))
     else:
         assert starts is not None
         h, d, r = qt.shape
@@ -235,7 +271,7 @@ def rescore(q: np.ndarray, m0: np.ndarray, sc: np.ndarray, k_sel: int, m: int,
     at = pre + lo * nb if cand is None else np.take_along_axis(cand, pre, axis=-1)
     k = keys_of(at)                                                          # (H, m, b, D)
     if far is None:
-        s = (q @ k.reshape(h, m * b, d).swapaxes(-1, -2)).reshape(h, r, m, b).max(axis=-1)
+        s = matmul(q, k.reshape(h, m * b, d).swapaxes(-1, -2)).reshape(h, r, m, b).max(axis=-1)
     else:  # the query rotated back per block: fewer rows than the keys
         qr = remap.rerotate(q[:, None], -far_shift(at * b, far), far[0])  # (H, m, R, D)
         s = (qr @ k.swapaxes(-1, -2)).max(axis=-1).swapaxes(1, 2)           # (H, R, m)
@@ -247,19 +283,11 @@ def rescore(q: np.ndarray, m0: np.ndarray, sc: np.ndarray, k_sel: int, m: int,
 
 
 # Dense decode attention (`dense_partial`): at least this many keys, split over THREADS
-# threads (numpy's matmul and exp release the GIL). MLX's fused attention on the CPU read
-# 16k keys in 7.7-10.6 ms a layer, numpy on two threads in 2.5-3.4 ms (docs/benchmarks.md);
-# below ~1k keys the synchronisation costs more than it saves.
+# threads. MLX's fused attention on the CPU read 16k keys in 7.7-10.6 ms a layer, numpy on
+# two threads in 2.5-3.4 ms (docs/benchmarks.md); below ~1k keys the synchronisation costs
+# more than it saves.
 DENSE_MIN_KEYS = 2048
 MAX_DENSE_ROWS = 32  # decode steps: a group of up to 8 query heads, up to 4 tokens
-THREADS = max(1, min(4, os.cpu_count() or 1))
-_pool: list[ThreadPoolExecutor] = []
-
-
-def _threads() -> ThreadPoolExecutor:
-    if not _pool:
-        _pool.append(ThreadPoolExecutor(THREADS, thread_name_prefix="strata-np-attend"))
-    return _pool[0]
 
 
 def _pages_part(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> Partial:
