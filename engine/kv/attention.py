@@ -749,7 +749,7 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
         return _select_np(store, layer, qg, n_pages, acc, start, held, budget, far,
                           step_end, sink, hi, k_sel)
     voted = _voted(table, lo, hi, nb, int(k_sel * VOTE_SHARE), start)
-    _also_voted(held, None if voted is None else np.array(voted), nb)
+    _also_voted(held, voted, nb)
     k_step = k_sel - (0 if voted is None else voted.shape[1])
     score, cand = _shortlist(table, (n_pages, budget, False), start, step_end, lambda: _bounded(
         store, layer, qg, n_pages, acc, lo, hi, k_sel, voted, far))
@@ -766,11 +766,12 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     return top, sink, hi
 
 
-def _also_voted(held: dict[str, Any] | None, voted: np.ndarray | None, nb: int) -> None:
-    """The voted blocks' pages join the pages a step's shortlist read takes along (they
-    are chosen without being rescored, so the rescoring does not read them)."""
+def _also_voted(held: dict[str, Any] | None, voted: Any, nb: int) -> None:
+    """The voted blocks (H, k) join what a step's shortlist read takes along (they are
+    chosen without being rescored, so the rescoring does not read them): kept as given
+    (an MLX array is not evaluated unless a read for the step happens)."""
     if held is not None and voted is not None and "also" in held:
-        held["also"] = np.union1d(held["also"], np.unique(voted // nb))
+        held["voted"] = (voted, nb)
 
 
 def _shortlist(table: Any, key: tuple[Any, ...], start: int, step_end: int | None,
@@ -911,9 +912,13 @@ def _step_pages(store: Any, layer: int, uniq: np.ndarray, held: dict[str, Any] |
         n = held["k"].shape[0]
     need = uniq[row[uniq] < 0]
     also = None if held is None else held.pop("also", None)
+    voted = None if held is None else held.pop("voted", None)
     if also is not None and len(need):
-        # Pages the step reads next (`select_blocks`): one batch now spares a second read
-        # and the copy of this one that joining them took (~6 ms a layer at 128k).
+        # Pages the step reads next (`select_blocks`: sinks, window, voted blocks): one batch
+        # now spares a second read and the copy of this one that joining them took (~6 ms a
+        # layer at 128k).
+        if voted is not None:
+            also = np.union1d(also, np.unique(np.asarray(voted[0]) // voted[1]))
         need = np.union1d(need, also[row[also] < 0])
     if len(need):
         res = table.resident(need)
