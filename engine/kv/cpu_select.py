@@ -336,9 +336,8 @@ def dense_partial(q: np.ndarray, k: np.ndarray, v: np.ndarray, pages: bool,
     mask = None
     if not pages and causal_rows > 1:
         t = causal_rows
-        h, r, _ = q.shape
         # row j of each query head may not see the chunk's tokens after its own
-        mask = np.tile(np.triu(np.ones((t, t), np.bool_), 1), (r // t, 1))   # (R, t)
+        mask = np.tile(np.triu(np.ones((t, t), np.bool_), 1), (q.shape[1] // t, 1))  # (R, t)
 
     def part(span: tuple[int, int]) -> Partial:
         a, b = span
