@@ -410,11 +410,5 @@ def attend_blocks(store: Any, layer: int, q: np.ndarray,
     if delta is not None:  # the window's delta is 0: only sinks and chosen blocks turn
         rot = np.concatenate([delta[:, :sink * nb], delta[:, delta.shape[1] - n_top:]], axis=1)
         k[:, :n_rot] = remap.rerotate(k[:, :n_rot], rot, spec)  # type: ignore[arg-type]
-    s = q @ k.reshape(h, -1, d).swapaxes(-1, -2)                                # (H, R, T)
-    m = s.max(axis=-1)
-    e = np.exp(s - m[..., None])
-    o = e @ v.reshape(h, -1, v.shape[-1])
-    rm, rl, ro = recent
-    top_m = np.maximum(m, rm)
-    ea, eb = np.exp(rm - top_m), np.exp(m - top_m)
-    return top_m, rl * ea + e.sum(axis=-1) * eb, ro * ea[..., None] + o * eb[..., None]
+    return merge([recent, _flat_part(q, k.reshape(h, -1, d), v.reshape(h, -1, v.shape[-1]),
+                                     None)])
