@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine import platform
-from engine.kv import remap
+from engine.kv import cpu_kernels, remap
 
 # numpy's bundled OpenBLAS at one thread from here on: its spinning workers took the cores
 # MLX and the page reads needed (here, not when the engine loads: `strata --help` and the
@@ -133,6 +133,10 @@ def score(bmin: np.ndarray, bmax: np.ndarray, qt: np.ndarray, m: np.ndarray,
         bound += matmul(bmin, np.minimum(qt, 0))
     else:
         assert starts is not None
+        fused = cpu_kernels.far_bound(bmin, bmax, qt.swapaxes(-1, -2), m, starts, far, group,
+                                      remap._split_tables(far[0]), remap.SPLIT)
+        if fused is not None:
+            return fused
         h, d, r = qt.shape
         n = bmax.shape[1]
         g = -(-n // group)
@@ -270,12 +274,15 @@ def rescore(q: np.ndarray, m0: np.ndarray, sc: np.ndarray, k_sel: int, m: int,
     pre = np.argpartition(-sc, m - 1, axis=-1)[:, :m]                      # (H, m)
     at = pre + lo * nb if cand is None else np.take_along_axis(cand, pre, axis=-1)
     k = keys_of(at)                                                          # (H, m, b, D)
-    if far is None:
-        s = matmul(q, k.reshape(h, m * b, d).swapaxes(-1, -2)).reshape(h, r, m, b).max(axis=-1)
-    else:  # the query rotated back per block: fewer rows than the keys
-        qr = remap.rerotate(q[:, None], -far_shift(at * b, far), far[0])  # (H, m, R, D)
-        s = (qr @ k.swapaxes(-1, -2)).max(axis=-1).swapaxes(1, 2)           # (H, R, m)
-    true = lse(s - m0[:, :, None], axis=1)                                  # (H, m)
+    true = None if far is None else cpu_kernels.far_rescore(
+        q, k, at, b, m0, far, remap._split_tables(far[0]), remap.SPLIT)  # one loop, if any
+    if true is None:
+        if far is None:
+            s = matmul(q, k.reshape(h, m * b, d).swapaxes(-1, -2)).reshape(h, r, m, b).max(-1)
+        else:  # the query rotated back per block: fewer rows than the keys
+            qr = remap.rerotate(q[:, None], -far_shift(at * b, far), far[0])  # (H, m, R, D)
+            s = (qr @ k.swapaxes(-1, -2)).max(axis=-1).swapaxes(1, 2)       # (H, R, m)
+        true = lse(s - m0[:, :, None], axis=1)                              # (H, m)
     out = np.take_along_axis(sc, pre, axis=-1) == NINF
     true = np.where(out, NINF, true)
     pick = np.argpartition(-true, k_sel - 1, axis=-1)[:, :k_sel]
@@ -404,11 +411,19 @@ def attend_blocks(store: Any, layer: int, q: np.ndarray,
     n_rot = sink * nb + n_top
     page, blk = blocks // nb, blocks % nb
     slots = page if table.identity else table.slot_of[page]
+    turn = None
+    if delta is not None:  # the window's delta is 0: only sinks and chosen blocks turn
+        turn = np.zeros(blocks.shape, np.int64)
+        turn[:, :sink * nb] = delta[:, :sink * nb]
+        turn[:, sink * nb:n_rot] = delta[:, delta.shape[1] - n_top:]
+    part = cpu_kernels.attend(q, pk, pv, slots, blk, turn, b,
+                              None if spec is None else remap._split_tables(spec), remap.SPLIT)
+    if part is not None:  # one loop: no gathered copies of the keys and values
+        return merge([recent, part])
     heads = np.arange(h)[:, None]
     k = pk.reshape(*pk.shape[:2], nb, b, d)[slots, heads, blk]                # (H, n, b, D)
     v = pv.reshape(*pv.shape[:2], nb, b, pv.shape[-1])[slots, heads, blk]
-    if delta is not None:  # the window's delta is 0: only sinks and chosen blocks turn
-        rot = np.concatenate([delta[:, :sink * nb], delta[:, delta.shape[1] - n_top:]], axis=1)
-        k[:, :n_rot] = remap.rerotate(k[:, :n_rot], rot, spec)  # type: ignore[arg-type]
+    if turn is not None:
+        k[:, :n_rot] = remap.rerotate(k[:, :n_rot], turn[:, :n_rot], spec)  # type: ignore[arg-type]
     return merge([recent, _flat_part(q, k.reshape(h, -1, d), v.reshape(h, -1, v.shape[-1]),
                                      None)])

@@ -31,6 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from engine.kv import cpu_kernels
 from engine.kv.settings import KVGeometry
 
 # STRATA_SPARSE_REMAP=0 turns remapping off (sparse then reads past-trained positions as they
@@ -201,9 +202,14 @@ def rerotate(k: Any, delta: Any, spec: RopeSpec) -> Any:
     batch entry) cost 5-18 ms a layer for a 2,048 budget at load 11, this about 1 ms
     (now ~0.5: the angles come from `_cos_sin`'s tables). |delta| < SPLIT**2 (16.7M).
     k and delta broadcast: k (H, 1, R, D) and delta (1, n) rotate H x R rows n ways (the
-    query rotated back per far page) with the angles computed once, not H times."""
+    query rotated back per far page) with the angles computed once, not H times. numpy keys
+    go through engine.kv.cpu_kernels' loop when it is available (the same values)."""
     xp = _xp(k)
     half = spec.dims // 2
+    if xp is np and not spec.traditional:  # one compiled loop where numba is at hand
+        out = cpu_kernels.rotate(k, delta, _split_tables(spec), SPLIT)
+        if out is not None:
+            return out
     c, s = _cos_sin(delta, spec)                                          # (H, n, half)
     if xp is np and not spec.traditional and k.dtype == np.float32:
         return _rerotate_np(k, c[..., None, :], s[..., None, :], spec)

@@ -1,0 +1,335 @@
+"""Compiled loops for the sparse path on MLX's CPU backend (numba), where numpy pays per op.
+
+Contract: `rotate(k, delta, tables, split)` returns what remap.rerotate returns for float32
+numpy keys in RoPE's halves layout, from remap's angle tables (k (Hk, Nk, B, D) broadcast
+against delta (Hd, Nd), each block rotated by its delta positions), or None when the loop is
+not available: numba not installed (a Linux-only dependency; on a Mac the sparse path runs in
+MLX on the GPU), STRATA_NUMBA=0, or its compilation failed (a RuntimeWarning says why).
+Callers then take the numpy path. The first call loads or compiles the loops (cached beside
+this file or in numba's user cache: ~0.4 s to load with numba's import, ~1.5 s to compile),
+once per process, on the first decode step that rotates: not ahead of it
+on a thread, where it would compete with the prefill for the cores (the first token after a
+128k stored context is such a prefill, and rotates nothing in numpy).
+
+Why: a re-rotation is a handful of elementwise passes over arrays whose inner dimension is
+half the head (32 floats), and numpy's per-call and per-inner-loop costs made the four of a
+32k sparse decode step's layer (the query per far page, per block page and per shortlisted
+block, the chosen keys) 1.9 ms of its ~6 ms (docs/benchmarks.md). One fused loop computes each
+block's angles once from remap's tables and writes the rotated rows: ~10x less.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+
+ENABLED = (os.environ.get("STRATA_NUMBA") or "1") != "0"
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}  # "loops": the compiled loops by name, None once loading failed
+
+
+def _compile() -> dict[str, Any] | None:
+    """The numba-compiled loops by name, or None (numba missing)."""
+    try:
+        import numba  # a Linux-only dependency, loaded on the first sparse CPU step (~0.3 s)
+    except ImportError:
+        return None
+    jit = numba.njit(cache=True, nogil=True, fastmath=True)
+    # The loops with -inf in them (running maxima, logsumexp) keep IEEE infinities: numba's
+    # full fastmath lets LLVM assume there are none.
+    jit_inf = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "arcp"})
+
+    @jit
+    def angles(d: int, split: int, cl: Any, sl: Any, ch: Any, sh: Any, c: Any, s: Any
+               ) -> None:  # pragma: no cover - compiled
+        """cos and sin of d positions x each frequency, into c and s (half,)."""
+        a = abs(d)
+        hi = a // split
+        lo = a % split
+        for i in range(c.shape[0]):  # angle sum: (hi * split) + lo
+            c[i] = ch[hi, i] * cl[lo, i] - sh[hi, i] * sl[lo, i]
+            si = sh[hi, i] * cl[lo, i] + ch[hi, i] * sl[lo, i]
+            s[i] = si if d >= 0 else -si
+
+    @jit
+    def turn(x: Any, c: Any, s: Any, out: Any) -> None:  # pragma: no cover - compiled
+        """One row x (D,) rotated by angles c, s (halves layout) into out (D,)."""
+        half = c.shape[0]
+        for i in range(half):
+            x1 = x[i]
+            x2 = x[i + half]
+            out[i] = x1 * c[i] - x2 * s[i]
+            out[i + half] = x1 * s[i] + x2 * c[i]
+        for i in range(2 * half, x.shape[0]):
+            out[i] = x[i]
+
+    @jit
+    def rotate_blocks(k: Any, delta: Any, split: int, cl: Any, sl: Any, ch: Any, sh: Any,
+                      out: Any) -> None:  # pragma: no cover - compiled
+        heads, n_blocks, rows, _ = out.shape
+        c = np.empty(cl.shape[1], np.float32)
+        s = np.empty(cl.shape[1], np.float32)
+        for h in range(heads):
+            hk = h if k.shape[0] > 1 else 0
+            hd = h if delta.shape[0] > 1 else 0
+            for n in range(n_blocks):
+                nk = n if k.shape[1] > 1 else 0
+                angles(delta[hd, n if delta.shape[1] > 1 else 0], split, cl, sl, ch, sh, c, s)
+                for r in range(rows):
+                    turn(k[hk, nk, r], c, s, out[h, n, r])
+
+    @jit_inf
+    def lse_rows(x: Any) -> float:  # pragma: no cover - compiled
+        """cpu_select.lse of one vector."""
+        top = -np.inf
+        for v in x:
+            top = max(top, v)
+        if not np.isfinite(top):
+            top = 0.0
+        total = 0.0
+        for v in x:
+            total += np.exp(v - top)
+        return np.log(total) + top
+
+    @jit_inf
+    def far_bound(bmin: Any, bmax: Any, q: Any, m: Any, starts: Any, e: int, s0: int,
+                  group: int, split: int, cl: Any, sl: Any, ch: Any, sh: Any, out: Any
+                  ) -> None:  # pragma: no cover - compiled
+        heads, n, dim = bmax.shape
+        rows = q.shape[1]
+        c = np.empty(cl.shape[1], np.float32)
+        s = np.empty(cl.shape[1], np.float32)
+        qq = np.empty((rows, dim), np.float32)
+        qp = np.empty((rows, dim), np.float32)
+        qn = np.empty((rows, dim), np.float32)
+        x = np.empty(rows, np.float32)
+        for h in range(heads):
+            hs = h if starts.shape[0] > 1 else 0
+            for j0 in range(0, n, group):
+                st = starts[hs, j0]
+                angles(-(e + s0 - st) if st < e else 0, split, cl, sl, ch, sh, c, s)
+                for r in range(rows):
+                    turn(q[h, r], c, s, qq[r])
+                    for i in range(dim):
+                        qp[r, i] = max(qq[r, i], 0.0)
+                        qn[r, i] = min(qq[r, i], 0.0)
+                for j in range(j0, min(n, j0 + group)):
+                    for r in range(rows):
+                        acc = 0.0
+                        for i in range(dim):
+                            acc += qp[r, i] * bmax[h, j, i] + qn[r, i] * bmin[h, j, i]
+                        x[r] = acc - m[h, r]
+                    out[h, j] = lse_rows(x)
+
+    @jit_inf
+    def far_rescore(q: Any, k: Any, at: Any, b: int, m0: Any, e: int, s0: int, split: int,
+                    cl: Any, sl: Any, ch: Any, sh: Any, out: Any
+                    ) -> None:  # pragma: no cover - compiled
+        heads, n, toks, dim = k.shape
+        rows = q.shape[1]
+        c = np.empty(cl.shape[1], np.float32)
+        s = np.empty(cl.shape[1], np.float32)
+        qq = np.empty((rows, dim), np.float32)
+        x = np.empty(rows, np.float32)
+        for h in range(heads):
+            for j in range(n):
+                st = at[h, j] * b
+                angles(-(e + s0 - st) if st < e else 0, split, cl, sl, ch, sh, c, s)
+                for r in range(rows):
+                    turn(q[h, r], c, s, qq[r])
+                    best = -np.inf
+                    for t in range(toks):
+                        acc = 0.0
+                        for i in range(dim):
+                            acc += qq[r, i] * k[h, j, t, i]
+                        best = max(best, acc)
+                    x[r] = best - m0[h, r]
+                out[h, j] = lse_rows(x)
+
+    @jit_inf
+    def attend_blocks(q: Any, pk: Any, pv: Any, slots: Any, blk: Any, delta: Any, b: int,
+                      split: int, cl: Any, sl: Any, ch: Any, sh: Any, m_out: Any, l_out: Any,
+                      o_out: Any) -> None:  # pragma: no cover - compiled
+        heads, rows, dim = q.shape
+        n = slots.shape[1]
+        c = np.empty(cl.shape[1], np.float32)
+        s = np.empty(cl.shape[1], np.float32)
+        key = np.empty(dim, np.float32)
+        p = np.empty((rows, n * b), np.float32)
+        for h in range(heads):
+            for j in range(n):  # logits, each block's keys rotated by its delta on the way
+                d = delta[h, j]
+                if d != 0:
+                    angles(d, split, cl, sl, ch, sh, c, s)
+                for t in range(b):
+                    if d != 0:
+                        turn(pk[slots[h, j], h, blk[h, j] * b + t], c, s, key)
+                    else:
+                        key[:] = pk[slots[h, j], h, blk[h, j] * b + t]
+                    for r in range(rows):
+                        acc = 0.0
+                        for i in range(dim):
+                            acc += q[h, r, i] * key[i]
+                        p[r, j * b + t] = acc
+            for r in range(rows):  # softmax partial: max, exp, sum
+                top = -np.inf
+                for x in range(n * b):
+                    top = max(top, p[r, x])
+                total = 0.0
+                for x in range(n * b):
+                    w = np.exp(p[r, x] - top)
+                    p[r, x] = w
+                    total += w
+                m_out[h, r] = top
+                l_out[h, r] = total
+                o_out[h, r, :] = 0.0
+            for j in range(n):  # weights x values
+                for t in range(b):
+                    v = pv[slots[h, j], h, blk[h, j] * b + t]
+                    for r in range(rows):
+                        w = p[r, j * b + t]
+                        for i in range(v.shape[0]):
+                            o_out[h, r, i] += w * v[i]
+
+    return {"rotate": rotate_blocks, "far_bound": far_bound, "far_rescore": far_rescore,
+            "attend": attend_blocks}
+
+
+def _loops() -> dict[str, Any] | None:
+    if "loops" not in _state:
+        with _lock:
+            if "loops" not in _state:
+                _state["loops"] = _compile() if ENABLED else None
+    return _state["loops"]  # type: ignore[no-any-return]
+
+
+def _run(name: str, *args: Any) -> bool:
+    """Run loop `name`; False (and numpy from then on) when the loops are not available or
+    this one fails to compile (numba compiles on the first call of each signature)."""
+    loops = _loops()
+    if loops is None:
+        return False
+    try:
+        loops[name](*args)
+    except Exception as e:
+        _state["loops"] = None
+        warnings.warn(f"the compiled loop {name} failed ({e}); numpy computes instead",
+                      RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
+def available() -> bool:
+    """Whether the compiled loops run here (loading them if need be)."""
+    return _loops() is not None
+
+
+def rotate(k: np.ndarray, delta: np.ndarray, tables: tuple[np.ndarray, ...], split: int
+           ) -> np.ndarray | None:
+    """remap.rerotate for float32 keys in the halves layout, through the compiled loop, with
+    remap's angle tables (cos and sin of lo, cos and sin of hi x split positions, each
+    (split, half)); None when the loop is not available."""
+    if k.dtype != np.float32 or k.ndim != 4 or delta.ndim != 2 or _loops() is None:
+        return None
+    cl, sl, ch, sh = tables
+    # The loops check no bounds: rows narrower than the rotated dims or a delta past the
+    # tables would read or write out of place.
+    if k.shape[-1] < 2 * cl.shape[1] or (
+            delta.size and int(np.abs(delta).max()) >= split * len(ch)):
+        return None
+    h = max(k.shape[0], delta.shape[0])
+    n = max(k.shape[1], delta.shape[1])
+    if any(x not in (1, want) for x, want in ((k.shape[0], h), (delta.shape[0], h),
+                                              (k.shape[1], n), (delta.shape[1], n))):
+        return None  # not broadcastable: numpy's path raises as it would
+    out = np.empty((h, n, k.shape[2], k.shape[3]), np.float32)
+    ok = _run("rotate", k, delta.astype(np.int64, copy=False), split, cl, sl, ch, sh, out)
+    return out if ok else None
+
+
+def _far_ok(q: np.ndarray, tables: tuple[np.ndarray, ...], split: int, e: int, s0: int,
+            lo_start: int) -> bool:
+    """Whether the far loops can take a query (H, R, D) float32 and shifts up to
+    e + s0 - lo_start (within the angle tables)."""
+    cl, _, ch, _ = tables
+    return (q.dtype == np.float32 and q.shape[-1] >= 2 * cl.shape[1]
+            and e + s0 - lo_start < split * len(ch) and _loops() is not None)
+
+
+def far_bound(bmin: np.ndarray, bmax: np.ndarray, q: np.ndarray, m: np.ndarray,
+              starts: np.ndarray, far: tuple[Any, int, int], group: int,
+              tables: tuple[np.ndarray, ...], split: int) -> np.ndarray | None:
+    """cpu_select.score with `far`, in one loop: per KV head and candidate (H, n), the
+    logsumexp over query rows of the box bound on q.k minus the row's running max, each run
+    of `group` candidates scored with the query q (H, R, D) rotated back by the run's first
+    start's far shift (E + S - start before E, else 0). bmin, bmax (H, n, D) float32; m
+    (H, R); starts (1 or H, n). None when the loops are not available."""
+    _, e, s0 = far
+    if not _far_ok(q, tables, split, e, s0, int(starts.min(initial=e))):
+        return None
+    out = np.empty(bmax.shape[:2], np.float32)
+    ok = _run("far_bound", _f32(bmin), _f32(bmax), q, _f32(m),
+              starts.astype(np.int64, copy=False), e, s0, group, split, *tables, out)
+    return out if ok else None
+
+
+def far_rescore(q: np.ndarray, k: np.ndarray, at: np.ndarray, b: int, m0: np.ndarray,
+                far: tuple[Any, int, int], tables: tuple[np.ndarray, ...], split: int
+                ) -> np.ndarray | None:
+    """cpu_select.rescore's true logits with `far`, in one loop: per KV head and block
+    (H, m), the logsumexp over query rows of the block's largest q.k (the query rotated back
+    by the block's far shift) minus the row's running max m0 (H, R). k (H, m, b, D) the
+    blocks' keys, at (H, m) their indices. None when the loops are not available."""
+    _, e, s0 = far
+    if k.dtype != np.float32 or not _far_ok(q, tables, split, e, s0,
+                                              int(at.min(initial=e // b)) * b):
+        return None
+    out = np.empty(at.shape, np.float32)
+    ok = _run("far_rescore", q, k, at.astype(np.int64, copy=False), b, _f32(m0), e, s0,
+              split, *tables, out)
+    return out if ok else None
+
+
+def attend(q: np.ndarray, pk: np.ndarray, pv: np.ndarray, slots: np.ndarray, blk: np.ndarray,
+           delta: np.ndarray | None, b: int, tables: tuple[np.ndarray, ...] | None, split: int
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The softmax partial (max (H, R), sum (H, R), output (H, R, Dv)) of queries q (H, R, D)
+    over the blocks (slot `slots`, block `blk` of it; (H, n) each) of the RAM pools pk
+    (slots, H, P, D) and pv (slots, H, P, Dv), each block's keys rotated by `delta` (H, n)
+    positions (None: none turn) with remap's tables: cpu_select's gather, re-rotation and
+    `_flat_part` in one loop, without copying the keys and values out. None when the loops
+    are not available."""
+    if (q.dtype != np.float32 or pk.dtype != np.float32 or pv.dtype != np.float32
+            or _loops() is None):
+        return None
+    if delta is None:
+        delta = np.zeros(slots.shape, np.int64)
+        tables = tuple(np.ones((1, 1), np.float32) for _ in range(4))  # never looked up
+    else:
+        assert tables is not None
+        if pk.shape[-1] < 2 * tables[0].shape[1] or (
+                delta.size and int(np.abs(delta).max()) >= split * len(tables[2])):
+            return None
+    h, r, _ = q.shape
+    # The loop checks no bounds (numpy's gather would raise where it reads out of place).
+    if slots.size and not (0 <= slots.min() and slots.max() < min(len(pk), len(pv))
+                           and 0 <= blk.min() and (blk.max() + 1) * b <= pk.shape[2]
+                           and h <= pk.shape[1] and pk.shape[:3] == pv.shape[:3]
+                           and slots.shape == blk.shape == delta.shape
+                           and slots.shape[0] == h):
+        return None
+    out = (np.empty((h, r), np.float32), np.empty((h, r), np.float32),
+           np.empty((h, r, pv.shape[-1]), np.float32))
+    ok = _run("attend", q, pk, pv, slots.astype(np.int64, copy=False),
+              blk.astype(np.int64, copy=False), delta.astype(np.int64, copy=False), b, split,
+              *tables, *out)
+    return out if ok else None
+
+
+def _f32(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float32, copy=False)

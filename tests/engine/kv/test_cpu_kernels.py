@@ -1,0 +1,192 @@
+"""engine.kv.cpu_kernels: the compiled rotation gives numpy's rotation, for every shape the
+sparse CPU path hands it, and steps aside where it cannot."""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.kv import cpu_kernels, remap
+
+SPEC = remap.RopeSpec(dims=64, traditional=False, base=100000.0, scale=1.0, trained=8192)
+
+
+def _numpy_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(cpu_kernels._state, "loops", None)
+
+
+def _both(monkeypatch: pytest.MonkeyPatch, k: np.ndarray, delta: np.ndarray,
+          spec: remap.RopeSpec = SPEC) -> tuple[np.ndarray, np.ndarray]:
+    fast = cpu_kernels.rotate(k, delta, remap._split_tables(spec), remap.SPLIT)
+    assert fast is not None
+    with monkeypatch.context() as m:
+        _numpy_only(m)
+        slow = remap.rerotate(k, delta, spec)
+    return fast, slow
+
+
+def test_the_loop_is_what_linux_runs() -> None:
+    # numba is a dependency on Linux: a silent fall back to numpy would hide a lost speed-up.
+    if sys.platform == "linux":
+        assert cpu_kernels.available()
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
+def test_rotation_equals_numpys_for_keys_queries_and_slices(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(7)
+    keys = rng.standard_normal((3, 40, 8, 64), np.float32)
+    # deltas of both signs, past one table (SPLIT) and near the tables' end
+    delta = rng.integers(-200_000, 200_000, (3, 40)).astype(np.int32)
+    delta[0, :4] = [0, 1, -1, remap.SPLIT ** 2 - 1]
+    q = rng.standard_normal((3, 64, 3), np.float32)
+    cases = [
+        (keys, delta),                                   # chosen blocks' keys
+        (keys[:, :25], delta[:, :25]),                   # a strided slice of them
+        (q.swapaxes(-1, -2)[:, None], -delta[:1]),      # the query per far page run: (1, n)
+        (q.swapaxes(-1, -2)[:, None], delta.astype(np.int64)),  # per head and block
+    ]
+    for k, d in cases:
+        fast, slow = _both(monkeypatch, k, d)
+        assert fast.shape == slow.shape
+        np.testing.assert_allclose(fast, slow, rtol=0, atol=2e-5)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
+def test_partial_rotary_dims_pass_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = remap.RopeSpec(dims=32, traditional=False, base=10000.0, scale=0.5, trained=4096)
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((2, 5, 4, 64), np.float32)
+    d = rng.integers(-9000, 9000, (2, 5))
+    fast, slow = _both(monkeypatch, k, d, spec)
+    np.testing.assert_allclose(fast, slow, rtol=0, atol=2e-5)
+    np.testing.assert_array_equal(fast[..., 32:], k[..., 32:])
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
+def test_rotation_equals_mlx_rope() -> None:
+    # Rotating a key rotated at p by delta is rotating it at p + delta (mx.fast.rope).
+    rng = np.random.default_rng(11)
+    raw = rng.standard_normal((1, 6, 1, 64), np.float32)
+    pos = rng.integers(15_000, 20_000, 6)
+    delta = rng.integers(-15_000, 3_000, (1, 6))
+
+    def rope(at: np.ndarray) -> np.ndarray:
+        rows = [mx.fast.rope(mx.array(raw[:, i:i + 1]), 64, traditional=False, base=100000.0,
+                             scale=1.0, offset=int(p)) for i, p in enumerate(at)]
+        return np.asarray(mx.concatenate(rows, axis=1))
+
+    got = remap.rerotate(rope(pos), delta, SPEC)
+    # float32 angles at positions ~2e4 round to ~1e-3 rad in MLX's rope (test_longctx_remap)
+    np.testing.assert_allclose(got, rope(pos + delta[0]), rtol=0, atol=5e-3)
+    assert float(np.abs(got - rope(pos)).max()) > 0.1  # and it moved something
+
+
+def test_out_of_place_inputs_take_numpys_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = remap._split_tables(SPEC)
+    k = np.ones((1, 2, 1, 64), np.float32)
+    # past the tables, narrower than the rotated dims, not broadcastable, not float32
+    assert cpu_kernels.rotate(k, np.array([[remap.SPLIT ** 2, 0]]), t, remap.SPLIT) is None
+    assert cpu_kernels.rotate(k[..., :32], np.zeros((1, 2), np.int64), t, remap.SPLIT) is None
+    assert cpu_kernels.rotate(k, np.zeros((1, 3), np.int64), t, remap.SPLIT) is None
+    assert cpu_kernels.rotate(k.astype(np.float16), np.zeros((1, 2)), t, remap.SPLIT) is None
+    _numpy_only(monkeypatch)
+    assert cpu_kernels.rotate(k, np.zeros((1, 2), np.int64), t, remap.SPLIT) is None
+    np.testing.assert_allclose(remap.rerotate(k, np.zeros((1, 2), np.int64), SPEC), k)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
+@pytest.mark.parametrize("group", [1, 4, 16])
+def test_far_bound_equals_numpys_score(monkeypatch: pytest.MonkeyPatch, group: int) -> None:
+    from engine.kv import cpu_select
+
+    rng = np.random.default_rng(group)
+    h, n, r, d = 3, 70, 3, 64  # 70: a last, partial run of each group
+    keys = rng.standard_normal((h, n, 8, d), np.float32)
+    bmin, bmax = keys.min(axis=2), keys.max(axis=2)
+    qt = rng.standard_normal((h, d, r), np.float32)
+    m = rng.standard_normal((h, r), np.float32) * 3
+    starts = (np.arange(n) * 8 * 16)[None]          # blocks of 8 tokens, pages of 16 blocks
+    far = (SPEC, 6_000, 128)                         # E inside the range: near ones stay put
+    fast = cpu_select.score(bmin, bmax, qt, m, starts, far, group)
+    with monkeypatch.context() as mp:
+        _numpy_only(mp)
+        slow = cpu_select.score(bmin, bmax, qt, m, starts, far, group)
+    np.testing.assert_allclose(fast, slow, rtol=1e-5, atol=1e-4)
+    # The rotation matters: scoring as cached gives other numbers.
+    assert float(np.abs(cpu_select.score(bmin, bmax, qt, m) - slow).max()) > 0.1
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
+def test_far_rescore_equals_numpys(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.kv import cpu_select
+
+    rng = np.random.default_rng(5)
+    h, n, b, r, d = 3, 64, 8, 3, 64
+    keys = rng.standard_normal((h, n, b, d), np.float32)
+    q = rng.standard_normal((h, r, d), np.float32)
+    m0 = rng.standard_normal((h, r), np.float32) * 3
+    sc = rng.standard_normal((h, n), np.float32)
+    sc[0, :5] = -np.inf                              # bound ruled out: never picked
+    far = (SPEC, 300, 128)
+
+    def keys_of(at: np.ndarray) -> np.ndarray:
+        return keys[np.arange(h)[:, None], at]
+
+    def pick() -> np.ndarray:
+        return np.sort(cpu_select.rescore(q, m0, sc, 10, 40, None, 0, 16, b, far, keys_of))
+
+    fast = pick()
+    with monkeypatch.context() as mp:
+        _numpy_only(mp)
+        slow = pick()
+    np.testing.assert_array_equal(fast, slow)
+    assert not np.isin(np.arange(5), fast[0]).any()
+    # and the loop's logits themselves
+    at = np.tile(np.arange(n), (h, 1))
+    got = cpu_kernels.far_rescore(q, keys, at, b, m0, far, remap._split_tables(SPEC),
+                                  remap.SPLIT)
+    qr = remap.rerotate(q[:, None], -cpu_select.far_shift(at * b, far), SPEC)
+    want = cpu_select.lse((qr @ keys.swapaxes(-1, -2)).max(-1).swapaxes(1, 2)
+                          - m0[:, :, None], axis=1)
+    assert got is not None
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
+@pytest.mark.parametrize("turned", [True, False])
+def test_attend_equals_gather_rotate_and_softmax(monkeypatch: pytest.MonkeyPatch,
+                                                 turned: bool) -> None:
+    from engine.kv import cpu_select
+
+    rng = np.random.default_rng(9)
+    n_slots, h, p, d, dv, b = 12, 3, 32, 64, 48, 8
+    nb = p // b
+    pk = rng.standard_normal((n_slots, h, p, d), np.float32)
+    pv = rng.standard_normal((n_slots, h, p, dv), np.float32)
+    q = rng.standard_normal((h, 3, d), np.float32) * 0.3
+    blocks = np.sort(rng.choice(n_slots * nb, (h, 20)), axis=1)
+    slots, blk = blocks // nb, blocks % nb
+    delta = rng.integers(0, 30_000, (h, 20)) if turned else None
+    if delta is not None:
+        delta[:, 15:] = 0                             # the window's blocks stay
+    tables = remap._split_tables(SPEC)
+    got = cpu_kernels.attend(q, pk, pv, slots, blk, delta, b, tables, remap.SPLIT)
+    assert got is not None
+    heads = np.arange(h)[:, None]
+    k = pk.reshape(n_slots, h, nb, b, d)[slots, heads, blk]
+    v = pv.reshape(n_slots, h, nb, b, dv)[slots, heads, blk]
+    if delta is not None:
+        with monkeypatch.context() as mp:
+            _numpy_only(mp)
+            k = remap.rerotate(k, delta, SPEC)
+    want = cpu_select._flat_part(q, k.reshape(h, -1, d), v.reshape(h, -1, dv), None)
+    for a, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5)
+    # a block past the pool is not read out of place: numpy's path takes it (and raises)
+    bad = slots.copy()
+    bad[0, 0] = n_slots
+    assert cpu_kernels.attend(q, pk, pv, bad, blk, delta, b, tables, remap.SPLIT) is None
