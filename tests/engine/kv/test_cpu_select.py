@@ -50,14 +50,22 @@ def _run(tmp_path: Path, slots: int | None, spec: remap.RopeSpec | None,
 
 @pytest.mark.parametrize("slots", [None, 40])
 @pytest.mark.parametrize("trained", [0, 1024])
+@pytest.mark.parametrize("loops", ["compiled", "numpy"])
 def test_numpy_steps_equal_the_mlx_ops(tmp_path: Path, slots: int | None, trained: int,
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
+                                       loops: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Whole prefill-and-decode runs with the numpy path on and off: every output within
     1e-5, and the last step's selection the same blocks. trained 1,024 (~3x past it): the
     decode steps score far candidates rotated and attend remapped; 40 slots: most pages on
-    the SSD, the shortlist read through the store."""
+    the SSD, the shortlist read through the store. `loops`: the numpy path through
+    engine.kv.cpu_kernels' compiled loops ("compiled") or numpy's ops alone ("numpy")."""
     import mlx.core as mx
 
+    from engine.kv import cpu_kernels
+
+    if loops == "numpy":
+        monkeypatch.setitem(cpu_kernels._state, "loops", None)
+    elif not cpu_kernels.available():
+        pytest.skip("numba not installed here")
     monkeypatch.setattr(attention, "RESCORE", 4)
     monkeypatch.setattr(attention, "VOTE_SHARE", 0.5)
     spec = remap.RopeSpec(D, False, 10000.0, 1.0, trained) if trained else None
@@ -72,7 +80,22 @@ def test_numpy_steps_equal_the_mlx_ops(tmp_path: Path, slots: int | None, traine
         return out
 
     monkeypatch.setattr(cpu_select, "attend_blocks", seen)  # the real one, observed
+    looped: set[str] = set()
+    run_loop = cpu_kernels._run
+
+    def counted(name: str, *args: Any) -> bool:
+        ok = run_loop(name, *args)
+        if ok:
+            looped.add(name)
+        return ok
+
+    monkeypatch.setattr(cpu_kernels, "_run", counted)  # the real loops, observed
     on, outs_np, q = _run(tmp_path / "np", slots, spec)
+    if loops != "numpy":  # the steps went through the loops, not numpy's fallback
+        assert {"far_bound", "far_rescore"} <= looped if trained else "far_bound" not in looped
+        assert ("attend" in looped) == (slots is None)
+    else:
+        assert not looped
     monkeypatch.setattr(cpu_select, "NP_SELECT", False)
     off, outs_mx, _ = _run(tmp_path / "mx", slots, spec)
     assert ran == (["attended"] * 20 if slots is None else ["fell back"] * 20)
