@@ -826,7 +826,12 @@ def _select_np(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial, sta
             return k if k is not None else cpu_select.to_np(
                 _gather_keys(store, layer, mx.array(at), n_pages, held))
 
-        top = cpu_select.rescore(q, m0, score, k_step, m, cand, lo, nb, b, far, keys_of)
+        def pool_of(at: np.ndarray) -> cpu_select.Pool | None:
+            return cpu_select.resident_pool(store, layer, at) if table.all_resident(
+                n_pages) else None
+
+        top = cpu_select.rescore(q, m0, score, k_step, m, cand, lo, nb, b, far, keys_of,
+                                 pool_of)
     else:
         top = np.argpartition(-score, k_step - 1, axis=-1)[:, :k_step]
         top = top + lo * nb if cand is None else np.take_along_axis(cand, top, axis=-1)

@@ -106,36 +106,69 @@ def _far_ok(q: np.ndarray, tables: tuple[np.ndarray, ...], split: int, e: int, s
 
 def far_bound(bmin: np.ndarray, bmax: np.ndarray, q: np.ndarray, m: np.ndarray,
               starts: np.ndarray, far: tuple[Any, int, int], group: int,
-              tables: tuple[np.ndarray, ...], split: int) -> np.ndarray | None:
+              tables: tuple[np.ndarray, ...], split: int, rows: np.ndarray | None = None
+              ) -> np.ndarray | None:
     """cpu_select.score with `far`, in one loop: per KV head and candidate (H, n), the
     logsumexp over query rows of the box bound on q.k minus the row's running max, each run
     of `group` candidates scored with the query q (H, R, D) rotated back by the run's first
-    start's far shift (E + S - start before E, else 0). bmin, bmax (H, n, D) float32; m
-    (H, R); starts (1 or H, n). None when the loops are not available."""
+    start's far shift (E + S - start before E, else 0). bmin, bmax (H, n, D) float32, or
+    with `rows` (H, M) pools (X, per, D) read in place: candidate j of head h is
+    pool[rows[h, j // per], j % per] (n = M per). m (H, R); starts (1 or H, n). None when
+    the loops are not available."""
     _, e, s0 = far
     if not _far_ok(q, tables, split, e, s0, int(starts.min(initial=e))):
         return None
-    out = np.empty(bmax.shape[:2], np.float32)
-    ok = _run("far_bound", _f32(bmin), _f32(bmax), q, _f32(m),
+    if rows is None:  # each head's candidates as a pool of one candidate a row
+        h, n, d = bmax.shape
+        bmin, bmax = (_f32(a).reshape(h * n, 1, d) for a in (bmin, bmax))
+        rows = np.arange(h * n).reshape(h, n)
+    n = rows.shape[1] * bmax.shape[1]
+    if (bmin.shape != bmax.shape or bmax.dtype != np.float32 or bmin.dtype != np.float32
+            or q.shape[-1] != bmax.shape[-1] or rows.shape[0] != q.shape[0]
+            or starts.shape[-1] != n or (rows.size and not 0 <= rows.min() <= rows.max()
+                                         < len(bmax))):
+        return None  # the loop checks no bounds
+    out = np.empty((rows.shape[0], n), np.float32)
+    ok = _run("far_bound", bmin, bmax, rows.astype(np.int64, copy=False), q, _f32(m),
               starts.astype(np.int64, copy=False), e, s0, group, split, *tables, out)
     return out if ok else None
 
 
-def far_rescore(q: np.ndarray, k: np.ndarray, at: np.ndarray, b: int, m0: np.ndarray,
-                far: tuple[Any, int, int], tables: tuple[np.ndarray, ...], split: int
-                ) -> np.ndarray | None:
+def far_rescore(q: np.ndarray, keys: np.ndarray | tuple[np.ndarray, np.ndarray, np.ndarray],
+                at: np.ndarray, b: int, m0: np.ndarray, far: tuple[Any, int, int],
+                tables: tuple[np.ndarray, ...], split: int) -> np.ndarray | None:
     """cpu_select.rescore's true logits with `far`, in one loop: per KV head and block
     (H, m), the logsumexp over query rows of the block's largest q.k (the query rotated back
-    by the block's far shift) minus the row's running max m0 (H, R). k (H, m, b, D) the
-    blocks' keys, at (H, m) their indices. None when the loops are not available."""
+    by the block's far shift) minus the row's running max m0 (H, R). `keys`: the blocks'
+    keys (H, m, b, D), or where they are in a RAM pool (pool (slots, H, P, D), slot and block
+    of it (H, m) each: read in place); at (H, m) the blocks' indices. None when the loops are
+    not available."""
     _, e, s0 = far
-    if k.dtype != np.float32 or not _far_ok(q, tables, split, e, s0,
-                                              int(at.min(initial=e // b)) * b):
+    if isinstance(keys, tuple):
+        pk, slots, blk = keys
+    else:  # the gathered keys as a pool of one page a block: slot j, block 0
+        pk = keys.swapaxes(0, 1)
+        slots = np.broadcast_to(np.arange(keys.shape[1]), at.shape)
+        blk = np.zeros(at.shape, np.int64)
+    if pk.dtype != np.float32 or not _far_ok(q, tables, split, e, s0,
+                                               int(at.min(initial=e // b)) * b):
+        return None
+    if not _in_pool(pk, slots, blk, b, q.shape[0]) or slots.shape != at.shape:
         return None
     out = np.empty(at.shape, np.float32)
-    ok = _run("far_rescore", q, k, at.astype(np.int64, copy=False), b, _f32(m0), e, s0,
-              split, *tables, out)
+    ok = _run("far_rescore", q, pk, slots.astype(np.int64, copy=False),
+              blk.astype(np.int64, copy=False), at.astype(np.int64, copy=False), b, _f32(m0),
+              e, s0, split, *tables, out)
     return out if ok else None
+
+
+def _in_pool(pk: np.ndarray, slots: np.ndarray, blk: np.ndarray, b: int, h: int) -> bool:
+    """Whether blocks (slots, blk) of b keys and heads [0, h) lie inside pool pk: the loops
+    check no bounds (numpy's gather would raise where they read out of place)."""
+    return not slots.size or bool(
+        0 <= slots.min() and slots.max() < len(pk) and 0 <= blk.min()
+        and (blk.max() + 1) * b <= pk.shape[2] and h <= pk.shape[1]
+        and slots.shape == blk.shape and slots.shape[0] == h)
 
 
 def attend(q: np.ndarray, pk: np.ndarray, pv: np.ndarray, slots: np.ndarray, blk: np.ndarray,
@@ -159,12 +192,8 @@ def attend(q: np.ndarray, pk: np.ndarray, pv: np.ndarray, slots: np.ndarray, blk
                 delta.size and int(np.abs(delta).max()) >= split * len(tables[2])):
             return None
     h, r, _ = q.shape
-    # The loop checks no bounds (numpy's gather would raise where it reads out of place).
-    if slots.size and not (0 <= slots.min() and slots.max() < min(len(pk), len(pv))
-                           and 0 <= blk.min() and (blk.max() + 1) * b <= pk.shape[2]
-                           and h <= pk.shape[1] and pk.shape[:3] == pv.shape[:3]
-                           and slots.shape == blk.shape == delta.shape
-                           and slots.shape[0] == h):
+    if not (_in_pool(pk, slots, blk, b, h) and pk.shape[:3] == pv.shape[:3]
+            and slots.shape == delta.shape):
         return None
     out = (np.empty((h, r), np.float32), np.empty((h, r), np.float32),
            np.empty((h, r, pv.shape[-1]), np.float32))

@@ -78,11 +78,13 @@ def lse_rows(x: Any) -> float:
 
 
 @jit_inf
-def far_bound(bmin: Any, bmax: Any, q: Any, m: Any, starts: Any, e: int, s0: int,
+def far_bound(bmin: Any, bmax: Any, at: Any, q: Any, m: Any, starts: Any, e: int, s0: int,
               group: int, split: int, cl: Any, sl: Any, ch: Any, sh: Any, out: Any
               ) -> None:
-    """cpu_kernels.far_bound into out (H, n)."""
-    heads, n, dim = bmax.shape
+    """cpu_kernels.far_bound into out (H, n): candidate j of head h has the summaries
+    bmin/bmax[at[h, j // per], j % per] of pools (X, per, D)."""
+    heads, n = out.shape
+    per, dim = bmax.shape[1], bmax.shape[2]
     rows = q.shape[1]
     c = np.empty(cl.shape[1], np.float32)
     s = np.empty(cl.shape[1], np.float32)
@@ -101,21 +103,23 @@ def far_bound(bmin: Any, bmax: Any, q: Any, m: Any, starts: Any, e: int, s0: int
                     qp[r, i] = max(qq[r, i], 0.0)
                     qn[r, i] = min(qq[r, i], 0.0)
             for j in range(j0, min(n, j0 + group)):
+                hi_ = bmax[at[h, j // per], j % per]
+                lo_ = bmin[at[h, j // per], j % per]
                 for r in range(rows):
                     acc = 0.0
                     for i in range(dim):
-                        acc += qp[r, i] * bmax[h, j, i] + qn[r, i] * bmin[h, j, i]
+                        acc += qp[r, i] * hi_[i] + qn[r, i] * lo_[i]
                     x[r] = acc - m[h, r]
                 out[h, j] = lse_rows(x)
 
 
 @jit_inf
-def far_rescore(q: Any, k: Any, at: Any, b: int, m0: Any, e: int, s0: int, split: int,
-                cl: Any, sl: Any, ch: Any, sh: Any, out: Any
-                ) -> None:
-    """cpu_kernels.far_rescore into out (H, m)."""
-    heads, n, toks, dim = k.shape
-    rows = q.shape[1]
+def far_rescore(q: Any, pk: Any, slots: Any, blk: Any, at: Any, b: int, m0: Any, e: int,
+                s0: int, split: int, cl: Any, sl: Any, ch: Any, sh: Any, out: Any) -> None:
+    """cpu_kernels.far_rescore into out (H, m): block j of head h is the b keys
+    pk[slots[h, j], h, blk[h, j] * b:...], starting at token at[h, j] * b."""
+    heads, n = at.shape
+    rows, dim = q.shape[1], q.shape[2]
     c = np.empty(cl.shape[1], np.float32)
     s = np.empty(cl.shape[1], np.float32)
     qq = np.empty((rows, dim), np.float32)
@@ -124,13 +128,14 @@ def far_rescore(q: Any, k: Any, at: Any, b: int, m0: Any, e: int, s0: int, split
         for j in range(n):
             st = at[h, j] * b
             angles(-(e + s0 - st) if st < e else 0, split, cl, sl, ch, sh, c, s)
+            keys = pk[slots[h, j], h, blk[h, j] * b:(blk[h, j] + 1) * b]
             for r in range(rows):
                 turn(q[h, r], c, s, qq[r])
                 best = -np.inf
-                for t in range(toks):
+                for t in range(b):
                     acc = 0.0
                     for i in range(dim):
-                        acc += qq[r, i] * k[h, j, t, i]
+                        acc += qq[r, i] * keys[t, i]
                     best = max(best, acc)
                 x[r] = best - m0[h, r]
             out[h, j] = lse_rows(x)

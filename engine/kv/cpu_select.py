@@ -46,6 +46,7 @@ MAX_ROWS = 256
 
 Far = tuple[remap.RopeSpec, int, int]  # (spec, E, S): see attention._far_shift
 Partial = tuple[np.ndarray, np.ndarray, np.ndarray]  # softmax max, sum, output
+Pool = tuple[np.ndarray, np.ndarray, np.ndarray]  # RAM pool, each block's slot, block in it
 NINF = np.float32(-np.inf)
 
 
@@ -123,20 +124,26 @@ def far_shift(starts: np.ndarray, far: Far) -> np.ndarray:
 
 def score(bmin: np.ndarray, bmax: np.ndarray, qt: np.ndarray, m: np.ndarray,
           starts: np.ndarray | None = None, far: Far | None = None,
-          group: int = 1) -> np.ndarray:
+          group: int = 1, rows: np.ndarray | None = None) -> np.ndarray:
     """attention._score: per KV head and candidate (H, n), the logsumexp over query rows of
-    the bound on q.k minus the row's running max. bmin, bmax (H, n, D) float32; qt (H, D, R);
-    m (H, R); with `far`, runs of `group` candidates starting before E bounded by the query
-    rotated back by the run's first start's shift."""
+    the bound on q.k minus the row's running max. bmin, bmax (H, n, D) float32, or with
+    `rows` (H, M) pools (X, per, D) whose rows[h] are head h's candidates, per each; qt
+    (H, D, R); m (H, R); with `far`, runs of `group` candidates starting before E bounded by
+    the query rotated back by the run's first start's shift."""
+    if far is not None:  # one compiled loop, where it is here
+        assert starts is not None
+        fused = cpu_kernels.far_bound(bmin, bmax, qt.swapaxes(-1, -2), m, starts, far, group,
+                                      remap._split_tables(far[0]), remap.SPLIT, rows)
+        if fused is not None:
+            return fused
+    if rows is not None:
+        h, d = rows.shape[0], bmax.shape[-1]
+        bmin, bmax = (a[rows].reshape(h, -1, d) for a in (bmin, bmax))
     if far is None:
         bound = matmul(bmax, np.maximum(qt, 0))                           # (H, n, R)
         bound += matmul(bmin, np.minimum(qt, 0))
     else:
         assert starts is not None
-        fused = cpu_kernels.far_bound(bmin, bmax, qt.swapaxes(-1, -2), m, starts, far, group,
-                                      remap._split_tables(far[0]), remap.SPLIT)
-        if fused is not None:
-            return fused
         h, d, r = qt.shape
         n = bmax.shape[1]
         g = -(-n // group)
@@ -160,13 +167,14 @@ def _f32(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float32, copy=False)
 
 
-def page_blocks(table: Any, bmin: np.ndarray, bmax: np.ndarray, pages: np.ndarray
-                ) -> tuple[np.ndarray, np.ndarray]:
-    """The block summaries (H, M * nb, D) float32 of pages (H, M) per head, from bmin, bmax
-    (H, block_pages * nb, D) float16. Each (head, page) is converted once and kept in
-    `table.np_rows` (row of each (head, page) or -1, then the rows converted, min and max):
-    float16 to float32 ran at ~0.5G values/s, 1.4 ms of a 32k decode step's layer, and a
-    step's first-level pages are mostly the last step's. Only pages looked at take memory."""
+def page_rows(table: Any, bmin: np.ndarray, bmax: np.ndarray, pages: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The block summaries of pages (H, M) per head, from bmin, bmax (H, block_pages * nb, D)
+    float16, as float32 pools (X, nb, D) and each (head, page)'s row in them (H, M). Each
+    (head, page) is converted once and kept in `table.np_rows` (row of each (head, page) or
+    -1, then the rows converted, min and max): float16 to float32 ran at ~0.5G values/s,
+    1.4 ms of a 32k decode step's layer, and a step's first-level pages are mostly the last
+    step's. Only pages looked at take memory."""
     h, _, d = bmin.shape
     n = table.block_pages
     nb = bmin.shape[1] // n
@@ -194,8 +202,7 @@ def page_blocks(table: Any, bmin: np.ndarray, bmax: np.ndarray, pages: np.ndarra
         st[3][used:used + k] = bmax.reshape(h, n, nb * d)[hh, pp]
         row_of[hh, pp] = np.arange(used, used + k)
         st[1] = used + k
-    rows = row_of[heads, pages]
-    return st[2][rows].reshape(h, -1, d), st[3][rows].reshape(h, -1, d)
+    return st[2].reshape(-1, nb, d), st[3].reshape(-1, nb, d), row_of[heads, pages]
 
 
 def voted(votes: Any, votes_at: int, lo: int, hi: int, nb: int, k_vote: int,
@@ -233,9 +240,9 @@ def bounded(table: Any, q: np.ndarray, m0: np.ndarray, n_pages: int, lo: int, hi
         first = np.argpartition(-pscore, n_first - 1, axis=-1)[:, :n_first]   # (H, M)
         cand: np.ndarray | None = (first[..., None] * nb + np.arange(nb)).reshape(h, -1) \
             + lo * nb
-        rmin, rmax = page_blocks(table, bmin, bmax, first + lo)
+        pool_min, pool_max, rows = page_rows(table, bmin, bmax, first + lo)
         assert cand is not None
-        sc = score(rmin, rmax, qt, m0, cand * b, far, nb)
+        sc = score(pool_min, pool_max, qt, m0, cand * b, far, nb, rows)
         pages_of, n_cand = first, n_first
     else:
         cand = None
@@ -265,18 +272,25 @@ def bounded(table: Any, q: np.ndarray, m0: np.ndarray, n_pages: int, lo: int, hi
 
 def rescore(q: np.ndarray, m0: np.ndarray, sc: np.ndarray, k_sel: int, m: int,
             cand: np.ndarray | None, lo: int, nb: int, b: int, far: Far | None,
-            keys_of: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+            keys_of: Callable[[np.ndarray], np.ndarray],
+            pool_of: Callable[[np.ndarray], Pool | None] | None = None) -> np.ndarray:
     """attention._rescore on numpy arrays: of the m best candidates by bound, the k_sel
     (H, k_sel) with the largest true logit against each query row's running max, summed over
-    the group; keys_of(at) gives the float32 keys (H, m, b, D) of blocks `at` (H, m)."""
+    the group; keys_of(at) gives the float32 keys (H, m, b, D) of blocks `at` (H, m), pool_of(at)
+    where they are in the RAM tier (`resident_pool`), if it knows: with `far`, the compiled
+    loop then reads them in place."""
     h, r, d = q.shape
     m = min(m, sc.shape[1])
     pre = np.argpartition(-sc, m - 1, axis=-1)[:, :m]                      # (H, m)
     at = pre + lo * nb if cand is None else np.take_along_axis(cand, pre, axis=-1)
-    k = keys_of(at)                                                          # (H, m, b, D)
-    true = None if far is None else cpu_kernels.far_rescore(
-        q, k, at, b, m0, far, remap._split_tables(far[0]), remap.SPLIT)  # one loop, if any
+    k = None
+    true = None
+    if far is not None:  # one compiled loop, where it is here
+        src = pool_of(at) if pool_of is not None else None
+        true = cpu_kernels.far_rescore(q, src if src is not None else (k := keys_of(at)), at,
+                                       b, m0, far, remap._split_tables(far[0]), remap.SPLIT)
     if true is None:
+        k = keys_of(at) if k is None else k                                 # (H, m, b, D)
         if far is None:
             s = matmul(q, k.reshape(h, m * b, d).swapaxes(-1, -2)).reshape(h, r, m, b).max(-1)
         else:  # the query rotated back per block: fewer rows than the keys
@@ -366,19 +380,28 @@ def plain_pool(store: Any, layer: int) -> np.ndarray | None:
     return np.asarray(pool[0])
 
 
-def resident_keys(store: Any, layer: int, at: np.ndarray) -> np.ndarray | None:
-    """Keys (H, m, b, D) float32 of the blocks `at` (H, m), gathered in numpy from the RAM
-    tier's pool; None when the pool is not `plain_pool`."""
+def resident_pool(store: Any, layer: int, at: np.ndarray) -> Pool | None:
+    """Where the blocks `at` (H, m) are in the RAM tier: the keys pool (slots, H, P, D) and
+    each block's slot and block of it (H, m); None when the pool is not `plain_pool`."""
     a = plain_pool(store, layer)
     if a is None:
         return None
     table = store.tables[layer]
-    b = table.block_tokens
-    nb = store.P // b
+    nb = store.P // table.block_tokens
     page = at // nb
-    slots = page if table.identity else table.slot_of[page]
+    return a, page if table.identity else table.slot_of[page], at % nb
+
+
+def resident_keys(store: Any, layer: int, at: np.ndarray) -> np.ndarray | None:
+    """Keys (H, m, b, D) float32 of the blocks `at` (H, m), gathered in numpy from the RAM
+    tier's pool; None when the pool is not `plain_pool`."""
+    got = resident_pool(store, layer, at)
+    if got is None:
+        return None
+    a, slots, blk = got
+    b = store.tables[layer].block_tokens
     heads = np.arange(at.shape[0])[:, None]
-    return a.reshape(*a.shape[:2], nb, b, a.shape[-1])[slots, heads, at % nb]
+    return a.reshape(*a.shape[:2], -1, b, a.shape[-1])[slots, heads, blk]
 
 
 def attend_blocks(store: Any, layer: int, q: np.ndarray,

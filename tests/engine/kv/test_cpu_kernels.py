@@ -118,6 +118,18 @@ def test_far_bound_equals_numpys_score(monkeypatch: pytest.MonkeyPatch, group: i
     np.testing.assert_allclose(fast, slow, rtol=1e-5, atol=1e-4)
     # The rotation matters: scoring as cached gives other numbers.
     assert float(np.abs(cpu_select.score(bmin, bmax, qt, m) - slow).max()) > 0.1
+    # The same candidates read in place from pools of 10 a row (rows shuffled), as the block
+    # pass reads the kept float32 summaries: loop and numpy alike.
+    rows = rng.permutation(h * 7).reshape(h, 7)
+    pools = [np.empty((h * 7, 10, d), np.float32) for _ in range(2)]
+    for pool, a in zip(pools, (bmin, bmax), strict=True):
+        pool[rows] = a.reshape(h, 7, 10, d)
+    for numpy_only in (False, True):
+        with monkeypatch.context() as mp:
+            if numpy_only:
+                _numpy_only(mp)
+            got = cpu_select.score(pools[0], pools[1], qt, m, starts, far, group, rows)
+        np.testing.assert_allclose(got, slow, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
