@@ -37,13 +37,16 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine.kv import cpu_select, remap
+from engine.kv import cpu_kernels, cpu_select, remap
 from engine.kv.cache import PagedLayerCache
 
 # A score block of page group x heads x queries x page tokens stays under this many floats.
 SCORE_ELEMENTS = 1 << 23
 # Prefill chunks attend exactly; sparse selection is for decoding (Quest does the same).
 SPARSE_MAX_L = 4
+# A sparse chunk past the trained length of at least this many tokens (a long prompt's, not
+# the question after a stored context) starts loading the decode steps' compiled loops.
+WARM_CHUNK = 256
 # Except past a long context (a restored one): there a chunk of at most SPARSE_CHUNK_L tokens
 # selects once for all its queries (the score's sum over the group's rows covers them), so a
 # question after 128k stored tokens costs a couple of selections, not one per 4 tokens, each
@@ -635,6 +638,8 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     far = None
     # Decode steps only: a chunk's rows would multiply the rotated queries (a 64-token chunk
     # past 128k: 150 MB a layer).
+    if spec is not None and end - start >= WARM_CHUNK and cpu_select.enabled():
+        cpu_kernels.warm()  # a long prefill: the decode steps' loops load meanwhile
     if spec is not None and FAR_ROTATE and budget is None and end - start <= SPARSE_MAX_L:
         far = (spec, end - spec.trained, min(store.tables[layer].sink_pages, n_pages) * store.P)
     step = end if budget is None and not recent_only and end - start <= SPARSE_MAX_L else None

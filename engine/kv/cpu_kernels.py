@@ -7,9 +7,9 @@ not available: numba not installed (a Linux-only dependency; on a Mac the sparse
 MLX on the GPU), STRATA_NUMBA=0, or its compilation failed (a RuntimeWarning says why).
 Callers then take the numpy path. The first call loads or compiles the loops (cached beside
 this file or in numba's user cache: ~0.4 s to load with numba's import, ~1.5 s to compile),
-once per process, on the first decode step that rotates: not ahead of it
-on a thread, where it would compete with the prefill for the cores (the first token after a
-128k stored context is such a prefill, and rotates nothing in numpy).
+once per process, on the first decode step that needs them, or ahead of it on a thread
+(`warm`) while a long prompt is prefilled past the trained length; not for a short one (the
+question after a 128k stored context), whose prefill it would slow for the cores.
 
 Why: a re-rotation is a handful of elementwise passes over arrays whose inner dimension is
 half the head (32 floats), and numpy's per-call and per-inner-loop costs made the four of a
@@ -65,6 +65,18 @@ def _run(name: str, *args: Any) -> bool:
                       RuntimeWarning, stacklevel=3)
         return False
     return True
+
+
+def warm() -> None:
+    """Load the loops on a daemon thread (a no-op once loaded or loading): called by a long
+    prompt's prefill past the trained length, so that its first decode step does not pay the
+    ~0.6 s (numba's import and the cached machine code)."""
+    if ENABLED and "loops" not in _state and not _warming:
+        _warming.append(True)
+        threading.Thread(target=_loops, name="strata-loops-load", daemon=True).start()
+
+
+_warming: list[bool] = []
 
 
 def available() -> bool:

@@ -202,3 +202,19 @@ def test_attend_equals_gather_rotate_and_softmax(monkeypatch: pytest.MonkeyPatch
     bad = slots.copy()
     bad[0, 0] = n_slots
     assert cpu_kernels.attend(q, pk, pv, bad, blk, delta, b, tables, remap.SPLIT) is None
+
+
+def test_warm_loads_the_loops_on_a_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    monkeypatch.delitem(cpu_kernels._state, "loops", raising=False)
+    monkeypatch.setattr(cpu_kernels, "_warming", [])
+    cpu_kernels.warm()
+    cpu_kernels.warm()  # once: the second call finds it loading
+    loaders = [t for t in threading.enumerate() if t.name == "strata-loops-load"]
+    assert len(loaders) <= 1
+    for t in loaders:
+        t.join(30)
+    assert "loops" in cpu_kernels._state  # loaded (or found missing) on the thread
+    if sys.platform == "linux":
+        assert cpu_kernels._state["loops"] is not None
