@@ -18,6 +18,8 @@ jit = numba.njit(cache=True, nogil=True, fastmath=True)
 # The loops with -inf in them (running maxima, logsumexp) keep IEEE infinities: numba's full
 # fastmath lets LLVM assume there are none.
 jit_inf = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "arcp"})
+# Sums run in float32 (`np.float32(0.0)`): a float64 accumulator of float32 products kept
+# the dot products from vectorizing (the attention loop 0.68 ms against 0.54).
 
 
 @jit
@@ -106,7 +108,7 @@ def far_bound(bmin: Any, bmax: Any, at: Any, q: Any, m: Any, starts: Any, e: int
                 hi_ = bmax[at[h, j // per], j % per]
                 lo_ = bmin[at[h, j // per], j % per]
                 for r in range(rows):
-                    acc = 0.0
+                    acc = np.float32(0.0)
                     for i in range(dim):
                         acc += qp[r, i] * hi_[i] + qn[r, i] * lo_[i]
                     x[r] = acc - m[h, r]
@@ -133,7 +135,7 @@ def far_rescore(q: Any, pk: Any, slots: Any, blk: Any, at: Any, b: int, m0: Any,
                 turn(q[h, r], c, s, qq[r])
                 best = -np.inf
                 for t in range(b):
-                    acc = 0.0
+                    acc = np.float32(0.0)
                     for i in range(dim):
                         acc += qq[r, i] * keys[t, i]
                     best = max(best, acc)
@@ -158,20 +160,22 @@ def attend_blocks(q: Any, pk: Any, pv: Any, slots: Any, blk: Any, delta: Any, b:
             if d != 0:
                 angles(d, split, cl, sl, ch, sh, c, s)
             for t in range(b):
+                src = pk[slots[h, j], h, blk[h, j] * b + t]
                 if d != 0:
-                    turn(pk[slots[h, j], h, blk[h, j] * b + t], c, s, key)
+                    turn(src, c, s, key)
+                    kk = key
                 else:
-                    key[:] = pk[slots[h, j], h, blk[h, j] * b + t]
+                    kk = src  # read in place: no copy of an unmoved key
                 for r in range(rows):
-                    acc = 0.0
+                    acc = np.float32(0.0)
                     for i in range(dim):
-                        acc += q[h, r, i] * key[i]
+                        acc += q[h, r, i] * kk[i]
                     p[r, j * b + t] = acc
         for r in range(rows):  # softmax partial: max, exp, sum
             top = -np.inf
             for x in range(n * b):
                 top = max(top, p[r, x])
-            total = 0.0
+            total = np.float32(0.0)
             for x in range(n * b):
                 w = np.exp(p[r, x] - top)
                 p[r, x] = w
