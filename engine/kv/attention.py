@@ -636,10 +636,10 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     (PREFILL_RECENT)."""
     held: dict[str, Any] = {}  # pages the shortlist's keys were read from for this step
     far = None
-    # Decode steps only: a chunk's rows would multiply the rotated queries (a 64-token chunk
-    # past 128k: 150 MB a layer).
     if spec is not None and end - start >= WARM_CHUNK and cpu_select.enabled():
         cpu_kernels.warm()  # a long prefill: the decode steps' loops load meanwhile
+    # Decode steps only: a chunk's rows would multiply the rotated queries (a 64-token chunk
+    # past 128k: 150 MB a layer).
     if spec is not None and FAR_ROTATE and budget is None and end - start <= SPARSE_MAX_L:
         far = (spec, end - spec.trained, min(store.tables[layer].sink_pages, n_pages) * store.P)
     step = end if budget is None and not recent_only and end - start <= SPARSE_MAX_L else None
