@@ -31,6 +31,7 @@ ENABLED = (os.environ.get("STRATA_NUMBA") or "1") != "0"
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "loops": the compiled loops by name, None once loading failed
+_warming: list[bool] = []  # a warm-up thread was started
 
 
 def _compile() -> dict[str, Any] | None:
@@ -76,9 +77,6 @@ def warm() -> None:
         threading.Thread(target=_loops, name="strata-loops-load", daemon=True).start()
 
 
-_warming: list[bool] = []
-
-
 def available() -> bool:
     """Whether the compiled loops run here (loading them if need be)."""
     return _loops() is not None
@@ -92,10 +90,7 @@ def rotate(k: np.ndarray, delta: np.ndarray, tables: tuple[np.ndarray, ...], spl
     if k.dtype != np.float32 or k.ndim != 4 or delta.ndim != 2 or _loops() is None:
         return None
     cl, sl, ch, sh = tables
-    # The loops check no bounds: rows narrower than the rotated dims or a delta past the
-    # tables would read or write out of place.
-    if k.shape[-1] < 2 * cl.shape[1] or (
-            delta.size and int(np.abs(delta).max()) >= split * len(ch)):
+    if not _fits_tables(k.shape[-1], delta, tables, split):
         return None
     h = max(k.shape[0], delta.shape[0])
     n = max(k.shape[1], delta.shape[1])
@@ -105,6 +100,14 @@ def rotate(k: np.ndarray, delta: np.ndarray, tables: tuple[np.ndarray, ...], spl
     out = np.empty((h, n, k.shape[2], k.shape[3]), np.float32)
     ok = _run("rotate", k, delta.astype(np.int64, copy=False), split, cl, sl, ch, sh, out)
     return out if ok else None
+
+
+def _fits_tables(dim: int, delta: np.ndarray, tables: tuple[np.ndarray, ...], split: int
+                 ) -> bool:
+    """Whether rows of `dim` hold the rotated dims and every delta lies within the angle
+    tables: the loops check no bounds, and would read or write out of place."""
+    return dim >= 2 * tables[0].shape[1] and (
+        not delta.size or int(np.abs(delta).max()) < split * len(tables[2]))
 
 
 def _far_ok(q: np.ndarray, tables: tuple[np.ndarray, ...], split: int, e: int, s0: int,
@@ -137,7 +140,8 @@ def far_bound(bmin: np.ndarray, bmax: np.ndarray, q: np.ndarray, m: np.ndarray,
     n = rows.shape[1] * bmax.shape[1]
     if (bmin.shape != bmax.shape or bmax.dtype != np.float32 or bmin.dtype != np.float32
             or q.shape[-1] != bmax.shape[-1] or rows.shape[0] != q.shape[0]
-            or starts.shape[-1] != n or (rows.size and not 0 <= rows.min() <= rows.max()
+            or starts.shape[-1] != n or starts.shape[0] not in (1, rows.shape[0])
+            or (rows.size and not 0 <= rows.min() <= rows.max()
                                          < len(bmax))):
         return None  # the loop checks no bounds
     out = np.empty((rows.shape[0], n), np.float32)
@@ -200,8 +204,7 @@ def attend(q: np.ndarray, pk: np.ndarray, pv: np.ndarray, slots: np.ndarray, blk
         tables = tuple(np.ones((1, 1), np.float32) for _ in range(4))  # never looked up
     else:
         assert tables is not None
-        if pk.shape[-1] < 2 * tables[0].shape[1] or (
-                delta.size and int(np.abs(delta).max()) >= split * len(tables[2])):
+        if not _fits_tables(pk.shape[-1], delta, tables, split):
             return None
     h, r, _ = q.shape
     if not (_in_pool(pk, slots, blk, b, h) and pk.shape[:3] == pv.shape[:3]

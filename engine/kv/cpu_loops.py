@@ -133,12 +133,13 @@ def far_rescore(q: Any, pk: Any, slots: Any, blk: Any, at: Any, b: int, m0: Any,
             keys = pk[slots[h, j], h, blk[h, j] * b:(blk[h, j] + 1) * b]
             for r in range(rows):
                 turn(q[h, r], c, s, qq[r])
-                best = -np.inf
+                best = np.float32(-np.inf)
                 for t in range(b):
                     acc = np.float32(0.0)
                     for i in range(dim):
                         acc += qq[r, i] * keys[t, i]
-                    best = max(best, acc)
+                    if acc > best:
+                        best = acc
                 x[r] = best - m0[h, r]
             out[h, j] = lse_rows(x)
 
