@@ -127,3 +127,35 @@ def test_bench_kv_sparse_rows_select_within_the_contiguous_limit(starter: Any, t
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["exact"]["max_abs_logit_diff_step1"] < 1e-3
     assert rows["sparse"]["max_abs_logit_diff_step1"] > 1e-3
+
+
+def test_bench_kv_times_no_write_a_fill_left_behind(starter_lm: Any, tmp_path: Path) -> None:
+    """A synthetic fill hands the pages past the cache's buffer to the first decode step,
+    which queues a few a step for the SSD (`write_behind`); a real prefill has written them
+    by then. `bench kv` settles them after its untimed first step, so the timed steps decode
+    at that depth and write nothing of the fill."""
+    from engine.bench.fill import paged_cache
+    from engine.bench.kv import _decode, _fill_from
+
+    lm = starter_lm
+    doc = doc_kv(lm, 256, page_tokens=64)
+    n = 4096
+    settings = KVSettings(mode="exact", page_tokens=64, budget_tokens=768,
+                          ssd_dir=tmp_path).validate()
+    for settle in (False, True):
+        paged, store = paged_cache(lm.model, settings)  # filled in exact mode, as bench kv
+        try:
+            _fill_from(paged, tiled_mlx_cache(doc, n))
+            store.settings = settings.with_(mode="sparse")
+            for c in paged:
+                c.follow_settings()
+            waiting: list[int] = []
+            _decode(lm, paged, doc.logits, 2, (lambda s=store, w=waiting: (
+                s.flush(), w.append(sum(map(len, s._behind))))) if settle else None)
+            left = sum(map(len, store._behind))
+            if settle:
+                assert waiting == [0] and left == 0
+            else:
+                assert left > 0  # 64 pages a layer, 16 a step: what settling spares the steps
+        finally:
+            close_caches(paged)
