@@ -65,18 +65,58 @@ def rotate_blocks(k: Any, delta: Any, split: int, cl: Any, sl: Any, ch: Any, sh:
                 turn(k[hk, nk, r], c, s, out[h, n, r])
 
 
+# exp(x) for float32 as arithmetic LLVM vectorizes (numba calls libm's expf one value at a
+# time): x = k ln2 + r, |r| <= ln2/2, exp(r) by Cephes' expf polynomial (relative error
+# ~1e-7), 2^k built in an int32 array viewed as float32. Arguments are clamped to
+# [EXP_LO, EXP_HI]: -inf gives ~1e-38, not 0, which no sum here can tell apart.
+EXP_LO = np.float32(-87.0)
+EXP_HI = np.float32(88.0)
+LOG2E = np.float32(1.44269504)
+LN2_HI = np.float32(0.693359375)
+LN2_LO = np.float32(-2.12194440e-4)
+
+
+@jit
+def exp_into(x: Any, shift: Any, out: Any, bits: Any) -> None:
+    """out[i] = exp(x[i] - shift[i]) over 1-d float32 arrays; bits: int32 scratch (n,)."""
+    for i in range(x.shape[0]):
+        t = min(max(x[i] - shift[i], EXP_LO), EXP_HI)
+        k = np.floor(t * LOG2E + np.float32(0.5))
+        r = t - k * LN2_HI - k * LN2_LO
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        out[i] = p * r * r + r + np.float32(1.0)
+        bits[i] = (np.int32(k) + np.int32(127)) << 23
+    scale = bits[:x.shape[0]].view(np.float32)
+    for i in range(x.shape[0]):
+        out[i] *= scale[i]
+
+
 @jit_inf
-def lse_rows(x: Any) -> float:
-    """cpu_select.lse of one vector."""
-    top = -np.inf
-    for v in x:
-        top = max(top, v)
-    if not np.isfinite(top):
-        top = 0.0
-    total = 0.0
-    for v in x:
-        total += np.exp(v - top)
-    return np.log(total) + top
+def lse_cols(x: Any, out: Any, top: Any, total: Any, e: Any, bits: Any) -> None:
+    """out[j] = cpu_select.lse of column j of x (R, n): -inf where the column is all -inf;
+    top, total, e: float32 scratch (n,), bits: int32 (n,)."""
+    rows, n = x.shape
+    for j in range(n):
+        top[j] = x[0, j]
+    for r in range(1, rows):
+        for j in range(n):
+            top[j] = max(top[j], x[r, j])
+    for j in range(n):
+        out[j] = top[j]
+        total[j] = 0.0
+        if not np.isfinite(top[j]):
+            top[j] = 0.0
+    for r in range(rows):
+        exp_into(x[r], top, e, bits)
+        for j in range(n):
+            total[j] += e[j]
+    for j in range(n):
+        out[j] = np.log(total[j]) + top[j] if out[j] > -np.inf else -np.inf
 
 
 @jit_inf
@@ -93,7 +133,11 @@ def far_bound(bmin: Any, bmax: Any, at: Any, q: Any, m: Any, starts: Any, e: int
     qq = np.empty((rows, dim), np.float32)
     qp = np.empty((rows, dim), np.float32)
     qn = np.empty((rows, dim), np.float32)
-    x = np.empty(rows, np.float32)
+    x = np.empty((rows, n), np.float32)
+    top = np.empty(n, np.float32)
+    total = np.empty(n, np.float32)
+    ex = np.empty(n, np.float32)
+    bits = np.empty(n, np.int32)
     for h in range(heads):
         hs = h if starts.shape[0] > 1 else 0
         for j0 in range(0, n, group):
@@ -111,8 +155,8 @@ def far_bound(bmin: Any, bmax: Any, at: Any, q: Any, m: Any, starts: Any, e: int
                     acc = np.float32(0.0)
                     for i in range(dim):
                         acc += qp[r, i] * hi_[i] + qn[r, i] * lo_[i]
-                    x[r] = acc - m[h, r]
-                out[h, j] = lse_rows(x)
+                    x[r, j] = acc - m[h, r]
+        lse_cols(x, out[h], top, total, ex, bits)
 
 
 @jit_inf
@@ -125,7 +169,11 @@ def far_rescore(q: Any, pk: Any, slots: Any, blk: Any, at: Any, b: int, m0: Any,
     c = np.empty(cl.shape[1], np.float32)
     s = np.empty(cl.shape[1], np.float32)
     qq = np.empty((rows, dim), np.float32)
-    x = np.empty(rows, np.float32)
+    x = np.empty((rows, n), np.float32)
+    top = np.empty(n, np.float32)
+    total = np.empty(n, np.float32)
+    ex = np.empty(n, np.float32)
+    bits = np.empty(n, np.int32)
     for h in range(heads):
         for j in range(n):
             st = at[h, j] * b
@@ -140,8 +188,8 @@ def far_rescore(q: Any, pk: Any, slots: Any, blk: Any, at: Any, b: int, m0: Any,
                         acc += qq[r, i] * keys[t, i]
                     if acc > best:
                         best = acc
-                x[r] = best - m0[h, r]
-            out[h, j] = lse_rows(x)
+                x[r, j] = best - m0[h, r]
+        lse_cols(x, out[h], top, total, ex, bits)
 
 
 @jit_inf
@@ -155,6 +203,8 @@ def attend_blocks(q: Any, pk: Any, pv: Any, slots: Any, blk: Any, delta: Any, b:
     s = np.empty(cl.shape[1], np.float32)
     key = np.empty(dim, np.float32)
     p = np.empty((rows, n * b), np.float32)
+    top = np.empty(n * b, np.float32)
+    bits = np.empty(n * b, np.int32)
     for h in range(heads):
         for j in range(n):  # logits, each block's keys rotated by its delta on the way
             d = delta[h, j]
@@ -173,15 +223,15 @@ def attend_blocks(q: Any, pk: Any, pv: Any, slots: Any, blk: Any, delta: Any, b:
                         acc += q[h, r, i] * kk[i]
                     p[r, j * b + t] = acc
         for r in range(rows):  # softmax partial: max, exp, sum
-            top = -np.inf
-            for x in range(n * b):
-                top = max(top, p[r, x])
+            big = p[r, 0]
+            for x in range(1, n * b):
+                big = max(big, p[r, x])
+            top[:] = big
+            exp_into(p[r], top, p[r], bits)
             total = np.float32(0.0)
             for x in range(n * b):
-                w = np.exp(p[r, x] - top)
-                p[r, x] = w
-                total += w
-            m_out[h, r] = top
+                total += p[r, x]
+            m_out[h, r] = big
             l_out[h, r] = total
             o_out[h, r, :] = 0.0
         for j in range(n):  # weights x values

@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.kv import cpu_kernels, remap
+from engine.kv import cpu_kernels, cpu_select, remap
 
 SPEC = remap.RopeSpec(dims=64, traditional=False, base=100000.0, scale=1.0, trained=8192)
 
@@ -101,7 +101,6 @@ def test_out_of_place_inputs_take_numpys_path(monkeypatch: pytest.MonkeyPatch) -
 @pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
 @pytest.mark.parametrize("group", [1, 4, 16])
 def test_far_bound_equals_numpys_score(monkeypatch: pytest.MonkeyPatch, group: int) -> None:
-    from engine.kv import cpu_select
 
     rng = np.random.default_rng(group)
     h, n, r, d = 3, 70, 3, 64  # 70: a last, partial run of each group
@@ -134,7 +133,6 @@ def test_far_bound_equals_numpys_score(monkeypatch: pytest.MonkeyPatch, group: i
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
 def test_far_rescore_equals_numpys(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.kv import cpu_select
 
     rng = np.random.default_rng(5)
     h, n, b, r, d = 3, 64, 8, 3, 64
@@ -172,7 +170,6 @@ def test_far_rescore_equals_numpys(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("turned", [True, False])
 def test_attend_equals_gather_rotate_and_softmax(monkeypatch: pytest.MonkeyPatch,
                                                  turned: bool) -> None:
-    from engine.kv import cpu_select
 
     rng = np.random.default_rng(9)
     n_slots, h, p, d, dv, b = 12, 3, 32, 64, 48, 8
@@ -218,3 +215,30 @@ def test_warm_loads_the_loops_on_a_thread(monkeypatch: pytest.MonkeyPatch) -> No
     assert "loops" in cpu_kernels._state  # loaded (or found missing) on the thread
     if sys.platform == "linux":
         assert cpu_kernels._state["loops"] is not None
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
+def test_the_loops_exp_and_logsumexp_equal_numpys() -> None:
+    # The loops' own exp (numba calls libm one value at a time; this one vectorizes): within
+    # float32's precision where it matters, ~0 (not nan) for -inf, and -inf for a column with
+    # nothing in it, as cpu_select.lse gives.
+    from engine.kv import cpu_loops  # (imports numba: only past the skip above)
+
+    x = np.concatenate([np.linspace(-100, 0, 2001, dtype=np.float32),
+                        np.array([-np.inf, -87.0, -1e-7, 0.0], np.float32)])
+    zero = np.zeros_like(x)
+    out = np.empty_like(x)
+    cpu_loops.exp_into(x, zero, out, np.empty(len(x), np.int32))
+    want = np.exp(x.astype(np.float64))
+    np.testing.assert_allclose(out, want, rtol=3e-7, atol=2e-38)
+    assert out[-4] < 1e-37 and out[-1] == 1.0
+    rng = np.random.default_rng(3)
+    cols = (rng.standard_normal((3, 50)) * 30).astype(np.float32)
+    cols[:, 7] = -np.inf                      # nothing: -inf
+    cols[1:, 9] = -np.inf                     # one row only
+    cols[:, 11] = [80.0, -80.0, 0.0]          # far apart
+    got = np.empty(50, np.float32)
+    scratch = [np.empty(50, np.float32) for _ in range(3)]
+    cpu_loops.lse_cols(cols, got, *scratch, np.empty(50, np.int32))
+    np.testing.assert_allclose(got, cpu_select.lse(cols, axis=0), rtol=1e-6, atol=1e-6)
+    assert got[7] == -np.inf and got[9] == cols[0, 9]
