@@ -805,6 +805,9 @@ def _select_np(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial, sta
     b = table.block_tokens
     nb = store.P // b
     lo = sink
+    # One synchronisation for the query and the whole recent partial (attend_blocks reads
+    # all three next): one each cost two more waits on MLX's stream a layer.
+    mx.eval(qg, *acc)
     q, m0 = cpu_select.to_np(qg), cpu_select.to_np(acc[0])
     voted = cpu_select.voted(table.votes, table.votes_at, lo, hi, nb, int(k_sel * VOTE_SHARE),
                              start)
