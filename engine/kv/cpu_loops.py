@@ -76,7 +76,7 @@ LN2_HI = np.float32(0.693359375)
 LN2_LO = np.float32(-2.12194440e-4)
 
 
-@jit
+@jit_inf  # -inf arguments are clamped: with full fastmath LLVM may assume there are none
 def exp_into(x: Any, shift: Any, out: Any, bits: Any) -> None:
     """out[i] = exp(x[i] - shift[i]) over 1-d float32 arrays; bits: int32 scratch (n,)."""
     for i in range(x.shape[0]):
@@ -223,8 +223,8 @@ def attend_blocks(q: Any, pk: Any, pv: Any, slots: Any, blk: Any, delta: Any, b:
                         acc += q[h, r, i] * kk[i]
                     p[r, j * b + t] = acc
         for r in range(rows):  # softmax partial: max, exp, sum
-            big = p[r, 0]
-            for x in range(1, n * b):
+            big = -np.inf
+            for x in range(n * b):
                 big = max(big, p[r, x])
             top[:] = big
             exp_into(p[r], top, p[r], bits)
