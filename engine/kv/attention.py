@@ -44,8 +44,9 @@ from engine.kv.cache import PagedLayerCache
 SCORE_ELEMENTS = 1 << 23
 # Prefill chunks attend exactly; sparse selection is for decoding (Quest does the same).
 SPARSE_MAX_L = 4
-# A sparse chunk past the trained length of at least this many tokens (a long prompt's, not
-# the question after a stored context) starts loading the decode steps' compiled loops.
+# A prefill chunk of at least this many tokens (a long prompt's, not the question after a
+# stored context) into a context the compiled loops serve (exact decode over DENSE_MIN_KEYS
+# keys, sparse selection) starts loading them for the decode steps.
 WARM_CHUNK = 256
 # Except past a long context (a restored one): there a chunk of at most SPARSE_CHUNK_L tokens
 # selects once for all its queries (the score's sum over the group's rows covers them), so a
@@ -280,6 +281,9 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
     rk, rv = both[0][0], both[1][0]
     note_blocks(store, layer, n_pages, rk)
     past = n_pages * store.P
+    if L >= WARM_CHUNK and past + rk.shape[1] >= cpu_select.DENSE_MIN_KEYS and \
+            cpu_select.enabled():
+        cpu_kernels.warm()  # a long prompt: the decode steps' loops load meanwhile
     if L > SPARSE_MAX_L and store.settings.mode == "sparse":
         _note_or_clear_votes(store, layer, queries, scale, n_pages, rk, past)
     # Sparse past the trained length: every chunk, prefill too, attends sparsely with
@@ -636,8 +640,6 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     (PREFILL_RECENT)."""
     held: dict[str, Any] = {}  # pages the shortlist's keys were read from for this step
     far = None
-    if spec is not None and end - start >= WARM_CHUNK and cpu_select.enabled():
-        cpu_kernels.warm()  # a long prefill: the decode steps' loops load meanwhile
     # Decode steps only: a chunk's rows would multiply the rotated queries (a 64-token chunk
     # past 128k: 150 MB a layer).
     if spec is not None and FAR_ROTATE and budget is None and end - start <= SPARSE_MAX_L:

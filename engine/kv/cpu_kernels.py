@@ -1,21 +1,26 @@
-"""Compiled loops for the sparse path on MLX's CPU backend (numba), where numpy pays per op.
+"""Compiled loops for the sparse path and exact decode on MLX's CPU backend (numba), where
+numpy pays per op.
 
 Contract: `rotate(k, delta, tables, split)` returns what remap.rerotate returns for float32
 numpy keys in RoPE's halves layout, from remap's angle tables (k (Hk, Nk, B, D) broadcast
 against delta (Hd, Nd), each block rotated by its delta positions), or None when the loop is
-not available: numba not installed (a Linux-only dependency; on a Mac the sparse path runs in
-MLX on the GPU), STRATA_NUMBA=0, or its compilation failed (a RuntimeWarning says why).
-Callers then take the numpy path. The first call loads or compiles the loops (cached beside
-this file or in numba's user cache: ~0.4 s to load with numba's import, ~1.5 s to compile),
-once per process, on the first decode step that needs them, or ahead of it on a thread
-(`warm`) while a long prompt is prefilled past the trained length; not for a short one (the
-question after a 128k stored context), whose prefill it would slow for the cores.
+not available (`dense_pages`, `far_bound`, `far_rescore` and `attend` likewise return what
+their docstrings name, or None): numba not installed (a Linux-only dependency; on a Mac the
+sparse path runs in MLX on the GPU), STRATA_NUMBA=0, or its compilation failed (a
+RuntimeWarning says why). Callers then take the numpy path. The first call loads or compiles
+the loops (cached beside this file or in numba's user cache: ~0.4 s to load with numba's
+import, ~1.5 s to compile), once per process, on the first decode step that needs them, or
+ahead of it on a thread (`warm`) while a long prompt is prefilled (attention.WARM_CHUNK);
+not for a short one (the question after a 128k stored context), whose prefill it would slow
+for the cores.
 
 Why: a re-rotation is a handful of elementwise passes over arrays whose inner dimension is
 half the head (32 floats), and numpy's per-call and per-inner-loop costs made the four of a
 32k sparse decode step's layer (the query per far page, per block page and per shortlisted
-block, the chosen keys) 1.9 ms of its ~6 ms (docs/benchmarks.md). One fused loop computes each
-block's angles once from remap's tables and writes the rotated rows: ~10x less.
+block, the chosen keys) 1.9 ms of its ~6 ms (docs/benchmarks.md). One fused loop computes
+each block's angles once from remap's tables and writes the rotated rows: ~10x less. Exact
+decode over pages in RAM reads each key and value once in `dense_pages` (online softmax a
+page at a time), where numpy wrote and reread the logits.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ def _compile() -> dict[str, Any] | None:
     except ImportError:
         return None
     return {"rotate": cpu_loops.rotate_blocks, "far_bound": cpu_loops.far_bound,
-            "far_rescore": cpu_loops.far_rescore, "attend": cpu_loops.attend_blocks}
+            "far_rescore": cpu_loops.far_rescore, "attend": cpu_loops.attend_blocks,
+            "dense_pages": cpu_loops.dense_pages}
 
 
 def _loops() -> dict[str, Any] | None:
@@ -70,8 +76,8 @@ def _run(name: str, *args: Any) -> bool:
 
 def warm() -> None:
     """Load the loops on a daemon thread (a no-op once loaded or loading): called by a long
-    prompt's prefill past the trained length, so that its first decode step does not pay the
-    ~0.6 s (numba's import and the cached machine code)."""
+    prompt's prefill, so that its first decode step does not pay the ~0.6 s (numba's import
+    and the cached machine code)."""
     if ENABLED and "loops" not in _state and not _warming:
         _warming.append(True)
         threading.Thread(target=_loops, name="strata-loops-load", daemon=True).start()
@@ -220,3 +226,22 @@ def attend(q: np.ndarray, pk: np.ndarray, pv: np.ndarray, slots: np.ndarray, blk
 
 def _f32(a: np.ndarray) -> np.ndarray:
     return a.astype(np.float32, copy=False)
+
+
+def dense_pages(q: np.ndarray, k: np.ndarray, v: np.ndarray, lo: int, hi: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The softmax partial (max (H, R), sum (H, R), output (H, R, Dv)) of queries q (H, R, D)
+    (scaled) over pages [lo, hi) of k (n, H, P, D) and v (n, H, P, Dv), all float32: what
+    cpu_select's `_pages_part` computes, reading each key and value once. None when the loops
+    are not available."""
+    if (q.dtype != np.float32 or k.dtype != np.float32 or v.dtype != np.float32
+            or k.ndim != 4 or v.ndim != 4 or q.ndim != 3 or _loops() is None):
+        return None
+    h, r, d = q.shape
+    if (k.shape[1] != h or k.shape[3] != d or v.shape[:3] != k.shape[:3]
+            or not 0 <= lo < hi <= k.shape[0]):
+        return None  # the loop checks no bounds
+    out = (np.empty((h, r), np.float32), np.empty((h, r), np.float32),
+           np.empty((h, r, v.shape[-1]), np.float32))
+    ok = _run("dense_pages", q, k, v, lo, hi, *out)
+    return out if ok else None

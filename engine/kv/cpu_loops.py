@@ -241,3 +241,60 @@ def attend_blocks(q: Any, pk: Any, pv: Any, slots: Any, blk: Any, delta: Any, b:
                     w = p[r, j * b + t]
                     for i in range(v.shape[0]):
                         o_out[h, r, i] += w * v[i]
+
+
+@jit_inf
+def dense_pages(q: Any, pk: Any, pv: Any, lo: int, hi: int, m_out: Any, l_out: Any,
+                o_out: Any) -> None:
+    """cpu_kernels.dense_pages into m_out, l_out, o_out: pages [lo, hi) of pk, pv (n, H, P,
+    D), one page at a time (online softmax), so that each key and value is read once."""
+    heads, rows, dim = q.shape
+    size = pk.shape[2]
+    dv = pv.shape[3]
+    p = np.empty((rows, size), np.float32)
+    shift = np.empty(size, np.float32)
+    bits = np.empty(size, np.int32)
+    qq = np.empty((rows, dim), np.float32)
+    o = np.empty((rows, dv), np.float32)  # a local accumulator: LLVM sees it alias nothing
+    m = np.empty(rows, np.float32)
+    total = np.empty(rows, np.float32)
+    for h in range(heads):
+        for r in range(rows):
+            m[r] = -np.inf
+            total[r] = 0.0
+            qq[r] = q[h, r]
+            o[r] = 0.0
+        for n in range(lo, hi):
+            keys = pk[n, h]
+            vals = pv[n, h]
+            for t in range(size):
+                for r in range(rows):
+                    acc = np.float32(0.0)
+                    for i in range(dim):
+                        acc += qq[r, i] * keys[t, i]
+                    p[r, t] = acc
+            for r in range(rows):
+                big = p[r, 0]
+                for t in range(1, size):
+                    big = max(big, p[r, t])
+                if big > m[r]:  # a new running max: what was summed so far shrinks
+                    c = np.exp(m[r] - big)
+                    total[r] *= c
+                    for i in range(dv):
+                        o[r, i] *= c
+                    m[r] = big
+                shift[:] = m[r]
+                exp_into(p[r], shift, p[r], bits)
+                s = np.float32(0.0)
+                for t in range(size):
+                    s += p[r, t]
+                total[r] += s
+            for t in range(size):
+                for r in range(rows):
+                    w = p[r, t]
+                    for i in range(dv):
+                        o[r, i] += w * vals[t, i]
+        for r in range(rows):
+            m_out[h, r] = m[r]
+            l_out[h, r] = total[r]
+            o_out[h, r] = o[r]

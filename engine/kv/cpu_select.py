@@ -305,8 +305,9 @@ def rescore(q: np.ndarray, m0: np.ndarray, sc: np.ndarray, k_sel: int, m: int,
 
 # Dense decode attention (`dense_partial`): at least this many keys, split over THREADS
 # threads. MLX's fused attention on the CPU read 16k keys in 7.7-10.6 ms a layer, numpy on
-# two threads in 2.5-3.4 ms (docs/benchmarks.md); below ~1k keys the synchronisation costs
-# more than it saves.
+# two threads in 2.5-3.4 ms, the compiled loop (cpu_kernels.dense_pages, each key and value
+# read once) on two threads in ~1.6 (docs/benchmarks.md); below ~1k keys the
+# synchronisation costs more than it saves.
 DENSE_MIN_KEYS = 2048
 MAX_DENSE_ROWS = 32  # decode steps: a group of up to 8 query heads, up to 4 tokens
 
@@ -363,7 +364,8 @@ def dense_partial(q: np.ndarray, k: np.ndarray, v: np.ndarray, pages: bool,
     def part(span: tuple[int, int]) -> Partial:
         a, b = span
         if pages:
-            return _pages_part(q, k[a:b], v[a:b])
+            got = cpu_kernels.dense_pages(q, k, v, a, b)
+            return _pages_part(q, k[a:b], v[a:b]) if got is None else got
         return _flat_part(q, k[:, a:b], v[:, a:b], mask if b == n else None)
 
     if len(spans) == 1:

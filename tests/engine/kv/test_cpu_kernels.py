@@ -242,3 +242,32 @@ def test_the_loops_exp_and_logsumexp_equal_numpys() -> None:
     cpu_loops.lse_cols(cols, got, *scratch, np.empty(50, np.int32))
     np.testing.assert_allclose(got, cpu_select.lse(cols, axis=0), rtol=1e-6, atol=1e-6)
     assert got[7] == -np.inf and got[9] == cols[0, 9]
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
+def test_dense_pages_equals_numpys_pages_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Exact decode over pages in RAM: the loop's page-at-a-time online softmax against
+    # numpy's one pass, with logits that grow page by page (the running max moves on every
+    # page) and one page far below the rest (its weights underflow).
+    rng = np.random.default_rng(11)
+    n, h, p, d, dv = 9, 3, 32, 64, 48
+    pk = rng.standard_normal((n, h, p, d), np.float32) * np.arange(1, n + 1, dtype=np.float32
+                                                                   )[:, None, None, None]
+    pk[4] *= -40.0
+    pv = rng.standard_normal((n, h, p, dv), np.float32)
+    q = rng.standard_normal((h, 5, d), np.float32) * 0.3
+    got = cpu_kernels.dense_pages(q, pk, pv, 2, 8)
+    assert got is not None
+    want = cpu_select._pages_part(q, pk[2:8], pv[2:8])
+    for a, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, w, rtol=2e-5, atol=1e-5)
+    # cpu_select's dense pass (pages cut over the threads) takes the loop and agrees
+    with monkeypatch.context() as m:
+        _numpy_only(m)
+        slow = cpu_select.dense_partial(q, pk, pv, pages=True)
+    fast = cpu_select.dense_partial(q, pk, pv, pages=True)
+    np.testing.assert_allclose(fast[2] / fast[1][..., None], slow[2] / slow[1][..., None],
+                               rtol=1e-5, atol=1e-6)
+    # pages past the arrays are not read out of place; numpy's path takes them
+    assert cpu_kernels.dense_pages(q, pk, pv, 2, n + 1) is None
+    assert cpu_kernels.dense_pages(q, pk, pv[:, :2], 0, n) is None
