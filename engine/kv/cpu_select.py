@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import mlx.core as mx
@@ -72,15 +71,8 @@ def to_np(a: Any) -> np.ndarray:
     return np.asarray(a)
 
 
-# Threads for the larger numpy work (numpy's matmul and exp release the GIL).
-THREADS = max(1, min(4, os.cpu_count() or 1))
-_pool: list[ThreadPoolExecutor] = []
-
-
-def _threads() -> ThreadPoolExecutor:
-    if not _pool:
-        _pool.append(ThreadPoolExecutor(THREADS, thread_name_prefix="strata-np"))
-    return _pool[0]
+THREADS = cpu_kernels.THREADS  # the larger numpy work's threads, the loops' pool
+_threads = cpu_kernels.threads
 
 
 # A stacked matmul of at least this many multiply-adds is cut along its rows and run on the
@@ -444,7 +436,7 @@ def attend_blocks(store: Any, layer: int, q: np.ndarray,
     part = cpu_kernels.attend(q, pk, pv, slots, blk, turn, b,
                               None if spec is None else remap._split_tables(spec), remap.SPLIT)
     if part is not None:  # one loop: no gathered copies of the keys and values
-        return merge([recent, part])
+        return merge([recent, *part])
     heads = np.arange(h)[:, None]
     k = pk.reshape(*pk.shape[:2], nb, b, d)[slots, heads, blk]                # (H, n, b, D)
     v = pv.reshape(*pv.shape[:2], nb, b, pv.shape[-1])[slots, heads, blk]

@@ -18,6 +18,14 @@ def _numpy_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(cpu_kernels._state, "loops", None)
 
 
+def _cut_small(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every loop call cut over three threads' spans (uneven, with a short last one), however
+    # little the work: a span must compute what the whole call does.
+    monkeypatch.setattr(cpu_kernels, "THREADS", 3)
+    monkeypatch.setattr(cpu_kernels, "SPLIT_CANDIDATES", 8)
+    monkeypatch.setattr(cpu_kernels, "SPLIT_BLOCKS", 2)
+
+
 def _both(monkeypatch: pytest.MonkeyPatch, k: np.ndarray, delta: np.ndarray,
           spec: remap.RopeSpec = SPEC) -> tuple[np.ndarray, np.ndarray]:
     fast = cpu_kernels.rotate(k, delta, remap._split_tables(spec), remap.SPLIT)
@@ -99,8 +107,12 @@ def test_out_of_place_inputs_take_numpys_path(monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
+@pytest.mark.parametrize("cut", [False, True])
 @pytest.mark.parametrize("group", [1, 4, 16])
-def test_far_bound_equals_numpys_score(monkeypatch: pytest.MonkeyPatch, group: int) -> None:
+def test_far_bound_equals_numpys_score(monkeypatch: pytest.MonkeyPatch, group: int,
+                                       cut: bool) -> None:
+    if cut:
+        _cut_small(monkeypatch)
 
     rng = np.random.default_rng(group)
     h, n, r, d = 3, 70, 3, 64  # 70: a last, partial run of each group
@@ -132,7 +144,10 @@ def test_far_bound_equals_numpys_score(monkeypatch: pytest.MonkeyPatch, group: i
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
-def test_far_rescore_equals_numpys(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("cut", [False, True])
+def test_far_rescore_equals_numpys(monkeypatch: pytest.MonkeyPatch, cut: bool) -> None:
+    if cut:
+        _cut_small(monkeypatch)
 
     rng = np.random.default_rng(5)
     h, n, b, r, d = 3, 64, 8, 3, 64
@@ -167,9 +182,12 @@ def test_far_rescore_equals_numpys(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
+@pytest.mark.parametrize("cut", [False, True])
 @pytest.mark.parametrize("turned", [True, False])
 def test_attend_equals_gather_rotate_and_softmax(monkeypatch: pytest.MonkeyPatch,
-                                                 turned: bool) -> None:
+                                                 turned: bool, cut: bool) -> None:
+    if cut:
+        _cut_small(monkeypatch)
 
     rng = np.random.default_rng(9)
     n_slots, h, p, d, dv, b = 12, 3, 32, 64, 48, 8
@@ -193,7 +211,8 @@ def test_attend_equals_gather_rotate_and_softmax(monkeypatch: pytest.MonkeyPatch
             _numpy_only(mp)
             k = remap.rerotate(k, delta, SPEC)
     want = cpu_select._flat_part(q, k.reshape(h, -1, d), v.reshape(h, -1, dv), None)
-    for a, w in zip(got, want, strict=True):
+    assert len(got) == (3 if cut else 1)
+    for a, w in zip(cpu_select.merge(got), want, strict=True):
         np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5)
     # a block past the pool is not read out of place: numpy's path takes it (and raises)
     bad = slots.copy()
