@@ -78,6 +78,9 @@ def _add_kv(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gen", type=int, default=32, help="kv: tokens generated per subject")
     g.add_argument("--kv-budget", type=int, default=2048, help="kv: sparse token budget")
     g.add_argument("--kv-ram-mb", type=int, help="kv: RAM tier budget (default: derived)")
+    g.add_argument("--kv-bits", type=int, choices=(16, 8, 4), default=16,
+                   help="kv: precision of the paged subjects' pages (mlx-lm's stays as "
+                   "computed)")
     g.add_argument("--page-tokens", type=int, default=128, help="kv: tokens per page")
     g.add_argument("--prefill-paged", action="store_true",
                    help="kv: also prefill through the paged cache and compare logits")

@@ -101,7 +101,8 @@ def _write_json(args: argparse.Namespace, lm: Any, doc: dict[str, Any]) -> None:
         Path(args.json_out).write_text(json.dumps(
             {"schema": "strata-bench-kv/2", "model": lm.manifest["name"],
              "profile": lm.profile.name, "page_tokens": args.page_tokens,
-             "command": " ".join(sys.argv), "machine": machine_facts(), **doc}, indent=2))
+             "kv_bits": args.kv_bits, "command": " ".join(sys.argv),
+             "machine": machine_facts(), **doc}, indent=2))
 
 
 def _run_contexts(lm: Any, args: argparse.Namespace, modes: list[str]) -> int:
@@ -128,7 +129,7 @@ def _run_contexts(lm: Any, args: argparse.Namespace, modes: list[str]) -> int:
                 first = _prefill(lm, ref_cache, ids, tenths())
                 prefill_s = time.perf_counter() - t
             settings = KVSettings(mode="exact", page_tokens=args.page_tokens,
-                                  ram_mb=args.kv_ram_mb,
+                                  ram_mb=args.kv_ram_mb, bits=args.kv_bits,
                                   budget_tokens=args.kv_budget).validate()
             paged, store = paged_cache(lm.model, settings)
             paged_first = None
@@ -204,7 +205,8 @@ def format_contexts(rows: list[dict[str, Any]], lm: Any, args: argparse.Namespac
     """The speed table as text: tok/s per context and mode, ratio to mlx-lm."""
     base = {r["context"]: r["decode_tps"] for r in rows if r.get("mode") == "mlx"}
     out = [f"\nmodel {lm.manifest['name']}, profile {lm.profile.name}, page {args.page_tokens} "
-           f"tokens, sparse budget {args.kv_budget}, {args.gen} tokens per subject",
+           f"tokens, sparse budget {args.kv_budget}, {args.gen} tokens per subject"
+           + ("" if args.kv_bits == 16 else f", paged KV at {args.kv_bits} bits"),
            f"KV fill: {fill}",
            f"{'context':>8} {'mode':7} {'tok/s':>8} {'x mlx':>6} {'same tokens':>12} "
            f"{'max|dlogit|':>12} {'RSS MB':>8}"]

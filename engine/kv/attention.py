@@ -383,16 +383,22 @@ def _exact(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial | None) 
     if codec.quantized:
         group = min(group, max(1, DECODE_ELEMENTS // (h * store.P * d)))
     view = store.resident_parts(layer, n_pages)
-    if view is not None and not codec.quantized and cpu_select.dense_enabled(
-            n_pages * store.P, r, qg.dtype):
-        # A decode step over pages all in RAM: numpy, on the CPU's cores at once.
+    if view is not None and cpu_select.dense_enabled(n_pages * store.P, r, qg.dtype):
+        # A decode step over pages all in RAM: compiled loops (or numpy), on the CPU's cores
+        # at once; quantized pages read as codes.
         mx.eval(view, qg, *(() if acc is None else acc))
-        part = cpu_select.dense_partial(cpu_select.to_np(qg), np.asarray(view[0][0]),
-                                        np.asarray(view[1][0]), pages=True)
-        if acc is not None:
-            part = cpu_select.merge([part, (np.asarray(acc[0]), np.asarray(acc[1]),
-                                            np.asarray(acc[2]))])
-        return mx.array(part[0]), mx.array(part[1]), mx.array(part[2])
+        q = cpu_select.to_np(qg)
+        if codec.quantized:
+            part = cpu_select.dense_codes(q, tuple(np.asarray(a) for a in view[0]),
+                                          tuple(np.asarray(a) for a in view[1]), codec.bits)
+        else:
+            part = cpu_select.dense_partial(q, np.asarray(view[0][0]), np.asarray(view[1][0]),
+                                            pages=True)
+        if part is not None:
+            if acc is not None:
+                part = cpu_select.merge([part, (np.asarray(acc[0]), np.asarray(acc[1]),
+                                                np.asarray(acc[2]))])
+            return mx.array(part[0]), mx.array(part[1]), mx.array(part[2])
     if view is not None:
         kp, vp = view
         for i in range(0, n_pages, group):

@@ -50,7 +50,7 @@ def _compile() -> dict[str, Any] | None:
         return None
     return {"rotate": cpu_loops.rotate_blocks, "far_bound": cpu_loops.far_bound,
             "far_rescore": cpu_loops.far_rescore, "attend": cpu_loops.attend_blocks,
-            "dense_pages": cpu_loops.dense_pages}
+            "dense_pages": cpu_loops.dense_pages, "dense_pages_q": cpu_loops.dense_pages_q}
 
 
 def _loops() -> dict[str, Any] | None:
@@ -297,4 +297,31 @@ def dense_pages(q: np.ndarray, k: np.ndarray, v: np.ndarray, lo: int, hi: int
     out = (np.empty((h, r), np.float32), np.empty((h, r), np.float32),
            np.empty((h, r, v.shape[-1]), np.float32))
     ok = _run("dense_pages", q, k, v, lo, hi, *out)
+    return out if ok else None
+
+
+def dense_pages_q(q: np.ndarray, kparts: tuple[np.ndarray, ...],
+                  vparts: tuple[np.ndarray, ...], bits: int, lo: int, hi: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """`dense_pages` over pages quantized as engine.kv.codec holds them at 8 or 4 bits: each
+    of kparts, vparts is (codes uint32 (n, H, P, D * bits // 32), scales, biases float32
+    (n, H, P, groups)), read as codes (no decoded copy). None when the loop is not
+    available or the parts are not that."""
+    if bits not in (8, 4) or q.dtype != np.float32 or q.ndim != 3 or _loops() is None:
+        return None
+    h, r, d = q.shape
+    kc, ks, kb = kparts
+    vc, vs, vb = vparts
+    lead = kc.shape[:3]
+    if (kc.dtype != np.uint32 or vc.dtype != np.uint32 or kc.ndim != 4 or vc.ndim != 4
+            or any(a.dtype != np.float32 or a.ndim != 4 for a in (ks, kb, vs, vb))
+            or any(a.shape[:3] != lead for a in (ks, kb, vc, vs, vb))
+            or ks.shape != kb.shape or vs.shape != vb.shape or lead[1] != h
+            or kc.shape[3] * 32 // bits != d or d % ks.shape[3]
+            or (vc.shape[3] * 32 // bits) % vs.shape[3] or not 0 <= lo < hi <= lead[0]):
+        return None  # the loop checks no bounds
+    kc, vc = (np.ascontiguousarray(a).view(np.uint8) for a in (kc, vc))
+    out = (np.empty((h, r), np.float32), np.empty((h, r), np.float32),
+           np.empty((h, r, vc.shape[3] * 8 // bits), np.float32))
+    ok = _run("dense_pages_q", q, kc, ks, kb, vc, vs, vb, bits, lo, hi, *out)
     return out if ok else None

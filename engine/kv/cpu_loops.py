@@ -298,3 +298,122 @@ def dense_pages(q: Any, pk: Any, pv: Any, lo: int, hi: int, m_out: Any, l_out: A
             m_out[h, r] = m[r]
             l_out[h, r] = total[r]
             o_out[h, r] = o[r]
+
+
+@jit_inf
+def dense_pages_q(q: Any, kc: Any, ks: Any, kb: Any, vc: Any, vs: Any, vb: Any, bits: int,
+                  lo: int, hi: int, m_out: Any, l_out: Any, o_out: Any) -> None:
+    """cpu_kernels.dense_pages_q into m_out, l_out, o_out: `dense_pages` over pages quantized
+    group-wise (codes kc, vc (n, H, P, D * bits // 8) uint8, low nibble first at 4 bits;
+    scales and biases (n, H, P, groups)), read as codes: a key's logit is each group's
+    scale x (q . codes) + bias x sum(q); a value's weight goes to the codes and the bias
+    apart. A quarter of the keys' and values' bytes at 8 bits, no decoded copy. (Inner
+    loops run from 0 with an offset: `range(a, b)` kept LLVM from vectorizing them, 5x.)"""
+    heads, rows, dim = q.shape
+    size = kc.shape[2]
+    groups = ks.shape[3]
+    vgroups = vs.shape[3]
+    width = kc.shape[3]  # bytes a key
+    vwidth = vc.shape[3]
+    wk = width // groups  # bytes a group
+    wv = vwidth // vgroups
+    half = bits == 4
+    p = np.empty((rows, size), np.float32)
+    shift = np.empty(size, np.float32)
+    ebits = np.empty(size, np.int32)
+    # A key's codes as floats; at 4 bits byte j holds values 2j (low nibble) and 2j + 1, and
+    # the query, a key and the output are kept as even and odd halves so that the loops run
+    # over bytes.
+    qq = np.zeros((rows, 2, width), np.float32)
+    kf = np.zeros((2, width), np.float32)
+    vf = np.zeros((2, vwidth), np.float32)
+    o = np.empty((rows, 2, vwidth), np.float32)
+    qsum = np.empty((rows, groups), np.float32)
+    ob = np.empty((rows, vgroups), np.float32)  # the values' biases' share
+    m = np.empty(rows, np.float32)
+    total = np.empty(rows, np.float32)
+    for h in range(heads):
+        for r in range(rows):
+            m[r] = -np.inf
+            total[r] = 0.0
+            for i in range(dim):
+                if half:
+                    qq[r, i % 2, i // 2] = q[h, r, i]
+                else:
+                    qq[r, 0, i] = q[h, r, i]
+            for g in range(groups):
+                acc = np.float32(0.0)
+                base = g * (dim // groups)
+                for i in range(dim // groups):
+                    acc += q[h, r, base + i]
+                qsum[r, g] = acc
+            o[r] = 0.0
+            ob[r] = 0.0
+        for n in range(lo, hi):
+            kcn, ksn, kbn = kc[n, h], ks[n, h], kb[n, h]
+            vcn, vsn, vbn = vc[n, h], vs[n, h], vb[n, h]
+            for t in range(size):
+                if half:
+                    for j in range(width):
+                        kf[0, j] = np.float32(kcn[t, j] & 15)
+                        kf[1, j] = np.float32(kcn[t, j] >> 4)
+                else:
+                    for j in range(width):
+                        kf[0, j] = np.float32(kcn[t, j])
+                for r in range(rows):
+                    s = np.float32(0.0)
+                    for g in range(groups):
+                        base = g * wk
+                        acc = np.float32(0.0)
+                        for j in range(wk):
+                            acc += qq[r, 0, base + j] * kf[0, base + j]
+                        if half:
+                            for j in range(wk):
+                                acc += qq[r, 1, base + j] * kf[1, base + j]
+                        s += ksn[t, g] * acc + kbn[t, g] * qsum[r, g]
+                    p[r, t] = s
+            for r in range(rows):
+                big = p[r, 0]
+                for t in range(1, size):
+                    big = max(big, p[r, t])
+                if big > m[r]:  # a new running max: what was summed so far shrinks
+                    c = np.exp(m[r] - big)
+                    total[r] *= c
+                    for a in range(2):
+                        for j in range(vwidth):
+                            o[r, a, j] *= c
+                    for g in range(vgroups):
+                        ob[r, g] *= c
+                    m[r] = big
+                shift[:] = m[r]
+                exp_into(p[r], shift, p[r], ebits)
+                s = np.float32(0.0)
+                for t in range(size):
+                    s += p[r, t]
+                total[r] += s
+            for t in range(size):
+                if half:
+                    for j in range(vwidth):
+                        vf[0, j] = np.float32(vcn[t, j] & 15)
+                        vf[1, j] = np.float32(vcn[t, j] >> 4)
+                else:
+                    for j in range(vwidth):
+                        vf[0, j] = np.float32(vcn[t, j])
+                for r in range(rows):
+                    w = p[r, t]
+                    for g in range(vgroups):
+                        ws = w * vsn[t, g]
+                        ob[r, g] += w * vbn[t, g]
+                        base = g * wv
+                        for j in range(wv):
+                            o[r, 0, base + j] += ws * vf[0, base + j]
+                        if half:
+                            for j in range(wv):
+                                o[r, 1, base + j] += ws * vf[1, base + j]
+        dv = o_out.shape[2]
+        for r in range(rows):
+            m_out[h, r] = m[r]
+            l_out[h, r] = total[r]
+            for i in range(dv):
+                x = o[r, i % 2, i // 2] if half else o[r, 0, i]
+                o_out[h, r, i] = x + ob[r, i // (dv // vgroups)]

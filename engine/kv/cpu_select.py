@@ -365,6 +365,17 @@ def dense_partial(q: np.ndarray, k: np.ndarray, v: np.ndarray, pages: bool,
     return merge(list(_threads().map(part, spans)))
 
 
+def dense_codes(q: np.ndarray, kparts: tuple[np.ndarray, ...], vparts: tuple[np.ndarray, ...],
+                bits: int) -> Partial | None:
+    """`dense_partial` over pages held quantized (engine.kv.codec's parts at 8 or 4 bits,
+    numpy), read as codes by the compiled loop (cpu_kernels.dense_pages_q), the pages cut
+    over the threads; None where the loop cannot take them (the caller decodes in MLX)."""
+    cuts = cpu_kernels.spans(kparts[0].shape[0], 1, 2)
+    parts = list(_threads().map(
+        lambda c: cpu_kernels.dense_pages_q(q, kparts, vparts, bits, *c), cuts))
+    return None if any(p is None for p in parts) else merge(parts)  # type: ignore[arg-type]
+
+
 def plain_pool(store: Any, layer: int) -> np.ndarray | None:
     """The RAM tier's float32 keys pool (slots, H, P, D) viewed without a copy, or None when
     the pages are quantized, 16-bit or buffered (the caller goes through MLX)."""

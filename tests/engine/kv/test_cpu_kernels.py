@@ -290,3 +290,37 @@ def test_dense_pages_equals_numpys_pages_part(monkeypatch: pytest.MonkeyPatch) -
     # pages past the arrays are not read out of place; numpy's path takes them
     assert cpu_kernels.dense_pages(q, pk, pv, 2, n + 1) is None
     assert cpu_kernels.dense_pages(q, pk, pv[:, :2], 0, n) is None
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
+@pytest.mark.parametrize(("bits", "group"), [(8, 64), (8, 32), (4, 32), (4, 64)])
+def test_dense_pages_read_as_codes_equal_the_decoded_pages(bits: int, group: int) -> None:
+    # Exact decode over quantized pages: the loop reads codes, scales and biases where MLX
+    # would decode them first; the same softmax partial as numpy's over the decoded pages.
+    from engine.kv.codec import PageCodec  # (only this test quantizes)
+
+    codec = PageCodec(bits, group, "float32")
+    rng = np.random.default_rng(bits + group)
+    n, h, p, d = 6, 3, 32, 128
+    k = mx.array(rng.standard_normal((n, h, p, d), np.float32) * 2)
+    v = mx.array(rng.standard_normal((n, h, p, d), np.float32))
+    kparts, vparts = codec.encode(k), codec.encode(v)
+    q = rng.standard_normal((h, 3, d), np.float32) * 0.2
+    got = cpu_kernels.dense_pages_q(q, tuple(np.asarray(a) for a in kparts),
+                                    tuple(np.asarray(a) for a in vparts), bits, 1, 5)
+    assert got is not None
+    dk, dv = (np.asarray(codec.decode(x)) for x in (kparts, vparts))
+    want = cpu_select._pages_part(q, dk[1:5], dv[1:5])
+    for a, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, w, rtol=2e-5, atol=2e-5)
+    # through cpu_select, the pages cut over the threads
+    both = cpu_select.dense_codes(q, tuple(np.asarray(a) for a in kparts),
+                                  tuple(np.asarray(a) for a in vparts), bits)
+    whole = cpu_select._pages_part(q, dk, dv)
+    assert both is not None
+    np.testing.assert_allclose(both[2] / both[1][..., None], whole[2] / whole[1][..., None],
+                               rtol=2e-5, atol=2e-5)
+    # parts that are not a codec's (the codes' width off) take MLX's path
+    bad = (np.asarray(kparts[0])[..., :-1], *(np.asarray(a) for a in kparts[1:]))
+    assert cpu_kernels.dense_pages_q(q, bad, tuple(np.asarray(a) for a in vparts), bits,
+                                     0, n) is None
