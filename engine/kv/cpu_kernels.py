@@ -69,6 +69,10 @@ _pool: list[ThreadPoolExecutor] = []
 # or attended): below it handing a span to a thread costs more than it saves.
 SPLIT_CANDIDATES = 512
 SPLIT_BLOCKS = 32
+# Decode steps only (query rows a KV head): after a prefill chunk's matmuls OpenBLAS's workers
+# spin on the other cores for a while, and a span handed to a thread there waits for one (the
+# question after 128k stored tokens: prefill 1.37 -> ~1.5 s cut, docs/benchmarks.md).
+SPLIT_MAX_ROWS = 32
 
 
 def threads() -> ThreadPoolExecutor:
@@ -80,10 +84,10 @@ def threads() -> ThreadPoolExecutor:
     return _pool[0]
 
 
-def spans(n: int, unit: int = 1, least: int = 1) -> list[tuple[int, int]]:
+def spans(n: int, unit: int = 1, least: int = 1, rows: int = 1) -> list[tuple[int, int]]:
     """[0, n) cut into at most THREADS spans whose starts are multiples of `unit`; one span
-    when n < least (too little work to share)."""
-    if THREADS < 2 or n < max(least, 2):
+    when n < least (too little work to share) or for more than SPLIT_MAX_ROWS query rows."""
+    if THREADS < 2 or n < max(least, 2) or rows > SPLIT_MAX_ROWS:
         return [(0, n)]
     cut = -(-n // THREADS)
     cut = -(-cut // unit) * unit  # rounded up to a whole unit
@@ -194,7 +198,8 @@ def far_bound(bmin: np.ndarray, bmax: np.ndarray, q: np.ndarray, m: np.ndarray,
     per = bmax.shape[1]
     rows, starts, m = rows.astype(np.int64, copy=False), starts.astype(np.int64), _f32(m)
     # spans of rows whose first candidates start a run of `group`, as one call's would
-    cuts = spans(rows.shape[1], math.lcm(per, group) // per, SPLIT_CANDIDATES // per)
+    cuts = spans(rows.shape[1], math.lcm(per, group) // per, SPLIT_CANDIDATES // per,
+                 q.shape[1])
     outs = {a: np.empty((rows.shape[0], (z - a) * per), np.float32) for a, z in cuts}
     ok = _run_spans("far_bound", cuts, lambda a, z: (
         bmin, bmax, np.ascontiguousarray(rows[:, a:z]), q, m,
@@ -226,7 +231,7 @@ def far_rescore(q: np.ndarray, keys: np.ndarray | tuple[np.ndarray, np.ndarray, 
         return None
     slots, blk, at, m0 = (slots.astype(np.int64, copy=False), blk.astype(np.int64, copy=False),
                           at.astype(np.int64, copy=False), _f32(m0))
-    cuts = spans(at.shape[1], 1, SPLIT_BLOCKS)
+    cuts = spans(at.shape[1], 1, SPLIT_BLOCKS, q.shape[1])
     outs = {a: np.empty((at.shape[0], z - a), np.float32) for a, z in cuts}
     ok = _run_spans("far_rescore", cuts, lambda a, z: (
         q, pk, *(np.ascontiguousarray(x[:, a:z]) for x in (slots, blk, at)), b, m0, e, s0,
@@ -268,7 +273,7 @@ def attend(q: np.ndarray, pk: np.ndarray, pv: np.ndarray, slots: np.ndarray, blk
             and slots.shape == delta.shape):
         return None
     slots, blk, delta = (x.astype(np.int64, copy=False) for x in (slots, blk, delta))
-    cuts = spans(slots.shape[1], 1, SPLIT_BLOCKS)
+    cuts = spans(slots.shape[1], 1, SPLIT_BLOCKS, r)
     outs = {a: (np.empty((h, r), np.float32), np.empty((h, r), np.float32),
                 np.empty((h, r, pv.shape[-1]), np.float32)) for a, _ in cuts}
     ok = _run_spans("attend", cuts, lambda a, z: (

@@ -324,3 +324,13 @@ def test_dense_pages_read_as_codes_equal_the_decoded_pages(bits: int, group: int
     bad = (np.asarray(kparts[0])[..., :-1], *(np.asarray(a) for a in kparts[1:]))
     assert cpu_kernels.dense_pages_q(q, bad, tuple(np.asarray(a) for a in vparts), bits,
                                      0, n) is None
+
+
+def test_spans_cut_decode_work_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Work is cut over the threads at whole units, and not for a prefill chunk's many rows
+    # (OpenBLAS's workers still spin on the other cores after its matmuls).
+    monkeypatch.setattr(cpu_kernels, "THREADS", 2)
+    assert cpu_kernels.spans(70, 16) == [(0, 48), (48, 70)]
+    assert cpu_kernels.spans(70, 16, least=100) == [(0, 70)]
+    assert cpu_kernels.spans(70, rows=cpu_kernels.SPLIT_MAX_ROWS + 1) == [(0, 70)]
+    assert cpu_kernels.spans(1) == [(0, 1)]
