@@ -25,11 +25,9 @@ page at a time), where numpy wrote and reread the logits.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import warnings
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -61,18 +59,13 @@ def _loops() -> dict[str, Any] | None:
     return _state["loops"]  # type: ignore[no-any-return]
 
 
-# Threads for the larger numpy work and loops (numpy's matmul and exp and the loops, compiled
-# nogil, release the GIL): cpu_select cuts its work over the same pool.
+# Threads for the larger numpy work and the exact decode loops (numpy's matmul and exp and
+# the loops, compiled nogil, release the GIL); cpu_select cuts its work over the same pool.
+# The sparse loops run whole: cut over the threads they were no faster here, in situ
+# (docs/benchmarks.md), and a prefill chunk's were slower (after its matmuls OpenBLAS's
+# workers spin on the other core).
 THREADS = max(1, min(4, os.cpu_count() or 1))
 _pool: list[ThreadPoolExecutor] = []
-# A loop is cut over the threads from this much work on (candidates bounded, blocks rescored
-# or attended): below it handing a span to a thread costs more than it saves.
-SPLIT_CANDIDATES = 512
-SPLIT_BLOCKS = 32
-# Decode steps only (query rows a KV head): after a prefill chunk's matmuls OpenBLAS's workers
-# spin on the other cores for a while, and a span handed to a thread there waits for one (the
-# question after 128k stored tokens: prefill 1.37 -> ~1.5 s cut, docs/benchmarks.md).
-SPLIT_MAX_ROWS = 32
 
 
 def threads() -> ThreadPoolExecutor:
@@ -84,23 +77,13 @@ def threads() -> ThreadPoolExecutor:
     return _pool[0]
 
 
-def spans(n: int, unit: int = 1, least: int = 1, rows: int = 1) -> list[tuple[int, int]]:
-    """[0, n) cut into at most THREADS spans whose starts are multiples of `unit`; one span
-    when n < least (too little work to share) or for more than SPLIT_MAX_ROWS query rows."""
-    if THREADS < 2 or n < max(least, 2) or rows > SPLIT_MAX_ROWS:
+def spans(n: int, least: int = 2) -> list[tuple[int, int]]:
+    """[0, n) cut into at most THREADS spans; one span when n < least (too little work to
+    share)."""
+    if THREADS < 2 or n < max(least, 2):
         return [(0, n)]
     cut = -(-n // THREADS)
-    cut = -(-cut // unit) * unit  # rounded up to a whole unit
     return [(a, min(n, a + cut)) for a in range(0, n, cut)]
-
-
-def _run_spans(name: str, cuts: list[tuple[int, int]],
-               args_of: Callable[[int, int], tuple[Any, ...]]) -> bool:
-    """Loop `name` over each span (a, b) of `cuts` with args_of(a, b), on the threads when
-    there are several; False when any run failed (see `_run`)."""
-    if len(cuts) == 1:
-        return _run(name, *args_of(*cuts[0]))
-    return all(list(threads().map(lambda c: _run(name, *args_of(*c)), cuts)))
 
 
 def _run(name: str, *args: Any) -> bool:
@@ -195,17 +178,10 @@ def far_bound(bmin: np.ndarray, bmax: np.ndarray, q: np.ndarray, m: np.ndarray,
             or (rows.size and not 0 <= rows.min() <= rows.max()
                                          < len(bmax))):
         return None  # the loop checks no bounds
-    per = bmax.shape[1]
-    rows, starts, m = rows.astype(np.int64, copy=False), starts.astype(np.int64), _f32(m)
-    # spans of rows whose first candidates start a run of `group`, as one call's would
-    cuts = spans(rows.shape[1], math.lcm(per, group) // per, SPLIT_CANDIDATES // per,
-                 q.shape[1])
-    outs = {a: np.empty((rows.shape[0], (z - a) * per), np.float32) for a, z in cuts}
-    ok = _run_spans("far_bound", cuts, lambda a, z: (
-        bmin, bmax, np.ascontiguousarray(rows[:, a:z]), q, m,
-        np.ascontiguousarray(starts[:, a * per:z * per]), e, s0, group, split, *tables,
-        outs[a]))
-    return np.concatenate(list(outs.values()), axis=1) if ok else None
+    out = np.empty((rows.shape[0], n), np.float32)
+    ok = _run("far_bound", bmin, bmax, rows.astype(np.int64, copy=False), q, _f32(m),
+              starts.astype(np.int64, copy=False), e, s0, group, split, *tables, out)
+    return out if ok else None
 
 
 def far_rescore(q: np.ndarray, keys: np.ndarray | tuple[np.ndarray, np.ndarray, np.ndarray],
@@ -229,14 +205,11 @@ def far_rescore(q: np.ndarray, keys: np.ndarray | tuple[np.ndarray, np.ndarray, 
         return None
     if not _in_pool(pk, slots, blk, b, q.shape[0]) or slots.shape != at.shape:
         return None
-    slots, blk, at, m0 = (slots.astype(np.int64, copy=False), blk.astype(np.int64, copy=False),
-                          at.astype(np.int64, copy=False), _f32(m0))
-    cuts = spans(at.shape[1], 1, SPLIT_BLOCKS, q.shape[1])
-    outs = {a: np.empty((at.shape[0], z - a), np.float32) for a, z in cuts}
-    ok = _run_spans("far_rescore", cuts, lambda a, z: (
-        q, pk, *(np.ascontiguousarray(x[:, a:z]) for x in (slots, blk, at)), b, m0, e, s0,
-        split, *tables, outs[a]))
-    return np.concatenate(list(outs.values()), axis=1) if ok else None
+    out = np.empty(at.shape, np.float32)
+    ok = _run("far_rescore", q, pk, slots.astype(np.int64, copy=False),
+              blk.astype(np.int64, copy=False), at.astype(np.int64, copy=False), b, _f32(m0),
+              e, s0, split, *tables, out)
+    return out if ok else None
 
 
 def _in_pool(pk: np.ndarray, slots: np.ndarray, blk: np.ndarray, b: int, h: int) -> bool:
@@ -250,14 +223,13 @@ def _in_pool(pk: np.ndarray, slots: np.ndarray, blk: np.ndarray, b: int, h: int)
 
 def attend(q: np.ndarray, pk: np.ndarray, pv: np.ndarray, slots: np.ndarray, blk: np.ndarray,
            delta: np.ndarray | None, b: int, tables: tuple[np.ndarray, ...] | None, split: int
-           ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
-    """The softmax partials (max (H, R), sum (H, R), output (H, R, Dv)) of queries q (H, R, D)
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The softmax partial (max (H, R), sum (H, R), output (H, R, Dv)) of queries q (H, R, D)
     over the blocks (slot `slots`, block `blk` of it; (H, n) each) of the RAM pools pk
     (slots, H, P, D) and pv (slots, H, P, Dv), each block's keys rotated by `delta` (H, n)
     positions (None: none turn) with remap's tables: cpu_select's gather, re-rotation and
-    `_flat_part` in one loop, without copying the keys and values out: one partial a span of
-    the blocks the threads took (cpu_select.merge joins them). None when the loops are not
-    available."""
+    `_flat_part` in one loop, without copying the keys and values out. None when the loops
+    are not available."""
     if (q.dtype != np.float32 or pk.dtype != np.float32 or pv.dtype != np.float32
             or _loops() is None):
         return None
@@ -272,14 +244,12 @@ def attend(q: np.ndarray, pk: np.ndarray, pv: np.ndarray, slots: np.ndarray, blk
     if not (_in_pool(pk, slots, blk, b, h) and pk.shape[:3] == pv.shape[:3]
             and slots.shape == delta.shape):
         return None
-    slots, blk, delta = (x.astype(np.int64, copy=False) for x in (slots, blk, delta))
-    cuts = spans(slots.shape[1], 1, SPLIT_BLOCKS, r)
-    outs = {a: (np.empty((h, r), np.float32), np.empty((h, r), np.float32),
-                np.empty((h, r, pv.shape[-1]), np.float32)) for a, _ in cuts}
-    ok = _run_spans("attend", cuts, lambda a, z: (
-        q, pk, pv, *(np.ascontiguousarray(x[:, a:z]) for x in (slots, blk, delta)), b, split,
-        *tables, *outs[a]))
-    return list(outs.values()) if ok else None
+    out = (np.empty((h, r), np.float32), np.empty((h, r), np.float32),
+           np.empty((h, r, pv.shape[-1]), np.float32))
+    ok = _run("attend", q, pk, pv, slots.astype(np.int64, copy=False),
+              blk.astype(np.int64, copy=False), delta.astype(np.int64, copy=False), b, split,
+              *tables, *out)
+    return out if ok else None
 
 
 def _f32(a: np.ndarray) -> np.ndarray:

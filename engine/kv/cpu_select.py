@@ -345,8 +345,7 @@ def dense_partial(q: np.ndarray, k: np.ndarray, v: np.ndarray, pages: bool,
     reshapes them: causal among those). The keys are cut into THREADS ranges attended at
     once and merged."""
     n = k.shape[0] if pages else k.shape[1]
-    cut = -(-n // THREADS)
-    spans = [(a, min(n, a + cut)) for a in range(0, n, cut)]
+    spans = cpu_kernels.spans(n)
     mask = None
     if not pages and causal_rows > 1:
         t = causal_rows
@@ -370,7 +369,7 @@ def dense_codes(q: np.ndarray, kparts: tuple[np.ndarray, ...], vparts: tuple[np.
     """`dense_partial` over pages held quantized (engine.kv.codec's parts at 8 or 4 bits,
     numpy), read as codes by the compiled loop (cpu_kernels.dense_pages_q), the pages cut
     over the threads; None where the loop cannot take them (the caller decodes in MLX)."""
-    cuts = cpu_kernels.spans(kparts[0].shape[0], 1, 2)
+    cuts = cpu_kernels.spans(kparts[0].shape[0])
     parts = list(_threads().map(
         lambda c: cpu_kernels.dense_pages_q(q, kparts, vparts, bits, *c), cuts))
     return None if any(p is None for p in parts) else merge(parts)  # type: ignore[arg-type]
@@ -447,7 +446,7 @@ def attend_blocks(store: Any, layer: int, q: np.ndarray,
     part = cpu_kernels.attend(q, pk, pv, slots, blk, turn, b,
                               None if spec is None else remap._split_tables(spec), remap.SPLIT)
     if part is not None:  # one loop: no gathered copies of the keys and values
-        return merge([recent, *part])
+        return merge([recent, part])
     heads = np.arange(h)[:, None]
     k = pk.reshape(*pk.shape[:2], nb, b, d)[slots, heads, blk]                # (H, n, b, D)
     v = pv.reshape(*pv.shape[:2], nb, b, pv.shape[-1])[slots, heads, blk]

@@ -18,14 +18,6 @@ def _numpy_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(cpu_kernels._state, "loops", None)
 
 
-def _cut_small(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Every loop call cut over three threads' spans (uneven, with a short last one), however
-    # little the work: a span must compute what the whole call does.
-    monkeypatch.setattr(cpu_kernels, "THREADS", 3)
-    monkeypatch.setattr(cpu_kernels, "SPLIT_CANDIDATES", 8)
-    monkeypatch.setattr(cpu_kernels, "SPLIT_BLOCKS", 2)
-
-
 def _both(monkeypatch: pytest.MonkeyPatch, k: np.ndarray, delta: np.ndarray,
           spec: remap.RopeSpec = SPEC) -> tuple[np.ndarray, np.ndarray]:
     fast = cpu_kernels.rotate(k, delta, remap._split_tables(spec), remap.SPLIT)
@@ -107,12 +99,8 @@ def test_out_of_place_inputs_take_numpys_path(monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
-@pytest.mark.parametrize("cut", [False, True])
 @pytest.mark.parametrize("group", [1, 4, 16])
-def test_far_bound_equals_numpys_score(monkeypatch: pytest.MonkeyPatch, group: int,
-                                       cut: bool) -> None:
-    if cut:
-        _cut_small(monkeypatch)
+def test_far_bound_equals_numpys_score(monkeypatch: pytest.MonkeyPatch, group: int) -> None:
 
     rng = np.random.default_rng(group)
     h, n, r, d = 3, 70, 3, 64  # 70: a last, partial run of each group
@@ -144,10 +132,7 @@ def test_far_bound_equals_numpys_score(monkeypatch: pytest.MonkeyPatch, group: i
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
-@pytest.mark.parametrize("cut", [False, True])
-def test_far_rescore_equals_numpys(monkeypatch: pytest.MonkeyPatch, cut: bool) -> None:
-    if cut:
-        _cut_small(monkeypatch)
+def test_far_rescore_equals_numpys(monkeypatch: pytest.MonkeyPatch) -> None:
 
     rng = np.random.default_rng(5)
     h, n, b, r, d = 3, 64, 8, 3, 64
@@ -182,12 +167,9 @@ def test_far_rescore_equals_numpys(monkeypatch: pytest.MonkeyPatch, cut: bool) -
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
-@pytest.mark.parametrize("cut", [False, True])
 @pytest.mark.parametrize("turned", [True, False])
 def test_attend_equals_gather_rotate_and_softmax(monkeypatch: pytest.MonkeyPatch,
-                                                 turned: bool, cut: bool) -> None:
-    if cut:
-        _cut_small(monkeypatch)
+                                                 turned: bool) -> None:
 
     rng = np.random.default_rng(9)
     n_slots, h, p, d, dv, b = 12, 3, 32, 64, 48, 8
@@ -211,8 +193,7 @@ def test_attend_equals_gather_rotate_and_softmax(monkeypatch: pytest.MonkeyPatch
             _numpy_only(mp)
             k = remap.rerotate(k, delta, SPEC)
     want = cpu_select._flat_part(q, k.reshape(h, -1, d), v.reshape(h, -1, dv), None)
-    assert len(got) == (3 if cut else 1)
-    for a, w in zip(cpu_select.merge(got), want, strict=True):
+    for a, w in zip(got, want, strict=True):
         np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5)
     # a block past the pool is not read out of place: numpy's path takes it (and raises)
     bad = slots.copy()
@@ -326,11 +307,8 @@ def test_dense_pages_read_as_codes_equal_the_decoded_pages(bits: int, group: int
                                      0, n) is None
 
 
-def test_spans_cut_decode_work_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Work is cut over the threads at whole units, and not for a prefill chunk's many rows
-    # (OpenBLAS's workers still spin on the other cores after its matmuls).
-    monkeypatch.setattr(cpu_kernels, "THREADS", 2)
-    assert cpu_kernels.spans(70, 16) == [(0, 48), (48, 70)]
-    assert cpu_kernels.spans(70, 16, least=100) == [(0, 70)]
-    assert cpu_kernels.spans(70, rows=cpu_kernels.SPLIT_MAX_ROWS + 1) == [(0, 70)]
+def test_spans_cut_work_over_the_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "THREADS", 3)
+    assert cpu_kernels.spans(70) == [(0, 24), (24, 48), (48, 70)]
+    assert cpu_kernels.spans(70, least=100) == [(0, 70)]
     assert cpu_kernels.spans(1) == [(0, 1)]
