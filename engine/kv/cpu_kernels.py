@@ -4,15 +4,15 @@ numpy pays per op.
 Contract: `rotate(k, delta, tables, split)` returns what remap.rerotate returns for float32
 numpy keys in RoPE's halves layout, from remap's angle tables (k (Hk, Nk, B, D) broadcast
 against delta (Hd, Nd), each block rotated by its delta positions), or None when the loop is
-not available (`dense_pages`, `far_bound`, `far_rescore` and `attend` likewise return what
-their docstrings name, or None): numba not installed (a Linux-only dependency; on a Mac the
-sparse path runs in MLX on the GPU), STRATA_NUMBA=0, or its compilation failed (a
-RuntimeWarning says why). Callers then take the numpy path. The first call loads or compiles
-the loops (cached beside this file or in numba's user cache: ~0.4 s to load with numba's
-import, ~1.5 s to compile), once per process, on the first decode step that needs them, or
-ahead of it on a thread (`warm`) while a long prompt is prefilled (attention.WARM_CHUNK);
-not for a short one (the question after a 128k stored context), whose prefill it would slow
-for the cores.
+not available (`dense_pages`, `dense_pages_q`, `far_bound`, `far_rescore` and `attend`
+likewise return what their docstrings name, or None): numba not installed (a Linux-only
+dependency; on a Mac the sparse path runs in MLX on the GPU), STRATA_NUMBA=0, or its
+compilation failed (a RuntimeWarning says why). Callers then take the numpy path (MLX's, for
+quantized pages). The first call loads or compiles the loops (cached beside this file or in
+numba's user cache: ~0.4 s to load with numba's import, ~1.5 s to compile), once per
+process, on the first decode step that needs them, or ahead of it on a thread (`warm`) while
+a long prompt is prefilled (attention.WARM_CHUNK); not for a short one (the question after a
+128k stored context), whose prefill it would slow for the cores.
 
 Why: a re-rotation is a handful of elementwise passes over arrays whose inner dimension is
 half the head (32 floats), and numpy's per-call and per-inner-loop costs made the four of a
@@ -20,7 +20,8 @@ half the head (32 floats), and numpy's per-call and per-inner-loop costs made th
 block, the chosen keys) 1.9 ms of its ~6 ms (docs/benchmarks.md). One fused loop computes
 each block's angles once from remap's tables and writes the rotated rows: ~10x less. Exact
 decode over pages in RAM reads each key and value once in `dense_pages` (online softmax a
-page at a time), where numpy wrote and reread the logits.
+page at a time), where numpy wrote and reread the logits; `dense_pages_q` reads quantized
+pages as codes, where MLX decoded a float32 copy of every page first.
 """
 
 from __future__ import annotations
