@@ -244,6 +244,34 @@ def attend_blocks(q: Any, pk: Any, pv: Any, slots: Any, blk: Any, delta: Any, b:
 
 
 @jit_inf
+def page_weights(p: Any, m: Any, total: Any, acc: Any, acc2: Any, shift: Any, bits: Any
+                 ) -> None:
+    """One page's logits p (R, P) turned into softmax weights in place against each row's
+    running max m (R,), their sums added to total (R,): where a row's page max passes m, the
+    row's total and its accumulators acc (R, X) and acc2 (R, Y) shrink to the new max first
+    (an online softmax). shift: float32 scratch (P,), bits: int32 (P,)."""
+    rows, size = p.shape
+    for r in range(rows):
+        big = p[r, 0]
+        for t in range(1, size):
+            big = max(big, p[r, t])
+        if big > m[r]:
+            c = np.exp(m[r] - big)
+            total[r] *= c
+            for i in range(acc.shape[1]):
+                acc[r, i] *= c
+            for i in range(acc2.shape[1]):
+                acc2[r, i] *= c
+            m[r] = big
+        shift[:] = m[r]
+        exp_into(p[r], shift, p[r], bits)
+        s = np.float32(0.0)
+        for t in range(size):
+            s += p[r, t]
+        total[r] += s
+
+
+@jit_inf
 def dense_pages(q: Any, pk: Any, pv: Any, lo: int, hi: int, m_out: Any, l_out: Any,
                 o_out: Any) -> None:
     """cpu_kernels.dense_pages into m_out, l_out, o_out: pages [lo, hi) of pk, pv (n, H, P,
@@ -258,6 +286,7 @@ def dense_pages(q: Any, pk: Any, pv: Any, lo: int, hi: int, m_out: Any, l_out: A
     o = np.empty((rows, dv), np.float32)  # a local accumulator: LLVM sees it alias nothing
     m = np.empty(rows, np.float32)
     total = np.empty(rows, np.float32)
+    none = np.empty((rows, 0), np.float32)
     for h in range(heads):
         for r in range(rows):
             m[r] = -np.inf
@@ -273,22 +302,7 @@ def dense_pages(q: Any, pk: Any, pv: Any, lo: int, hi: int, m_out: Any, l_out: A
                     for i in range(dim):
                         acc += qq[r, i] * keys[t, i]
                     p[r, t] = acc
-            for r in range(rows):
-                big = p[r, 0]
-                for t in range(1, size):
-                    big = max(big, p[r, t])
-                if big > m[r]:  # a new running max: what was summed so far shrinks
-                    c = np.exp(m[r] - big)
-                    total[r] *= c
-                    for i in range(dv):
-                        o[r, i] *= c
-                    m[r] = big
-                shift[:] = m[r]
-                exp_into(p[r], shift, p[r], bits)
-                s = np.float32(0.0)
-                for t in range(size):
-                    s += p[r, t]
-                total[r] += s
+            page_weights(p, m, total, o, none, shift, bits)
             for t in range(size):
                 for r in range(rows):
                     w = p[r, t]
@@ -298,6 +312,21 @@ def dense_pages(q: Any, pk: Any, pv: Any, lo: int, hi: int, m_out: Any, l_out: A
             m_out[h, r] = m[r]
             l_out[h, r] = total[r]
             o_out[h, r] = o[r]
+
+
+@jit
+def codes_into(codes: Any, half: bool, out: Any) -> None:
+    """A page's codes (P, W) uint8 as floats into out (2, P, W): at 4 bits (`half`) the low
+    nibbles (values 2j) in out[0] and the high ones (2j + 1) in out[1]. (A page a call: a
+    call a key cost ~20% of the loop.)"""
+    for t in range(codes.shape[0]):
+        if half:
+            for j in range(codes.shape[1]):
+                out[0, t, j] = np.float32(codes[t, j] & 15)
+                out[1, t, j] = np.float32(codes[t, j] >> 4)
+        else:
+            for j in range(codes.shape[1]):
+                out[0, t, j] = np.float32(codes[t, j])
 
 
 @jit_inf
@@ -325,8 +354,8 @@ def dense_pages_q(q: Any, kc: Any, ks: Any, kb: Any, vc: Any, vs: Any, vb: Any, 
     # the query, a key and the output are kept as even and odd halves so that the loops run
     # over bytes.
     qq = np.zeros((rows, 2, width), np.float32)
-    kf = np.zeros((2, width), np.float32)
-    vf = np.zeros((2, vwidth), np.float32)
+    kf = np.zeros((2, size, width), np.float32)  # a page's keys' codes as floats
+    vf = np.zeros((2, size, vwidth), np.float32)
     o = np.empty((rows, 2, vwidth), np.float32)
     qsum = np.empty((rows, groups), np.float32)
     ob = np.empty((rows, vgroups), np.float32)  # the values' biases' share
@@ -352,53 +381,23 @@ def dense_pages_q(q: Any, kc: Any, ks: Any, kb: Any, vc: Any, vs: Any, vb: Any, 
         for n in range(lo, hi):
             kcn, ksn, kbn = kc[n, h], ks[n, h], kb[n, h]
             vcn, vsn, vbn = vc[n, h], vs[n, h], vb[n, h]
+            codes_into(kcn, half, kf)
             for t in range(size):
-                if half:
-                    for j in range(width):
-                        kf[0, j] = np.float32(kcn[t, j] & 15)
-                        kf[1, j] = np.float32(kcn[t, j] >> 4)
-                else:
-                    for j in range(width):
-                        kf[0, j] = np.float32(kcn[t, j])
                 for r in range(rows):
                     s = np.float32(0.0)
                     for g in range(groups):
                         base = g * wk
                         acc = np.float32(0.0)
                         for j in range(wk):
-                            acc += qq[r, 0, base + j] * kf[0, base + j]
+                            acc += qq[r, 0, base + j] * kf[0, t, base + j]
                         if half:
                             for j in range(wk):
-                                acc += qq[r, 1, base + j] * kf[1, base + j]
+                                acc += qq[r, 1, base + j] * kf[1, t, base + j]
                         s += ksn[t, g] * acc + kbn[t, g] * qsum[r, g]
                     p[r, t] = s
-            for r in range(rows):
-                big = p[r, 0]
-                for t in range(1, size):
-                    big = max(big, p[r, t])
-                if big > m[r]:  # a new running max: what was summed so far shrinks
-                    c = np.exp(m[r] - big)
-                    total[r] *= c
-                    for a in range(2):
-                        for j in range(vwidth):
-                            o[r, a, j] *= c
-                    for g in range(vgroups):
-                        ob[r, g] *= c
-                    m[r] = big
-                shift[:] = m[r]
-                exp_into(p[r], shift, p[r], ebits)
-                s = np.float32(0.0)
-                for t in range(size):
-                    s += p[r, t]
-                total[r] += s
+            page_weights(p, m, total, o.reshape(rows, 2 * vwidth), ob, shift, ebits)
+            codes_into(vcn, half, vf)
             for t in range(size):
-                if half:
-                    for j in range(vwidth):
-                        vf[0, j] = np.float32(vcn[t, j] & 15)
-                        vf[1, j] = np.float32(vcn[t, j] >> 4)
-                else:
-                    for j in range(vwidth):
-                        vf[0, j] = np.float32(vcn[t, j])
                 for r in range(rows):
                     w = p[r, t]
                     for g in range(vgroups):
@@ -406,10 +405,10 @@ def dense_pages_q(q: Any, kc: Any, ks: Any, kb: Any, vc: Any, vs: Any, vb: Any, 
                         ob[r, g] += w * vbn[t, g]
                         base = g * wv
                         for j in range(wv):
-                            o[r, 0, base + j] += ws * vf[0, base + j]
+                            o[r, 0, base + j] += ws * vf[0, t, base + j]
                         if half:
                             for j in range(wv):
-                                o[r, 1, base + j] += ws * vf[1, base + j]
+                                o[r, 1, base + j] += ws * vf[1, t, base + j]
         dv = o_out.shape[2]
         for r in range(rows):
             m_out[h, r] = m[r]
