@@ -14,7 +14,7 @@ import pytest
 
 import engine  # noqa: F401  (BLAS shim before mlx)
 from engine.errors import StrataError
-from engine.kv import KVSettings
+from engine.kv import KVSettings, cpu_kernels, cpu_select
 from engine.kv.attention import attend
 from engine.kv.cache import PagedLayerCache
 from engine.kv.codec import PageCodec
@@ -292,6 +292,49 @@ def test_8_and_4_bit_pages_answer_like_16(starter_lm: Any, tmp_path: Path) -> No
     # 4-bit keys move this prompt's first token (KL 0.06 at that step; docs/benchmarks.md):
     # it answers, not necessarily the same words.
     assert texts["exact", 4].strip()
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_exact_decode_reads_codes_as_mlx_decodes_them(starter_lm: Any, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      bits: int) -> None:
+    # Exact decode over quantized pages in RAM (past FUSED_DECODE_PAST, from DENSE_MIN_KEYS
+    # keys on; both lowered here to this prompt's): the compiled loop reading codes answers
+    # what MLX's decoded pages do.
+    from engine.kv import attention
+    from engine.runtime.generate import generate
+    from engine.runtime.sampling import SamplingParams
+
+    lm = starter_lm
+    prompt = lm.tokenizer.encode_chat([{"role": "user",
+                                        "content": "Name three colours of the rainbow."}])
+    monkeypatch.setattr(cpu_select, "DENSE_MIN_KEYS", 32)
+    monkeypatch.setattr(attention, "FUSED_DECODE_PAST", 0)
+    calls: list[int] = []
+    loop = cpu_kernels.dense_pages_q
+    monkeypatch.setattr(cpu_kernels, "dense_pages_q",
+                        lambda *a: calls.append(1) or loop(*a))  # counts, then runs it
+    texts = []
+    try:
+        for loops in (True, False):
+            with monkeypatch.context() as mp:
+                if not loops:
+                    mp.setitem(cpu_kernels._state, "loops", None)  # MLX decodes the pages
+                lm.kv_settings = KVSettings(mode="exact", bits=bits, page_tokens=16,
+                                            ssd_dir=tmp_path / str(loops)).validate()
+                pc = lm.new_cache()
+                texts.append("".join(e.text for e in generate(
+                    lm, prompt, SamplingParams(temperature=0.0), max_tokens=12,
+                    prompt_cache=pc)))
+                pc.close()
+            if loops:
+                assert calls, "the loop never ran"
+                n = len(calls)
+        assert len(calls) == n  # not without the loops
+    finally:
+        lm.kv_settings = None
+    assert texts[0].strip() and texts[0] == texts[1]
 
 
 def test_cli_generate_with_4_bit_pages(starter: Any) -> None:
