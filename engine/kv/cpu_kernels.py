@@ -26,15 +26,18 @@ pages as codes, where MLX decoded a float32 copy of every page first.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 ENABLED = (os.environ.get("STRATA_NUMBA") or "1") != "0"
+T = TypeVar("T")
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # "loops": the compiled loops by name, None once loading failed
@@ -85,6 +88,38 @@ def spans(n: int, least: int = 2) -> list[tuple[int, int]]:
         return [(0, n)]
     cut = -(-n // THREADS)
     return [(a, min(n, a + cut)) for a in range(0, n, cut)]
+
+
+# Pieces a thread of `share`'s work is cut into: a worker whose core is busy (MLX's OpenBLAS
+# threads spin for a while after each product) takes fewer of them, and the caller the rest.
+PIECES = int(os.environ.get("STRATA_SHARE_PIECES") or 4)
+
+
+def share(n: int, work: Callable[[int, int], T], least: int = 2) -> list[T]:
+    """work(a, b) over [0, n) cut into up to PIECES x THREADS ranges, taken in turn by this
+    thread and THREADS - 1 pool workers; the results in no set order. One call on [0, n)
+    when n < least or there is one thread. Where two threads were handed half each, a step
+    waited for the half whose thread started last (a core busy elsewhere: the exact pass at
+    16k ran its halves one after the other about as often as at once, docs/benchmarks.md);
+    a worker that has not started when the pieces run out is not waited for."""
+    if THREADS < 2 or n < max(least, 2):
+        return [work(0, n)]
+    k = min(n, PIECES * THREADS)
+    cuts = [(n * i // k, n * (i + 1) // k) for i in range(k)]
+    turn = itertools.count()  # next() on a count is atomic under the GIL
+
+    def take() -> list[T]:
+        out = []
+        while (i := next(turn)) < k:
+            out.append(work(*cuts[i]))
+        return out
+
+    helpers = [threads().submit(take) for _ in range(THREADS - 1)]
+    got = take()
+    for f in helpers:
+        if not f.cancel():  # started: it may hold a piece
+            got.extend(f.result())
+    return got
 
 
 def _run(name: str, *args: Any) -> bool:

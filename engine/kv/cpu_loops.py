@@ -4,7 +4,9 @@ installed: importing this module imports numba).
 Contract: each function is compiled on first use and cached on disk (`cache=True`); they are
 defined at module level because numba caches no function that calls jitted functions held in
 a closure (it recompiled each, ~1.2 s, in every process). They check no bounds:
-cpu_kernels checks the shapes and indices before calling them.
+cpu_kernels checks the shapes and indices before calling them. Importing this module turns
+on LLVM's SLP vectorizer for every numba compilation in the process (numba's default is
+off; Strata's loops are the process's only numba code).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from typing import Any
 import numba
 import numpy as np
 
+# LLVM's SLP vectorizer (numba leaves it off) packs runs of scalar accumulators into vector
+# registers (`weigh_values`); it must be on before the first compilation in the process.
+numba.config.SLP_VECTORIZE = 1  # type: ignore[attr-defined]
 jit = numba.njit(cache=True, nogil=True, fastmath=True)
 # The loops with -inf in them (running maxima, logsumexp) keep IEEE infinities: numba's full
 # fastmath lets LLVM assume there are none.
@@ -77,20 +82,26 @@ LN2_LO = np.float32(-2.12194440e-4)
 
 
 @jit_inf  # -inf arguments are clamped: with full fastmath LLVM may assume there are none
+def exp_parts(x: Any) -> tuple[Any, Any]:
+    """exp(x) for one float32 as (mantissa part, 2^k as int32 bits to view as float32): the
+    product is exp(x). Inlined into the callers' loops, which LLVM then vectorizes."""
+    t = min(max(x, EXP_LO), EXP_HI)
+    k = np.floor(t * LOG2E + np.float32(0.5))
+    r = t - k * LN2_HI - k * LN2_LO
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    return p * r * r + r + np.float32(1.0), (np.int32(k) + np.int32(127)) << 23
+
+
+@jit_inf
 def exp_into(x: Any, shift: Any, out: Any, bits: Any) -> None:
     """out[i] = exp(x[i] - shift[i]) over 1-d float32 arrays; bits: int32 scratch (n,)."""
     for i in range(x.shape[0]):
-        t = min(max(x[i] - shift[i], EXP_LO), EXP_HI)
-        k = np.floor(t * LOG2E + np.float32(0.5))
-        r = t - k * LN2_HI - k * LN2_LO
-        p = np.float32(1.9875691500e-4)
-        p = p * r + np.float32(1.3981999507e-3)
-        p = p * r + np.float32(8.3334519073e-3)
-        p = p * r + np.float32(4.1665795894e-2)
-        p = p * r + np.float32(1.6666665459e-1)
-        p = p * r + np.float32(5.0000001201e-1)
-        out[i] = p * r * r + r + np.float32(1.0)
-        bits[i] = (np.int32(k) + np.int32(127)) << 23
+        out[i], bits[i] = exp_parts(x[i] - shift[i])
     scale = bits[:x.shape[0]].view(np.float32)
     for i in range(x.shape[0]):
         out[i] *= scale[i]
@@ -243,18 +254,26 @@ def attend_blocks(q: Any, pk: Any, pv: Any, slots: Any, blk: Any, delta: Any, b:
                         o_out[h, r, i] += w * v[i]
 
 
+@jit  # logits are finite
+def row_max(p: Any, r: int) -> Any:
+    """The largest of row r of p (R, n)."""
+    big = p[r, 0]
+    for t in range(1, p.shape[1]):
+        big = max(big, p[r, t])
+    return big
+
+
 @jit_inf
-def page_weights(p: Any, m: Any, total: Any, acc: Any, acc2: Any, shift: Any, bits: Any
-                 ) -> None:
+def page_weights(p: Any, m: Any, total: Any, acc: Any, acc2: Any, bits: Any) -> None:
     """One page's logits p (R, P) turned into softmax weights in place against each row's
     running max m (R,), their sums added to total (R,): where a row's page max passes m, the
     row's total and its accumulators acc (R, X) and acc2 (R, Y) shrink to the new max first
-    (an online softmax). shift: float32 scratch (P,), bits: int32 (P,)."""
+    (an online softmax). bits: int32 scratch (P,). (Rows indexed in place, the exp inlined:
+    a call of exp_into on each row's slice cost 3x.)"""
     rows, size = p.shape
+    scale = bits[:size].view(np.float32)
     for r in range(rows):
-        big = p[r, 0]
-        for t in range(1, size):
-            big = max(big, p[r, t])
+        big = row_max(p, r)
         if big > m[r]:
             c = np.exp(m[r] - big)
             total[r] *= c
@@ -263,12 +282,150 @@ def page_weights(p: Any, m: Any, total: Any, acc: Any, acc2: Any, shift: Any, bi
             for i in range(acc2.shape[1]):
                 acc2[r, i] *= c
             m[r] = big
-        shift[:] = m[r]
-        exp_into(p[r], shift, p[r], bits)
+        mr = m[r]
+        for t in range(size):
+            p[r, t], bits[t] = exp_parts(p[r, t] - mr)
         s = np.float32(0.0)
         for t in range(size):
-            s += p[r, t]
+            w = p[r, t] * scale[t]
+            p[r, t] = w
+            s += w
         total[r] += s
+
+
+@jit
+def weigh_values(w: Any, vals: Any, col: int, width: int, o: Any, ocol: int) -> None:
+    """o[:, ocol:ocol + width] (R, width) += w (R, T) @ vals[:, col:col + width] (T, width), each
+    row's output in runs of 32 columns held in 32 scalars across the keys (the SLP
+    vectorizer packs them into registers), where a loop over the columns inside the keys
+    loaded and stored the output row for every key (the exact loop -30%)."""
+    rows, size = w.shape
+    full = width - width % 32
+    for r in range(rows):
+        for c in range(col, col + full, 32):
+                a0 = np.float32(0.0)
+                a1 = np.float32(0.0)
+                a2 = np.float32(0.0)
+                a3 = np.float32(0.0)
+                a4 = np.float32(0.0)
+                a5 = np.float32(0.0)
+                a6 = np.float32(0.0)
+                a7 = np.float32(0.0)
+                a8 = np.float32(0.0)
+                a9 = np.float32(0.0)
+                a10 = np.float32(0.0)
+                a11 = np.float32(0.0)
+                a12 = np.float32(0.0)
+                a13 = np.float32(0.0)
+                a14 = np.float32(0.0)
+                a15 = np.float32(0.0)
+                a16 = np.float32(0.0)
+                a17 = np.float32(0.0)
+                a18 = np.float32(0.0)
+                a19 = np.float32(0.0)
+                a20 = np.float32(0.0)
+                a21 = np.float32(0.0)
+                a22 = np.float32(0.0)
+                a23 = np.float32(0.0)
+                a24 = np.float32(0.0)
+                a25 = np.float32(0.0)
+                a26 = np.float32(0.0)
+                a27 = np.float32(0.0)
+                a28 = np.float32(0.0)
+                a29 = np.float32(0.0)
+                a30 = np.float32(0.0)
+                a31 = np.float32(0.0)
+                for t in range(size):
+                    x = w[r, t]
+                    v = vals[t]
+                    a0 += x * v[c + 0]
+                    a1 += x * v[c + 1]
+                    a2 += x * v[c + 2]
+                    a3 += x * v[c + 3]
+                    a4 += x * v[c + 4]
+                    a5 += x * v[c + 5]
+                    a6 += x * v[c + 6]
+                    a7 += x * v[c + 7]
+                    a8 += x * v[c + 8]
+                    a9 += x * v[c + 9]
+                    a10 += x * v[c + 10]
+                    a11 += x * v[c + 11]
+                    a12 += x * v[c + 12]
+                    a13 += x * v[c + 13]
+                    a14 += x * v[c + 14]
+                    a15 += x * v[c + 15]
+                    a16 += x * v[c + 16]
+                    a17 += x * v[c + 17]
+                    a18 += x * v[c + 18]
+                    a19 += x * v[c + 19]
+                    a20 += x * v[c + 20]
+                    a21 += x * v[c + 21]
+                    a22 += x * v[c + 22]
+                    a23 += x * v[c + 23]
+                    a24 += x * v[c + 24]
+                    a25 += x * v[c + 25]
+                    a26 += x * v[c + 26]
+                    a27 += x * v[c + 27]
+                    a28 += x * v[c + 28]
+                    a29 += x * v[c + 29]
+                    a30 += x * v[c + 30]
+                    a31 += x * v[c + 31]
+                oc = ocol + c - col
+                o[r, oc + 0] += a0
+                o[r, oc + 1] += a1
+                o[r, oc + 2] += a2
+                o[r, oc + 3] += a3
+                o[r, oc + 4] += a4
+                o[r, oc + 5] += a5
+                o[r, oc + 6] += a6
+                o[r, oc + 7] += a7
+                o[r, oc + 8] += a8
+                o[r, oc + 9] += a9
+                o[r, oc + 10] += a10
+                o[r, oc + 11] += a11
+                o[r, oc + 12] += a12
+                o[r, oc + 13] += a13
+                o[r, oc + 14] += a14
+                o[r, oc + 15] += a15
+                o[r, oc + 16] += a16
+                o[r, oc + 17] += a17
+                o[r, oc + 18] += a18
+                o[r, oc + 19] += a19
+                o[r, oc + 20] += a20
+                o[r, oc + 21] += a21
+                o[r, oc + 22] += a22
+                o[r, oc + 23] += a23
+                o[r, oc + 24] += a24
+                o[r, oc + 25] += a25
+                o[r, oc + 26] += a26
+                o[r, oc + 27] += a27
+                o[r, oc + 28] += a28
+                o[r, oc + 29] += a29
+                o[r, oc + 30] += a30
+                o[r, oc + 31] += a31
+        base = col + full
+        obase = ocol + full
+        for t in range(size):  # the columns past the last run of 32
+            x = w[r, t]
+            for i in range(width - full):
+                o[r, obase + i] += x * vals[t, base + i]
+
+
+@jit_inf
+def page_step(qq: Any, keys: Any, vals: Any, p: Any, m: Any, total: Any, o: Any, none: Any,
+              bits: Any) -> None:
+    """One page of the online softmax: queries qq (R, D) against keys (P, D) and values
+    (P, Dv) float32, into the running max m (R,), sum total (R,) and output o (R, Dv).
+    p: float32 scratch (R, P), none: (R, 0), bits: int32 scratch (P,)."""
+    rows, dim = qq.shape
+    for t in range(keys.shape[0]):
+        for r in range(rows):
+            acc = np.float32(0.0)
+            for i in range(dim):
+                acc += qq[r, i] * keys[t, i]
+            p[r, t] = acc
+    page_weights(p, m, total, o, none, bits)
+    weigh_values(p, vals, 0, vals.shape[1], o, 0)
 
 
 @jit_inf
@@ -280,7 +437,6 @@ def dense_pages(q: Any, pk: Any, pv: Any, lo: int, hi: int, m_out: Any, l_out: A
     size = pk.shape[2]
     dv = pv.shape[3]
     p = np.empty((rows, size), np.float32)
-    shift = np.empty(size, np.float32)
     bits = np.empty(size, np.int32)
     qq = np.empty((rows, dim), np.float32)
     o = np.empty((rows, dv), np.float32)  # a local accumulator: LLVM sees it alias nothing
@@ -294,20 +450,7 @@ def dense_pages(q: Any, pk: Any, pv: Any, lo: int, hi: int, m_out: Any, l_out: A
             qq[r] = q[h, r]
             o[r] = 0.0
         for n in range(lo, hi):
-            keys = pk[n, h]
-            vals = pv[n, h]
-            for t in range(size):
-                for r in range(rows):
-                    acc = np.float32(0.0)
-                    for i in range(dim):
-                        acc += qq[r, i] * keys[t, i]
-                    p[r, t] = acc
-            page_weights(p, m, total, o, none, shift, bits)
-            for t in range(size):
-                for r in range(rows):
-                    w = p[r, t]
-                    for i in range(dv):
-                        o[r, i] += w * vals[t, i]
+            page_step(qq, pk[n, h], pv[n, h], p, m, total, o, none, bits)
         for r in range(rows):
             m_out[h, r] = m[r]
             l_out[h, r] = total[r]
@@ -315,18 +458,44 @@ def dense_pages(q: Any, pk: Any, pv: Any, lo: int, hi: int, m_out: Any, l_out: A
 
 
 @jit
-def codes_into(codes: Any, half: bool, out: Any) -> None:
-    """A page's codes (P, W) uint8 as floats into out (2, P, W): at 4 bits (`half`) the low
-    nibbles (values 2j) in out[0] and the high ones (2j + 1) in out[1]. (A page a call: a
-    call a key cost ~20% of the loop.)"""
-    for t in range(codes.shape[0]):
-        if half:
-            for j in range(codes.shape[1]):
-                out[0, t, j] = np.float32(codes[t, j] & 15)
-                out[1, t, j] = np.float32(codes[t, j] >> 4)
-        else:
-            for j in range(codes.shape[1]):
-                out[0, t, j] = np.float32(codes[t, j])
+def nibble_order(i: int, gw: int) -> int:
+    """Where dim i sits in a page `dequant_into` decodes at 4 bits, groups of gw values:
+    each group's even values first, then its odd ones (the order of the low and high
+    nibbles; a dot product or a weighted sum does not mind the order of the dims)."""
+    base = i - i % gw
+    j = i - base
+    return base + (j // 2 if j % 2 == 0 else gw // 2 + j // 2)
+
+
+@jit
+def dequant_into(codes: Any, scales: Any, biases: Any, half: bool, out: Any) -> None:
+    """A page's codes (P, W) uint8 with their groups' scales and biases (P, G) decoded into
+    out (P, D) float32: code x scale + bias, as MLX's affine dequantize. At 4 bits (`half`)
+    byte j of a group holds its values 2j (low nibble) and 2j + 1 (high), decoded in
+    `nibble_order` (contiguous stores). (A page into L1 at a time, then the float32 page
+    step: reading the codes in the dot products and the value sums took ~1.5x the
+    arithmetic at 8 bits.)"""
+    size = codes.shape[0]
+    groups = scales.shape[1]
+    gw = out.shape[1] // groups  # values a group
+    hw = gw // 2
+    for t in range(size):
+        for g in range(groups):
+            sc = scales[t, g]
+            bi = biases[t, g]
+            base = g * gw
+            if half:
+                cb = g * hw
+                for j in range(hw):
+                    # nibbles split in floats (exact below 256): integer ops on a byte run in
+                    # int64 in numba, which AVX2 cannot turn into floats a vector at a time
+                    c = np.float32(codes[t, cb + j])
+                    hi = np.floor(c * np.float32(0.0625))
+                    out[t, base + j] = (c - hi * np.float32(16.0)) * sc + bi
+                    out[t, base + hw + j] = hi * sc + bi
+            else:
+                for j in range(gw):
+                    out[t, base + j] = np.float32(codes[t, base + j]) * sc + bi
 
 
 @jit_inf
@@ -334,85 +503,37 @@ def dense_pages_q(q: Any, kc: Any, ks: Any, kb: Any, vc: Any, vs: Any, vb: Any, 
                   lo: int, hi: int, m_out: Any, l_out: Any, o_out: Any) -> None:
     """cpu_kernels.dense_pages_q into m_out, l_out, o_out: `dense_pages` over pages quantized
     group-wise (codes kc, vc (n, H, P, D * bits // 8) uint8, low nibble first at 4 bits;
-    scales and biases (n, H, P, groups)), read as codes: a key's logit is each group's
-    scale x (q . codes) + bias x sum(q); a value's weight goes to the codes and the bias
-    apart. A quarter of the keys' and values' bytes at 8 bits, no decoded copy. (Inner
-    loops run from 0 with an offset: `range(a, b)` kept LLVM from vectorizing them, 5x.)"""
+    scales and biases (n, H, P, groups)): each page is decoded into a float32 scratch page
+    (`dequant_into`) and attended as `dense_pages` attends one, so a step reads a quarter of
+    the bytes at 8 bits and no decoded copy of the context is made."""
     heads, rows, dim = q.shape
     size = kc.shape[2]
-    groups = ks.shape[3]
-    vgroups = vs.shape[3]
-    width = kc.shape[3]  # bytes a key
-    vwidth = vc.shape[3]
-    wk = width // groups  # bytes a group
-    wv = vwidth // vgroups
+    dv = o_out.shape[2]
     half = bits == 4
+    kgw = dim // ks.shape[3]  # values a group
+    vgw = dv // vs.shape[3]
     p = np.empty((rows, size), np.float32)
-    shift = np.empty(size, np.float32)
     ebits = np.empty(size, np.int32)
-    # A key's codes as floats; at 4 bits byte j holds values 2j (low nibble) and 2j + 1, and
-    # the query, a key and the output are kept as even and odd halves so that the loops run
-    # over bytes.
-    qq = np.zeros((rows, 2, width), np.float32)
-    kf = np.zeros((2, size, width), np.float32)  # a page's keys' codes as floats
-    vf = np.zeros((2, size, vwidth), np.float32)
-    o = np.empty((rows, 2, vwidth), np.float32)
-    qsum = np.empty((rows, groups), np.float32)
-    ob = np.empty((rows, vgroups), np.float32)  # the values' biases' share
+    kf = np.empty((size, dim), np.float32)
+    vf = np.empty((size, dv), np.float32)
+    qq = np.empty((rows, dim), np.float32)
+    o = np.empty((rows, dv), np.float32)
     m = np.empty(rows, np.float32)
     total = np.empty(rows, np.float32)
+    none = np.empty((rows, 0), np.float32)
     for h in range(heads):
         for r in range(rows):
             m[r] = -np.inf
             total[r] = 0.0
             for i in range(dim):
-                if half:
-                    qq[r, i % 2, i // 2] = q[h, r, i]
-                else:
-                    qq[r, 0, i] = q[h, r, i]
-            for g in range(groups):
-                acc = np.float32(0.0)
-                base = g * (dim // groups)
-                for i in range(dim // groups):
-                    acc += q[h, r, base + i]
-                qsum[r, g] = acc
+                qq[r, nibble_order(i, kgw) if half else i] = q[h, r, i]
             o[r] = 0.0
-            ob[r] = 0.0
         for n in range(lo, hi):
-            kcn, ksn, kbn = kc[n, h], ks[n, h], kb[n, h]
-            vcn, vsn, vbn = vc[n, h], vs[n, h], vb[n, h]
-            codes_into(kcn, half, kf)
-            for t in range(size):
-                for r in range(rows):
-                    s = np.float32(0.0)
-                    for g in range(groups):
-                        base = g * wk
-                        acc = np.float32(0.0)
-                        for j in range(wk):
-                            acc += qq[r, 0, base + j] * kf[0, t, base + j]
-                        if half:
-                            for j in range(wk):
-                                acc += qq[r, 1, base + j] * kf[1, t, base + j]
-                        s += ksn[t, g] * acc + kbn[t, g] * qsum[r, g]
-                    p[r, t] = s
-            page_weights(p, m, total, o.reshape(rows, 2 * vwidth), ob, shift, ebits)
-            codes_into(vcn, half, vf)
-            for t in range(size):
-                for r in range(rows):
-                    w = p[r, t]
-                    for g in range(vgroups):
-                        ws = w * vsn[t, g]
-                        ob[r, g] += w * vbn[t, g]
-                        base = g * wv
-                        for j in range(wv):
-                            o[r, 0, base + j] += ws * vf[0, t, base + j]
-                        if half:
-                            for j in range(wv):
-                                o[r, 1, base + j] += ws * vf[1, t, base + j]
-        dv = o_out.shape[2]
+            dequant_into(kc[n, h], ks[n, h], kb[n, h], half, kf)
+            dequant_into(vc[n, h], vs[n, h], vb[n, h], half, vf)
+            page_step(qq, kf, vf, p, m, total, o, none, ebits)
         for r in range(rows):
             m_out[h, r] = m[r]
             l_out[h, r] = total[r]
             for i in range(dv):
-                x = o[r, i % 2, i // 2] if half else o[r, 0, i]
-                o_out[h, r, i] = x + ob[r, i // (dv // vgroups)]
+                o_out[h, r, i] = o[r, nibble_order(i, vgw) if half else i]

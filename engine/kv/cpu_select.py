@@ -345,33 +345,34 @@ def dense_partial(q: np.ndarray, k: np.ndarray, v: np.ndarray, pages: bool,
     reshapes them: causal among those). The keys are cut into THREADS ranges attended at
     once and merged."""
     n = k.shape[0] if pages else k.shape[1]
-    spans = cpu_kernels.spans(n)
     mask = None
     if not pages and causal_rows > 1:
         t = causal_rows
         # row j of each query head may not see the chunk's tokens after its own
         mask = np.tile(np.triu(np.ones((t, t), np.bool_), 1), (q.shape[1] // t, 1))  # (R, t)
 
-    def part(span: tuple[int, int]) -> Partial:
-        a, b = span
+    def part(a: int, b: int) -> Partial:
         if pages:
             got = cpu_kernels.dense_pages(q, k, v, a, b)
             return _pages_part(q, k[a:b], v[a:b]) if got is None else got
         return _flat_part(q, k[:, a:b], v[:, a:b], mask if b == n else None)
 
-    if len(spans) == 1:
-        return part(spans[0])
-    return merge(list(_threads().map(part, spans)))
+    if not pages:  # numpy's ops: two halves
+        spans = cpu_kernels.spans(n)
+        if len(spans) == 1:
+            return part(*spans[0])
+        return merge(list(_threads().map(lambda c: part(*c), spans)))
+    return merge(cpu_kernels.share(n, part))
 
 
 def dense_codes(q: np.ndarray, kparts: tuple[np.ndarray, ...], vparts: tuple[np.ndarray, ...],
                 bits: int) -> Partial | None:
     """`dense_partial` over pages held quantized (engine.kv.codec's parts at 8 or 4 bits,
-    numpy), read as codes by the compiled loop (cpu_kernels.dense_pages_q), the pages cut
-    over the threads; None where the loop cannot take them (the caller decodes in MLX)."""
-    cuts = cpu_kernels.spans(kparts[0].shape[0])
-    parts = list(_threads().map(
-        lambda c: cpu_kernels.dense_pages_q(q, kparts, vparts, bits, *c), cuts))
+    numpy), read as codes by the compiled loop (cpu_kernels.dense_pages_q), the pages
+    shared over the threads; None where the loop cannot take them (the caller decodes in
+    MLX)."""
+    parts = cpu_kernels.share(kparts[0].shape[0], lambda a, b: cpu_kernels.dense_pages_q(
+        q, kparts, vparts, bits, a, b))
     return None if any(p is None for p in parts) else merge(parts)  # type: ignore[arg-type]
 
 

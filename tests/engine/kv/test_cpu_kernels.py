@@ -312,3 +312,59 @@ def test_spans_cut_work_over_the_threads(monkeypatch: pytest.MonkeyPatch) -> Non
     assert cpu_kernels.spans(70) == [(0, 24), (24, 48), (48, 70)]
     assert cpu_kernels.spans(70, least=100) == [(0, 70)]
     assert cpu_kernels.spans(1) == [(0, 1)]
+
+
+def test_share_takes_every_piece_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "THREADS", 2)
+    got = cpu_kernels.share(50, lambda a, b: (a, b))
+    assert len(got) == cpu_kernels.PIECES * 2
+    cuts = sorted(got)
+    assert cuts[0][0] == 0 and cuts[-1][1] == 50
+    assert all(x[1] == y[0] and x[0] < x[1] for x, y in zip(cuts, cuts[1:], strict=False))
+    assert cpu_kernels.share(50, lambda a, b: (a, b), least=51) == [(0, 50)]
+    monkeypatch.setattr(cpu_kernels, "THREADS", 1)
+    assert cpu_kernels.share(50, lambda a, b: (a, b)) == [(0, 50)]
+
+
+def test_share_does_not_wait_for_a_worker_that_never_started(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every pool worker busy elsewhere: the caller takes every piece and returns at once,
+    # where waiting for its helper would hang until the pool freed up.
+    import threading  # (only this test blocks the pool)
+
+    pool = cpu_kernels.threads()
+    monkeypatch.setattr(cpu_kernels, "THREADS", 2)
+    gate = threading.Event()
+    busy = [pool.submit(gate.wait, 30) for _ in range(pool._max_workers)]
+    try:
+        who: set[int] = set()
+
+        def work(a: int, b: int) -> tuple[int, int]:
+            who.add(threading.get_ident())
+            return a, b
+
+        got = cpu_kernels.share(40, work)
+        assert not any(f.done() for f in busy)  # returned with the pool still held
+        assert sorted(got)[0][0] == 0 and sorted(got)[-1][1] == 40
+        assert who == {threading.get_ident()}
+    finally:
+        gate.set()
+        for f in busy:
+            f.result()
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
+@pytest.mark.parametrize("width", [64, 80, 16, 128])
+def test_weighted_values_in_runs_equal_a_matmul(width: int) -> None:
+    # The value sums run 32 columns at a time in scalars, the rest one by one: a column
+    # range at an offset, into an output at another, equals numpy's product.
+    from engine.kv import cpu_loops  # (imports numba)
+
+    rng = np.random.default_rng(width)
+    w = rng.random((3, 40), np.float32)
+    vals = rng.standard_normal((40, width + 24), np.float32)
+    o = rng.standard_normal((3, width + 10), np.float32)
+    want = o.copy()
+    want[:, 10:] += w @ vals[:, 8:8 + width]
+    cpu_loops.weigh_values(w, vals, 8, width, o, 10)
+    np.testing.assert_allclose(o, want, rtol=1e-5, atol=1e-5)
