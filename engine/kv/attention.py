@@ -386,8 +386,8 @@ def _exact(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial | None) 
     if view is not None and (not codec.quantized or cpu_kernels.available()) and \
             cpu_select.dense_enabled(n_pages * store.P, r, qg.dtype):
         # A decode step over pages all in RAM: compiled loops (or numpy), on the CPU's cores
-        # at once; quantized pages read as codes (without the loops, MLX decodes them below:
-        # no wait on MLX for nothing).
+        # at once; quantized pages decoded a page at a time into L1 (without the loops, MLX
+        # decodes them below: no wait on MLX for nothing).
         mx.eval(view, qg, *(() if acc is None else acc))
         q = cpu_select.to_np(qg)
         if codec.quantized:

@@ -20,8 +20,8 @@ half the head (32 floats), and numpy's per-call and per-inner-loop costs made th
 block, the chosen keys) 1.9 ms of its ~6 ms (docs/benchmarks.md). One fused loop computes
 each block's angles once from remap's tables and writes the rotated rows: ~10x less. Exact
 decode over pages in RAM reads each key and value once in `dense_pages` (online softmax a
-page at a time), where numpy wrote and reread the logits; `dense_pages_q` reads quantized
-pages as codes, where MLX decoded a float32 copy of every page first.
+page at a time), where numpy wrote and reread the logits; `dense_pages_q` decodes quantized
+pages one at a time into L1, where MLX decoded a float32 copy of every page first.
 """
 
 from __future__ import annotations
@@ -316,7 +316,7 @@ def dense_pages_q(q: np.ndarray, kparts: tuple[np.ndarray, ...],
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """`dense_pages` over pages quantized as engine.kv.codec holds them at 8 or 4 bits: each
     of kparts, vparts is (codes uint32 (n, H, P, D * bits // 32), scales, biases float32
-    (n, H, P, groups)), read as codes (no decoded copy). None when the loop is not
+    (n, H, P, groups)), decoded a page at a time (no decoded copy). None when the loop is not
     available or the parts are not that."""
     if bits not in (8, 4) or q.dtype != np.float32 or q.ndim != 3 or _loops() is None:
         return None

@@ -368,8 +368,8 @@ def dense_partial(q: np.ndarray, k: np.ndarray, v: np.ndarray, pages: bool,
 def dense_codes(q: np.ndarray, kparts: tuple[np.ndarray, ...], vparts: tuple[np.ndarray, ...],
                 bits: int) -> Partial | None:
     """`dense_partial` over pages held quantized (engine.kv.codec's parts at 8 or 4 bits,
-    numpy), read as codes by the compiled loop (cpu_kernels.dense_pages_q), the pages
-    shared over the threads; None where the loop cannot take them (the caller decodes in
+    numpy), decoded a page at a time by the compiled loop (cpu_kernels.dense_pages_q), the
+    pages shared over the threads; None where the loop cannot take them (the caller decodes in
     MLX)."""
     parts = cpu_kernels.share(kparts[0].shape[0], lambda a, b: cpu_kernels.dense_pages_q(
         q, kparts, vparts, bits, a, b))
