@@ -92,7 +92,7 @@ def spans(n: int, least: int = 2) -> list[tuple[int, int]]:
 
 # Pieces a thread of `share`'s work is cut into: a worker whose core is busy (MLX's OpenBLAS
 # threads spin for a while after each product) takes fewer of them, and the caller the rest.
-PIECES = int(os.environ.get("STRATA_SHARE_PIECES") or 4)
+PIECES = max(1, int(os.environ.get("STRATA_SHARE_PIECES") or 4))
 
 
 def share(n: int, work: Callable[[int, int], T], least: int = 2) -> list[T]:
