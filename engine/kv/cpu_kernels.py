@@ -90,8 +90,8 @@ def spans(n: int, least: int = 2) -> list[tuple[int, int]]:
     return [(a, min(n, a + cut)) for a in range(0, n, cut)]
 
 
-# Pieces a thread of `share`'s work is cut into: a worker whose core is busy (MLX's OpenBLAS
-# threads spin for a while after each product) takes fewer of them, and the caller the rest.
+# Pieces a thread of `share`'s work is cut into: a worker that starts late or runs slow (its
+# core busy elsewhere) takes fewer of them, and the caller the rest.
 PIECES = max(1, int(os.environ.get("STRATA_SHARE_PIECES") or 4))
 
 

@@ -264,10 +264,10 @@ def row_max(p: Any, r: int) -> Any:
 
 
 @jit_inf
-def page_weights(p: Any, m: Any, total: Any, acc: Any, acc2: Any, bits: Any) -> None:
+def page_weights(p: Any, m: Any, total: Any, acc: Any, bits: Any) -> None:
     """One page's logits p (R, P) turned into softmax weights in place against each row's
     running max m (R,), their sums added to total (R,): where a row's page max passes m, the
-    row's total and its accumulators acc (R, X) and acc2 (R, Y) shrink to the new max first
+    row's total and its accumulator acc (R, X) shrink to the new max first
     (an online softmax). bits: int32 scratch (P,). (Rows indexed in place, the exp inlined:
     a call of exp_into on each row's slice cost 3x.)"""
     rows, size = p.shape
@@ -279,8 +279,6 @@ def page_weights(p: Any, m: Any, total: Any, acc: Any, acc2: Any, bits: Any) -> 
             total[r] *= c
             for i in range(acc.shape[1]):
                 acc[r, i] *= c
-            for i in range(acc2.shape[1]):
-                acc2[r, i] *= c
             m[r] = big
         mr = m[r]
         for t in range(size):
@@ -412,11 +410,11 @@ def weigh_values(w: Any, vals: Any, col: int, width: int, o: Any, ocol: int) -> 
 
 
 @jit_inf
-def page_step(qq: Any, keys: Any, vals: Any, p: Any, m: Any, total: Any, o: Any, none: Any,
-              bits: Any) -> None:
+def page_step(qq: Any, keys: Any, vals: Any, p: Any, m: Any, total: Any, o: Any, bits: Any
+              ) -> None:
     """One page of the online softmax: queries qq (R, D) against keys (P, D) and values
     (P, Dv) float32, into the running max m (R,), sum total (R,) and output o (R, Dv).
-    p: float32 scratch (R, P), none: (R, 0), bits: int32 scratch (P,)."""
+    p: float32 scratch (R, P), bits: int32 scratch (P,)."""
     rows, dim = qq.shape
     for t in range(keys.shape[0]):
         for r in range(rows):
@@ -424,7 +422,7 @@ def page_step(qq: Any, keys: Any, vals: Any, p: Any, m: Any, total: Any, o: Any,
             for i in range(dim):
                 acc += qq[r, i] * keys[t, i]
             p[r, t] = acc
-    page_weights(p, m, total, o, none, bits)
+    page_weights(p, m, total, o, bits)
     weigh_values(p, vals, 0, vals.shape[1], o, 0)
 
 
@@ -442,7 +440,6 @@ def dense_pages(q: Any, pk: Any, pv: Any, lo: int, hi: int, m_out: Any, l_out: A
     o = np.empty((rows, dv), np.float32)  # a local accumulator: LLVM sees it alias nothing
     m = np.empty(rows, np.float32)
     total = np.empty(rows, np.float32)
-    none = np.empty((rows, 0), np.float32)
     for h in range(heads):
         for r in range(rows):
             m[r] = -np.inf
@@ -450,7 +447,7 @@ def dense_pages(q: Any, pk: Any, pv: Any, lo: int, hi: int, m_out: Any, l_out: A
             qq[r] = q[h, r]
             o[r] = 0.0
         for n in range(lo, hi):
-            page_step(qq, pk[n, h], pv[n, h], p, m, total, o, none, bits)
+            page_step(qq, pk[n, h], pv[n, h], p, m, total, o, bits)
         for r in range(rows):
             m_out[h, r] = m[r]
             l_out[h, r] = total[r]
@@ -487,8 +484,8 @@ def dequant_into(codes: Any, scales: Any, biases: Any, half: bool, out: Any) -> 
             if half:
                 cb = g * hw
                 for j in range(hw):
-                    # nibbles split in floats (exact below 256): integer ops on a byte run in
-                    # int64 in numba, which AVX2 cannot turn into floats a vector at a time
+                    # the nibbles split in float arithmetic (exact below 256; 15% faster
+                    # than integer masks here). Half groups of 16 still run scalar.
                     c = np.float32(codes[t, cb + j])
                     hi = np.floor(c * np.float32(0.0625))
                     out[t, base + j] = (c - hi * np.float32(16.0)) * sc + bi
@@ -520,7 +517,6 @@ def dense_pages_q(q: Any, kc: Any, ks: Any, kb: Any, vc: Any, vs: Any, vb: Any, 
     o = np.empty((rows, dv), np.float32)
     m = np.empty(rows, np.float32)
     total = np.empty(rows, np.float32)
-    none = np.empty((rows, 0), np.float32)
     for h in range(heads):
         for r in range(rows):
             m[r] = -np.inf
@@ -531,7 +527,7 @@ def dense_pages_q(q: Any, kc: Any, ks: Any, kb: Any, vc: Any, vs: Any, vb: Any, 
         for n in range(lo, hi):
             dequant_into(kc[n, h], ks[n, h], kb[n, h], half, kf)
             dequant_into(vc[n, h], vs[n, h], vb[n, h], half, vf)
-            page_step(qq, kf, vf, p, m, total, o, none, ebits)
+            page_step(qq, kf, vf, p, m, total, o, ebits)
         for r in range(rows):
             m_out[h, r] = m[r]
             l_out[h, r] = total[r]

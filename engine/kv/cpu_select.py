@@ -342,8 +342,8 @@ def dense_partial(q: np.ndarray, k: np.ndarray, v: np.ndarray, pages: bool,
     """The softmax partial (max (H, R), sum (H, R), output (H, R, Dv)) of queries q (H, R, D)
     (scaled) over every key: pages k, v (n, H, P, D) when `pages`, else per-head keys (H, T,
     D) whose last `causal_rows` are the queries' own tokens (rows rep-major, as `attend`
-    reshapes them: causal among those). The keys are cut into THREADS ranges attended at
-    once and merged."""
+    reshapes them: causal among those). Pages are shared over the threads in pieces
+    (cpu_kernels.share), per-head keys cut into THREADS ranges; the partials are merged."""
     n = k.shape[0] if pages else k.shape[1]
     mask = None
     if not pages and causal_rows > 1:
