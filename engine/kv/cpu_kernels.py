@@ -258,14 +258,16 @@ def _in_pool(pk: np.ndarray, slots: np.ndarray, blk: np.ndarray, b: int, h: int)
 
 
 def attend(q: np.ndarray, pk: np.ndarray, pv: np.ndarray, slots: np.ndarray, blk: np.ndarray,
-           delta: np.ndarray | None, b: int, tables: tuple[np.ndarray, ...] | None, split: int
+           delta: np.ndarray | None, b: int, tables: tuple[np.ndarray, ...] | None, split: int,
+           init: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """The softmax partial (max (H, R), sum (H, R), output (H, R, Dv)) of queries q (H, R, D)
     over the blocks (slot `slots`, block `blk` of it; (H, n) each) of the RAM pools pk
     (slots, H, P, D) and pv (slots, H, P, Dv), each block's keys rotated by `delta` (H, n)
-    positions (None: none turn) with remap's tables: cpu_select's gather, re-rotation and
-    `_flat_part` in one loop, without copying the keys and values out. None when the loops
-    are not available."""
+    positions (None: none turn) with remap's tables, merged with the partial `init` if
+    given (float32, those shapes): cpu_select's gather, re-rotation, `_flat_part` and
+    `merge` in one loop, without copying the keys and values out. None when the loops are
+    not available."""
     if (q.dtype != np.float32 or pk.dtype != np.float32 or pv.dtype != np.float32
             or _loops() is None):
         return None
@@ -280,11 +282,18 @@ def attend(q: np.ndarray, pk: np.ndarray, pv: np.ndarray, slots: np.ndarray, blk
     if not (_in_pool(pk, slots, blk, b, h) and pk.shape[:3] == pv.shape[:3]
             and slots.shape == delta.shape):
         return None
+    dv = pv.shape[-1]
+    if init is None:
+        init = (np.full((h, r), -np.inf, np.float32), np.zeros((h, r), np.float32),
+                np.zeros((h, r, dv), np.float32))
+    elif (init[0].shape != (h, r) or init[1].shape != (h, r) or init[2].shape != (h, r, dv)
+          or any(a.dtype != np.float32 for a in init)):
+        return None
     out = (np.empty((h, r), np.float32), np.empty((h, r), np.float32),
-           np.empty((h, r, pv.shape[-1]), np.float32))
+           np.empty((h, r, dv), np.float32))
     ok = _run("attend", q, pk, pv, slots.astype(np.int64, copy=False),
               blk.astype(np.int64, copy=False), delta.astype(np.int64, copy=False), b, split,
-              *tables, *out)
+              *tables, *init, *out)
     return out if ok else None
 
 

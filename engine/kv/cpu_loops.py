@@ -205,9 +205,10 @@ def far_rescore(q: Any, pk: Any, slots: Any, blk: Any, at: Any, b: int, m0: Any,
 
 @jit_inf
 def attend_blocks(q: Any, pk: Any, pv: Any, slots: Any, blk: Any, delta: Any, b: int,
-                  split: int, cl: Any, sl: Any, ch: Any, sh: Any, m_out: Any, l_out: Any,
-                  o_out: Any) -> None:
-    """cpu_kernels.attend into m_out, l_out, o_out. A turned block's logits come from the
+                  split: int, cl: Any, sl: Any, ch: Any, sh: Any, m_in: Any, l_in: Any,
+                  o_in: Any, m_out: Any, l_out: Any, o_out: Any) -> None:
+    """cpu_kernels.attend into m_out, l_out, o_out, merged with the partial m_in, l_in, o_in
+    (max -inf, sum and output 0 for none). A turned block's logits come from the
     query rows rotated back (rows, not the block's b keys, are rotated); the values are
     summed a block at a time by `weigh_values` straight from the pool (a loop over the
     columns inside the keys loaded and stored the output row for every key: -15 to -25%
@@ -244,16 +245,18 @@ def attend_blocks(q: Any, pk: Any, pv: Any, slots: Any, blk: Any, delta: Any, b:
                     for i in range(dim):
                         acc += qs[r, i] * kk[i]
                     p[r, j * b + t] = acc
-        for r in range(rows):  # softmax partial: max, exp, sum
-            big = row_max(p, r)
+        for r in range(rows):  # softmax partial: max, exp, sum, merged with the given one
+            big = max(row_max(p, r), m_in[h, r])
             top[:] = big
             exp_into(p[r], top, p[r], bits)
             total = np.float32(0.0)
             for x in range(n * b):
                 total += p[r, x]
+            was = np.exp(m_in[h, r] - big)  # 0 for none (-inf)
             m_out[h, r] = big
-            l_out[h, r] = total
-            o[r] = 0.0
+            l_out[h, r] = l_in[h, r] * was + total
+            for i in range(dv):
+                o[r, i] = o_in[h, r, i] * was
         for j in range(n):  # weights x values, a block at a time read in place
             first = blk[h, j] * b
             weigh_values(p[:, j * b:(j + 1) * b], pv[slots[h, j], h, first:first + b],

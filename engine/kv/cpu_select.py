@@ -226,9 +226,14 @@ def bounded(table: Any, q: np.ndarray, m0: np.ndarray, n_pages: int, lo: int, hi
     bmin, bmax = (np.asarray(a) for a in table.block_summaries)           # (H, N nb, D)
     pages_of: np.ndarray | None
     if c > 2 * n_first:
-        pmin = _f32(np.asarray(table.kmin)[lo:hi].transpose(1, 0, 2))     # (H, c, D)
-        pmax = _f32(np.asarray(table.kmax)[lo:hi].transpose(1, 0, 2))
-        pscore = score(pmin, pmax, qt, m0, (np.arange(lo, hi) * P)[None], far, page_run)
+        # The page summaries (N, H, D) read in place as pools of one row (N H, 1, D): head h's
+        # page i is row i H + h (a head-major copy of the candidates cost more than the
+        # bound's loop at 32k).
+        pmin, pmax = (_f32(np.asarray(a)).reshape(-1, 1, a.shape[-1])
+                      for a in (table.kmin, table.kmax))
+        prow = np.arange(lo, hi)[None] * h + np.arange(h)[:, None]         # (H, c)
+        pscore = score(pmin, pmax, qt, m0, (np.arange(lo, hi) * P)[None], far, page_run,
+                       prow)
         first = np.argpartition(-pscore, n_first - 1, axis=-1)[:, :n_first]   # (H, M)
         cand: np.ndarray | None = (first[..., None] * nb + np.arange(nb)).reshape(h, -1) \
             + lo * nb
@@ -445,9 +450,10 @@ def attend_blocks(store: Any, layer: int, q: np.ndarray,
         turn[:, :sink * nb] = delta[:, :sink * nb]
         turn[:, sink * nb:n_rot] = delta[:, delta.shape[1] - n_top:]
     part = cpu_kernels.attend(q, pk, pv, slots, blk, turn, b,
-                              None if spec is None else remap._split_tables(spec), remap.SPLIT)
-    if part is not None:  # one loop: no gathered copies of the keys and values
-        return merge([recent, part])
+                              None if spec is None else remap._split_tables(spec), remap.SPLIT,
+                              recent)
+    if part is not None:  # one loop: no gathered copies of the keys and values, merged
+        return part
     heads = np.arange(h)[:, None]
     k = pk.reshape(*pk.shape[:2], nb, b, d)[slots, heads, blk]                # (H, n, b, D)
     v = pv.reshape(*pv.shape[:2], nb, b, pv.shape[-1])[slots, heads, blk]

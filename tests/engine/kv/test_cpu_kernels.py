@@ -195,6 +195,15 @@ def test_attend_equals_gather_rotate_and_softmax(monkeypatch: pytest.MonkeyPatch
     want = cpu_select._flat_part(q, k.reshape(h, -1, d), v.reshape(h, -1, dv), None)
     for a, w in zip(got, want, strict=True):
         np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5)
+    # merged in the loop with a given partial (the recent tokens'), as cpu_select.merge does;
+    # one whose max passes the blocks' and one below them
+    for lift in (5.0, -5.0):
+        init = (want[0] + np.float32(lift), rng.random((h, 3), np.float32) + 1,
+                rng.standard_normal((h, 3, dv), np.float32))
+        both = cpu_kernels.attend(q, pk, pv, slots, blk, delta, b, tables, remap.SPLIT, init)
+        assert both is not None
+        for a, w in zip(both, cpu_select.merge([init, want]), strict=True):
+            np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5)
     # a block past the pool is not read out of place: numpy's path takes it (and raises)
     bad = slots.copy()
     bad[0, 0] = n_slots
