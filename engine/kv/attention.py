@@ -824,20 +824,29 @@ def _select_np(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial, sta
     _also_voted(held, voted, nb)
     k_step = k_sel - (0 if voted is None else voted.shape[1])
     pages = -(-k_sel * b // store.P)
+    n_first = max(TWO_LEVEL_MIN_PAGES, TWO_LEVEL_FACTOR * pages)
+    read_pages = max(2, READ_PAGES_FACTOR * RESCORE * pages)
+    m = RESCORE * k_step
+    if RESCORE_CAP > 0:
+        m = min(m, max(k_step, int(RESCORE_CAP * store.settings.budget_tokens) // b))
+    if k_step > 0 and RESCORE > 1 and step_end is not None and RESELECT_STEPS == 1:
+        # A decode step that bounds afresh: bound, shortlist and rescoring in one compiled
+        # pass where every page is in RAM (None otherwise: the steps below).
+        top = cpu_select.choose(store, layer, q, m0, n_pages, lo, hi, n_first, read_pages,
+                                voted, far, FAR_PAGE_RUN, k_step, m)
+        if top is not None:
+            table.chosen = None
+            if voted is not None:
+                top = np.concatenate([voted, top], axis=1)
+            return mx.array(top.astype(np.int32)), sink, hi
     score, cand = _shortlist(table, (n_pages, budget, True), start, step_end,
                              lambda: cpu_select.bounded(
-                                 table, q, m0, n_pages, lo, hi,
-                                 max(TWO_LEVEL_MIN_PAGES, TWO_LEVEL_FACTOR * pages),
-                                 max(2, READ_PAGES_FACTOR * RESCORE * pages), voted, far,
-                                 FAR_PAGE_RUN))
+                                 table, q, m0, n_pages, lo, hi, n_first, read_pages, voted,
+                                 far, FAR_PAGE_RUN))
     if k_step <= 0:
         assert voted is not None
         return mx.array(voted), sink, hi
     if RESCORE > 1:
-        m = RESCORE * k_step
-        if RESCORE_CAP > 0:
-            m = min(m, max(k_step, int(RESCORE_CAP * store.settings.budget_tokens) // b))
-
         def keys_of(at: np.ndarray) -> np.ndarray:
             k = cpu_select.resident_keys(store, layer, at) if table.all_resident(
                 n_pages) else None

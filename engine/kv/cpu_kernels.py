@@ -52,6 +52,7 @@ def _compile() -> dict[str, Any] | None:
         return None
     return {"rotate": cpu_loops.rotate_blocks, "far_bound": cpu_loops.far_bound,
             "far_rescore": cpu_loops.far_rescore, "attend": cpu_loops.attend_blocks,
+            "choose": cpu_loops.choose,
             "dense_pages": cpu_loops.dense_pages, "dense_pages_q": cpu_loops.dense_pages_q}
 
 
@@ -245,6 +246,56 @@ def far_rescore(q: np.ndarray, keys: np.ndarray | tuple[np.ndarray, np.ndarray, 
     ok = _run("far_rescore", q, pk, slots.astype(np.int64, copy=False),
               blk.astype(np.int64, copy=False), at.astype(np.int64, copy=False), b, _f32(m0),
               e, s0, split, *tables, out)
+    return out if ok else None
+
+
+def choose(bmin: np.ndarray, bmax: np.ndarray, rows: np.ndarray, first: np.ndarray,
+           q: np.ndarray, m0: np.ndarray, lo: int, c: int, nb: int, b: int,
+           far: tuple[Any, int, int] | None, tables: tuple[np.ndarray, ...] | None,
+           split: int, voted: np.ndarray | None, read_pages: int, m: int, k: int,
+           pk: np.ndarray, slot_of: np.ndarray | None) -> np.ndarray | None:
+    """cpu_select's `bounded` (past the page level) and `rescore` in one loop: per KV head,
+    the k blocks (H, k) chosen among every block of candidate pages first + lo (H, M, each
+    in [0, c); their block summaries at pools bmin, bmax (X, nb, D) float32, rows (H, M)),
+    the voted blocks (H, v) left out, only the read_pages best of the c pages [lo, lo + c)
+    read, the m best by bound rescored by their true logits (queries q (H, R, D) against
+    running maxima m0 (H, R); keys read in place from the RAM pool pk (slots, H, P, D)
+    float32, page p in slot slot_of[p], or slot p when slot_of is None). With `far`,
+    candidates before E are scored moved, as far_bound and far_rescore score them. None when
+    the loops are not available or the arguments do not fit."""
+    h, r, d = q.shape
+    if far is None:  # nothing moves: the tables are never looked up
+        e = s0 = 0
+        tables = tuple(np.ones((1, 1), np.float32) for _ in range(4))
+    else:
+        assert tables is not None
+        _, e, s0 = far
+        if not _far_ok(q, tables, split, e, s0, lo * nb * b):
+            return None
+    end = lo + c  # pages [lo, end) hold every candidate block
+    voted = np.zeros((h, 0), np.int64) if voted is None else voted
+    slots = np.zeros(1, np.int64) if slot_of is None else slot_of[:end]
+    if (q.dtype != np.float32 or pk.dtype != np.float32 or bmin.dtype != np.float32
+            or bmax.dtype != np.float32 or bmin.shape != bmax.shape or bmax.shape[1] != nb
+            or bmax.shape[2] != d or pk.ndim != 4 or pk.shape[1] < h
+            or pk.shape[2] != nb * b or pk.shape[3] != d or rows.shape != first.shape
+            or first.shape[0] != h or voted.shape[0] != h or m0.shape != (h, r)
+            or not 0 < k <= min(m, first.size // h * nb) or _loops() is None):
+        return None
+    # The loop checks no bounds.
+    if first.size and (first.min() < 0 or first.max() >= c or rows.min() < 0
+                       or rows.max() >= len(bmax)):
+        return None
+    if voted.size and (voted.min() < 0 or voted.max() >= end * nb):
+        return None
+    if (end > len(pk) if slot_of is None else
+            len(slots) < end or slots[lo:].min() < 0 or slots[lo:].max() >= len(pk)):
+        return None
+    out = np.empty((h, k), np.int64)
+    ok = _run("choose", bmin, bmax, rows.astype(np.int64, copy=False),
+              first.astype(np.int64, copy=False), q, _f32(m0), lo, nb, b, e, s0, split,
+              *tables, voted.astype(np.int64, copy=False), end * nb, read_pages, c, m,
+              pk, slots.astype(np.int64, copy=False), slot_of is None, out)
     return out if ok else None
 
 

@@ -136,9 +136,20 @@ def far_bound(bmin: Any, bmax: Any, at: Any, q: Any, m: Any, starts: Any, e: int
               ) -> None:
     """cpu_kernels.far_bound into out (H, n): candidate j of head h has the summaries
     bmin/bmax[at[h, j // per], j % per] of pools (X, per, D)."""
-    heads, n = out.shape
+    for h in range(out.shape[0]):
+        bound_head(bmin, bmax, at[h], q[h], m[h], starts[h if starts.shape[0] > 1 else 0],
+                   e, s0, group, split, cl, sl, ch, sh, out[h])
+
+
+@jit_inf
+def bound_head(bmin: Any, bmax: Any, at: Any, q: Any, m: Any, starts: Any, e: int, s0: int,
+               group: int, split: int, cl: Any, sl: Any, ch: Any, sh: Any, out: Any) -> None:
+    """One head's far bound into out (n,): candidate j has the summaries bmin/bmax[at[j //
+    per], j % per]; q (R, D), m (R,), starts (n,); each run of `group` candidates scored with
+    q rotated back by its first start's far shift (none from E on)."""
+    n = out.shape[0]
     per, dim = bmax.shape[1], bmax.shape[2]
-    rows = q.shape[1]
+    rows = q.shape[0]
     c = np.empty(cl.shape[1], np.float32)
     s = np.empty(cl.shape[1], np.float32)
     qq = np.empty((rows, dim), np.float32)
@@ -149,25 +160,27 @@ def far_bound(bmin: Any, bmax: Any, at: Any, q: Any, m: Any, starts: Any, e: int
     total = np.empty(n, np.float32)
     ex = np.empty(n, np.float32)
     bits = np.empty(n, np.int32)
-    for h in range(heads):
-        hs = h if starts.shape[0] > 1 else 0
-        for j0 in range(0, n, group):
-            st = starts[hs, j0]
-            angles(-(e + s0 - st) if st < e else 0, split, cl, sl, ch, sh, c, s)
+    for j0 in range(0, n, group):
+        st = starts[j0]
+        if st < e:
+            angles(-(e + s0 - st), split, cl, sl, ch, sh, c, s)
             for r in range(rows):
-                turn(q[h, r], c, s, qq[r])
+                turn(q[r], c, s, qq[r])
+        else:
+            qq[:] = q
+        for r in range(rows):
+            for i in range(dim):
+                qp[r, i] = max(qq[r, i], 0.0)
+                qn[r, i] = min(qq[r, i], 0.0)
+        for j in range(j0, min(n, j0 + group)):
+            hi_ = bmax[at[j // per], j % per]
+            lo_ = bmin[at[j // per], j % per]
+            for r in range(rows):
+                acc = np.float32(0.0)
                 for i in range(dim):
-                    qp[r, i] = max(qq[r, i], 0.0)
-                    qn[r, i] = min(qq[r, i], 0.0)
-            for j in range(j0, min(n, j0 + group)):
-                hi_ = bmax[at[h, j // per], j % per]
-                lo_ = bmin[at[h, j // per], j % per]
-                for r in range(rows):
-                    acc = np.float32(0.0)
-                    for i in range(dim):
-                        acc += qp[r, i] * hi_[i] + qn[r, i] * lo_[i]
-                    x[r, j] = acc - m[h, r]
-        lse_cols(x, out[h], top, total, ex, bits)
+                    acc += qp[r, i] * hi_[i] + qn[r, i] * lo_[i]
+                x[r, j] = acc - m[r]
+    lse_cols(x, out, top, total, ex, bits)
 
 
 @jit_inf
@@ -175,8 +188,20 @@ def far_rescore(q: Any, pk: Any, slots: Any, blk: Any, at: Any, b: int, m0: Any,
                 s0: int, split: int, cl: Any, sl: Any, ch: Any, sh: Any, out: Any) -> None:
     """cpu_kernels.far_rescore into out (H, m): block j of head h is the b keys
     pk[slots[h, j], h, blk[h, j] * b:...], starting at token at[h, j] * b."""
-    heads, n = at.shape
-    rows, dim = q.shape[1], q.shape[2]
+    for h in range(at.shape[0]):
+        rescore_head(q[h], pk, h, slots[h], blk[h], at[h], b, m0[h], e, s0, split, cl, sl,
+                     ch, sh, out[h])
+
+
+@jit_inf
+def rescore_head(q: Any, pk: Any, h: int, slots: Any, blk: Any, at: Any, b: int, m0: Any,
+                 e: int, s0: int, split: int, cl: Any, sl: Any, ch: Any, sh: Any, out: Any
+                 ) -> None:
+    """Head h's true logits into out (m,): the logsumexp over rows of q (R, D) of block j's
+    largest q.k minus m0 (R,), its b keys pk[slots[j], h, blk[j] * b:...] starting at token
+    at[j] * b (q rotated back by its far shift, none from E on)."""
+    n = at.shape[0]
+    rows, dim = q.shape
     c = np.empty(cl.shape[1], np.float32)
     s = np.empty(cl.shape[1], np.float32)
     qq = np.empty((rows, dim), np.float32)
@@ -185,22 +210,124 @@ def far_rescore(q: Any, pk: Any, slots: Any, blk: Any, at: Any, b: int, m0: Any,
     total = np.empty(n, np.float32)
     ex = np.empty(n, np.float32)
     bits = np.empty(n, np.int32)
-    for h in range(heads):
-        for j in range(n):
-            st = at[h, j] * b
-            angles(-(e + s0 - st) if st < e else 0, split, cl, sl, ch, sh, c, s)
-            keys = pk[slots[h, j], h, blk[h, j] * b:(blk[h, j] + 1) * b]
+    for j in range(n):
+        st = at[j] * b
+        if st < e:
+            angles(-(e + s0 - st), split, cl, sl, ch, sh, c, s)
             for r in range(rows):
-                turn(q[h, r], c, s, qq[r])
-                best = np.float32(-np.inf)
-                for t in range(b):
-                    acc = np.float32(0.0)
-                    for i in range(dim):
-                        acc += qq[r, i] * keys[t, i]
-                    if acc > best:
-                        best = acc
-                x[r, j] = best - m0[h, r]
-        lse_cols(x, out[h], top, total, ex, bits)
+                turn(q[r], c, s, qq[r])
+        else:
+            qq[:] = q
+        keys = pk[slots[j], h, blk[j] * b:(blk[j] + 1) * b]
+        for r in range(rows):
+            best = np.float32(-np.inf)
+            for t in range(b):
+                acc = np.float32(0.0)
+                for i in range(dim):
+                    acc += qq[r, i] * keys[t, i]
+                if acc > best:
+                    best = acc
+            x[r, j] = best - m0[r]
+    lse_cols(x, out, top, total, ex, bits)
+
+
+@jit_inf
+def top_k(x: Any, k: int, idx: Any) -> None:
+    """The indices of the k largest values of x (n,) into idx[:k], in no set order (ties
+    taken first by index): np.argpartition's choice up to ties (numba has no argpartition)."""
+    n = x.shape[0]
+    if k >= n:
+        for i in range(n):
+            idx[i] = i
+        return
+    thr = np.partition(x, n - k)[n - k]  # the k-th largest
+    j = 0
+    for i in range(n):
+        if x[i] > thr:
+            idx[j] = i
+            j += 1
+    for i in range(n):
+        if j >= k:
+            break
+        if x[i] == thr:
+            idx[j] = i
+            j += 1
+
+
+@jit_inf
+def choose(bmin: Any, bmax: Any, rows: Any, first: Any, q: Any, m0: Any, lo: int, nb: int,
+           b: int, e: int, s0: int, split: int, cl: Any, sl: Any, ch: Any, sh: Any,
+           voted: Any, n_blocks: int, read_pages: int, c: int, m: int, pk: Any,
+           slot_of: Any, identity: bool, out: Any) -> None:
+    """cpu_kernels.choose into out (H, k): per head, the candidate blocks of pages
+    first[h] + lo (their summaries at pools bmin/bmax[rows[h, i]], (X, nb, D)) bounded, the
+    voted ones (H, v) and those outside the read_pages best of the c candidate pages dropped
+    (-inf), the m best shortlisted, rescored by their true logits against the keys in pool pk
+    (slots, H, P, D) and the k best kept: cpu_select's bounded and rescore, one pass."""
+    heads, n_first = first.shape
+    n = n_first * nb
+    k = out.shape[1]
+    ninf = np.float32(-np.inf)
+    sc = np.empty((heads, n), np.float32)
+    starts = np.empty(n, np.int64)
+    for h in range(heads):
+        for i in range(n_first):
+            for t in range(nb):
+                starts[i * nb + t] = ((first[h, i] + lo) * nb + t) * b
+        bound_head(bmin, bmax, rows[h], q[h], m0[h], starts, e, s0, nb, split, cl, sl, ch,
+                   sh, sc[h])
+    if voted.shape[1] > 0:  # chosen already: the step chooses among the others
+        mark = np.zeros(n_blocks, np.uint8)
+        for h in range(heads):
+            for v in range(voted.shape[1]):
+                mark[voted[h, v]] = 1
+            for i in range(n_first):
+                base = (first[h, i] + lo) * nb
+                for t in range(nb):
+                    if mark[base + t]:
+                        sc[h, i * nb + t] = ninf
+            for v in range(voted.shape[1]):
+                mark[voted[h, v]] = 0
+    if read_pages < c:  # the pages a step reads: the best by any head's best block
+        best = np.full(c, ninf, np.float32)
+        for h in range(heads):
+            for i in range(n_first):
+                top = ninf
+                for t in range(nb):
+                    top = max(top, sc[h, i * nb + t])
+                best[first[h, i]] = max(best[first[h, i]], top)
+        keep = np.empty(c, np.int64)
+        top_k(best, read_pages, keep)
+        chosen = np.zeros(c, np.uint8)
+        for i in range(read_pages):
+            chosen[keep[i]] = 1
+        for h in range(heads):
+            for i in range(n_first):
+                if not chosen[first[h, i]]:
+                    for t in range(nb):
+                        sc[h, i * nb + t] = ninf
+    m = min(m, n)
+    pre = np.empty(n, np.int64)
+    at = np.empty(m, np.int64)
+    slots = np.empty(m, np.int64)
+    blk = np.empty(m, np.int64)
+    true = np.empty(m, np.float32)
+    pick = np.empty(m, np.int64)
+    for h in range(heads):
+        top_k(sc[h], m, pre)
+        for j in range(m):
+            a = (first[h, pre[j] // nb] + lo) * nb + pre[j] % nb
+            at[j] = a
+            slots[j] = a // nb if identity else slot_of[a // nb]
+            blk[j] = a % nb
+        rescore_head(q[h], pk, h, slots, blk, at, b, m0[h], e, s0, split, cl, sl, ch, sh,
+                     true)
+        for j in range(m):
+            if sc[h, pre[j]] == ninf:
+                true[j] = ninf
+        top_k(true, k, pick)
+        for j in range(k):
+            out[h, j] = at[pick[j]]
 
 
 @jit_inf

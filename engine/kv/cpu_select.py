@@ -210,6 +210,48 @@ def voted(votes: Any, votes_at: int, lo: int, hi: int, nb: int, k_vote: int,
     return pick[:, :k_vote] + lo * nb
 
 
+def first_pages(table: Any, q: np.ndarray, m0: np.ndarray, lo: int, hi: int, n_first: int,
+                far: Far | None, page_run: int) -> np.ndarray | None:
+    """The first level of `bounded`: per head, the n_first pages (H, n_first), as offsets
+    from lo, whose own bound ranks highest among pages [lo, hi); None (one level: every
+    page's blocks are candidates) unless there are more than 2 n_first pages."""
+    if hi - lo <= 2 * n_first:
+        return None
+    h = q.shape[0]
+    # The page summaries (N, H, D) read in place as pools of one row (N H, 1, D): head h's
+    # page i is row i H + h (a head-major copy of the candidates took 0.15 ms a layer at 32k).
+    pmin, pmax = (_f32(np.asarray(a)).reshape(-1, 1, a.shape[-1])
+                  for a in (table.kmin, table.kmax))
+    prow = np.arange(lo, hi)[None] * h + np.arange(h)[:, None]             # (H, c)
+    pscore = score(pmin, pmax, q.swapaxes(-1, -2), m0, (np.arange(lo, hi) * table.page_tokens)[
+        None], far, page_run, prow)
+    return np.argpartition(-pscore, n_first - 1, axis=-1)[:, :n_first]
+
+
+def choose(store: Any, layer: int, q: np.ndarray, m0: np.ndarray, n_pages: int, lo: int,
+           hi: int, n_first: int, read_pages: int, voted: np.ndarray | None,
+           far: Far | None, page_run: int, k: int, m: int) -> np.ndarray | None:
+    """`bounded` then `rescore` (shortlist m, keep k a head) as one compiled pass past the
+    page level (cpu_kernels.choose): the blocks (H, k) they choose, up to the order of ties.
+    None unless every page is in the RAM tier as plain float32 and the loops run here (the
+    caller then takes those two). Why: between the loops the two ran ~30 numpy calls of
+    20-90 us each on these machines, ~1.5 ms of a 32k decode step's layer."""
+    table = store.tables[layer]
+    pk = plain_pool(store, layer)
+    if pk is None or not table.all_resident(n_pages) or not cpu_kernels.available():
+        return None
+    nb = table.page_tokens // table.block_tokens
+    first = first_pages(table, q, m0, lo, hi, n_first, far, page_run)
+    if first is None:
+        first = np.broadcast_to(np.arange(hi - lo), (q.shape[0], hi - lo))
+    bmin, bmax = (np.asarray(a) for a in table.block_summaries)
+    pool_min, pool_max, rows = page_rows(table, bmin, bmax, first + lo)
+    return cpu_kernels.choose(
+        pool_min, pool_max, rows, first, q, m0, lo, hi - lo, nb, table.block_tokens, far,
+        None if far is None else remap._split_tables(far[0]), remap.SPLIT, voted, read_pages,
+        m, k, pk, None if table.identity else table.slot_of)
+
+
 def bounded(table: Any, q: np.ndarray, m0: np.ndarray, n_pages: int, lo: int, hi: int,
             n_first: int, read_pages: int, voted_blocks: np.ndarray | None, far: Far | None,
             page_run: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -225,16 +267,8 @@ def bounded(table: Any, q: np.ndarray, m0: np.ndarray, n_pages: int, lo: int, hi
     c = hi - lo
     bmin, bmax = (np.asarray(a) for a in table.block_summaries)           # (H, N nb, D)
     pages_of: np.ndarray | None
-    if c > 2 * n_first:
-        # The page summaries (N, H, D) read in place as pools of one row (N H, 1, D): head h's
-        # page i is row i H + h (a head-major copy of the candidates took 0.15 ms a layer
-        # at 32k).
-        pmin, pmax = (_f32(np.asarray(a)).reshape(-1, 1, a.shape[-1])
-                      for a in (table.kmin, table.kmax))
-        prow = np.arange(lo, hi)[None] * h + np.arange(h)[:, None]         # (H, c)
-        pscore = score(pmin, pmax, qt, m0, (np.arange(lo, hi) * P)[None], far, page_run,
-                       prow)
-        first = np.argpartition(-pscore, n_first - 1, axis=-1)[:, :n_first]   # (H, M)
+    first = first_pages(table, q, m0, lo, hi, n_first, far, page_run)
+    if first is not None:
         cand: np.ndarray | None = (first[..., None] * nb + np.arange(nb)).reshape(h, -1) \
             + lo * nb
         pool_min, pool_max, rows = page_rows(table, bmin, bmax, first + lo)

@@ -167,6 +167,67 @@ def test_far_rescore_equals_numpys(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
+@pytest.mark.parametrize(("n_first", "moved", "with_votes"),
+                         [(8, True, True), (8, False, True), (64, True, False)])
+def test_choose_equals_bounded_then_rescore(n_first: int, moved: bool,
+                                            with_votes: bool) -> None:
+    """The one compiled pass picks the blocks cpu_select's bounded (two levels, or one with
+    n_first 64) and rescore pick, from a RAM pool whose pages sit in shuffled slots, with
+    voted blocks left out and the far candidates scored moved (or nothing moved)."""
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(n_first)
+    h, r, d, P, b, n_pages = 3, 3, 64, 32, 8, 60
+    nb = P // b
+    lo, hi = 1, 56
+    keys = rng.standard_normal((n_pages, h, P, d), np.float32) * np.linspace(0.2, 2, d,
+                                                                             dtype=np.float32)
+    slot_of = rng.permutation(n_pages + 5)[:n_pages].astype(np.int32)  # page -> slot
+    pk = np.zeros((n_pages + 5, h, P, d), np.float32)
+    pk[slot_of] = keys
+    blocks = keys.reshape(n_pages, h, nb, b, d)
+    table = SimpleNamespace(  # the layer's summaries as KVStore keeps them
+        page_tokens=P, block_tokens=b, block_pages=n_pages, np_rows=None,
+        kmin=keys.min(axis=2), kmax=keys.max(axis=2),
+        block_summaries=tuple(a.transpose(1, 0, 2, 3).reshape(h, n_pages * nb, d)
+                              .astype(np.float16) for a in (blocks.min(3), blocks.max(3))))
+    q = rng.standard_normal((h, r, d), np.float32) * 0.3
+    m0 = rng.standard_normal((h, r), np.float32)
+    far = (SPEC, 900 if moved else 0, P)
+    voted = (np.stack([rng.choice(np.arange(lo * nb, hi * nb), 6, replace=False)
+                       for _ in range(h)]) if with_votes else None)
+    read_pages, m, k = 20, 24, 10  # enough finite bounds a head: no ties at -inf
+
+    def pool_of(at: np.ndarray) -> cpu_select.Pool:
+        return pk, slot_of[at // nb].astype(np.int64), at % nb
+
+    sc, cand = cpu_select.bounded(table, q, m0, n_pages, lo, hi, n_first, read_pages, voted,
+                                  far, 4)
+    assert (cand is None) == (n_first == 64)
+    def keys_of(at: np.ndarray) -> np.ndarray:
+        raise AssertionError("the rescoring reads the pool in place")
+
+    want = cpu_select.rescore(q, m0, sc, k, m, cand, lo, nb, b, far, keys_of, pool_of)
+    first = cpu_select.first_pages(table, q, m0, lo, hi, n_first, far, 4)
+    if first is None:
+        first = np.broadcast_to(np.arange(hi - lo), (h, hi - lo))
+    pmin, pmax, rows = cpu_select.page_rows(table, *table.block_summaries, first + lo)
+    got = cpu_kernels.choose(pmin, pmax, rows, first, q, m0, lo, hi - lo, nb, b, far,
+                             remap._split_tables(SPEC), remap.SPLIT, voted, read_pages, m, k,
+                             pk, slot_of)
+    assert got is not None and got.shape == (h, k)
+    np.testing.assert_array_equal(np.sort(got, axis=1), np.sort(want, axis=1))
+    if voted is not None:
+        assert not any(np.isin(voted[i], got[i]).any() for i in range(h))
+    # a slot past the pool is never read: the loop steps aside
+    bad = slot_of.copy()
+    bad[lo] = len(pk)
+    assert cpu_kernels.choose(pmin, pmax, rows, first, q, m0, lo, hi - lo, nb, b, far,
+                              remap._split_tables(SPEC), remap.SPLIT, voted, read_pages, m,
+                              k, pk, bad) is None
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
 @pytest.mark.parametrize("turned", [True, False])
 def test_attend_equals_gather_rotate_and_softmax(monkeypatch: pytest.MonkeyPatch,
                                                  turned: bool) -> None:

@@ -92,8 +92,12 @@ def test_numpy_steps_equal_the_mlx_ops(tmp_path: Path, slots: int | None, traine
     monkeypatch.setattr(cpu_kernels, "_run", counted)  # the real loops, observed
     on, outs_np, q = _run(tmp_path / "np", slots, spec)
     if loops != "numpy":  # the steps went through the loops, not numpy's fallback
-        assert {"far_bound", "far_rescore"} <= looped if trained else "far_bound" not in looped
-        assert ("attend" in looped) == (slots is None)
+        if slots is None:  # every page in RAM: one pass past the page level
+            assert {"choose", "attend"} <= looped and "far_rescore" not in looped
+            assert ("far_bound" in looped) == bool(trained)  # the page level
+        else:  # the shortlist read through the store
+            assert not {"choose", "attend"} & looped
+            assert {"far_bound", "far_rescore"} <= looped if trained else not looped
     else:
         assert not looped
     monkeypatch.setattr(cpu_select, "NP_SELECT", False)
@@ -107,13 +111,15 @@ def test_numpy_steps_equal_the_mlx_ops(tmp_path: Path, slots: int | None, traine
     end = on.tables[0].n_pages * P + 4
     far = None if spec is None else (spec, end - trained, P)
     acc = (mx.zeros((H, REP)), None, None)
-    chosen = []
-    for flag, store in ((True, on), (False, off)):
-        monkeypatch.setattr(cpu_select, "NP_SELECT", flag)
-        got = attention.select_blocks(store, 0, q, n, acc, start=10 ** 9, far=far)
-        assert got is not None
-        chosen.append(np.sort(np.array(got[0]), axis=-1))
-    assert chosen[0].shape == (H, 6) and (chosen[0] == chosen[1]).all()
+    for step_end in (None, end):  # a decode step's (one compiled pass in RAM) or a chunk's
+        chosen = []
+        for flag, store in ((True, on), (False, off)):
+            monkeypatch.setattr(cpu_select, "NP_SELECT", flag)
+            got = attention.select_blocks(store, 0, q, n, acc, start=10 ** 9, far=far,
+                                          step_end=step_end)
+            assert got is not None
+            chosen.append(np.sort(np.array(got[0]), axis=-1))
+        assert chosen[0].shape == (H, 6) and (chosen[0] == chosen[1]).all()
     for store in (on, off):
         store.close()
 
