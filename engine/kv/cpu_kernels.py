@@ -4,9 +4,9 @@ numpy pays per op.
 Contract: `rotate(k, delta, tables, split)` returns what remap.rerotate returns for float32
 numpy keys in RoPE's halves layout, from remap's angle tables (k (Hk, Nk, B, D) broadcast
 against delta (Hd, Nd), each block rotated by its delta positions), or None when the loop is
-not available (`dense_pages`, `dense_pages_q`, `far_bound`, `far_rescore` and `attend`
-likewise return what their docstrings name, or None): numba not installed (a Linux-only
-dependency; on a Mac the sparse path runs in MLX on the GPU), STRATA_NUMBA=0, or its
+not available (`dense_pages`, `dense_pages_q`, `far_bound`, `far_rescore`, `choose` and
+`attend_chosen` likewise return what their docstrings name, or None): numba not installed (a
+Linux-only dependency; on a Mac the sparse path runs in MLX on the GPU), STRATA_NUMBA=0, or its
 compilation failed (a RuntimeWarning says why). Callers then take the numpy path (MLX's, for
 quantized pages). The first call loads or compiles the loops (cached beside this file or in
 numba's user cache: ~0.4 s to load with numba's import, ~1.5 s to compile), once per
@@ -51,8 +51,8 @@ def _compile() -> dict[str, Any] | None:
     except ImportError:
         return None
     return {"rotate": cpu_loops.rotate_blocks, "far_bound": cpu_loops.far_bound,
-            "far_rescore": cpu_loops.far_rescore, "attend": cpu_loops.attend_blocks,
-            "choose": cpu_loops.choose,
+            "far_rescore": cpu_loops.far_rescore, "choose": cpu_loops.choose,
+            "attend_chosen": cpu_loops.attend_chosen,
             "dense_pages": cpu_loops.dense_pages, "dense_pages_q": cpu_loops.dense_pages_q}
 
 
@@ -308,43 +308,51 @@ def _in_pool(pk: np.ndarray, slots: np.ndarray, blk: np.ndarray, b: int, h: int)
         and slots.shape == blk.shape and slots.shape[0] == h)
 
 
-def attend(q: np.ndarray, pk: np.ndarray, pv: np.ndarray, slots: np.ndarray, blk: np.ndarray,
-           delta: np.ndarray | None, b: int, tables: tuple[np.ndarray, ...] | None, split: int,
-           init: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+def attend_chosen(q: np.ndarray, pk: np.ndarray, pv: np.ndarray, chosen: np.ndarray,
+                  sink: int, hi: int, n_pages: int, nb: int, b: int,
+                  place: tuple[bool, int, int] | None, tables: tuple[np.ndarray, ...] | None,
+                  split: int, slot_of: np.ndarray | None,
+                  init: tuple[np.ndarray, np.ndarray, np.ndarray]
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """The softmax partial (max (H, R), sum (H, R), output (H, R, Dv)) of queries q (H, R, D)
-    over the blocks (slot `slots`, block `blk` of it; (H, n) each) of the RAM pools pk
-    (slots, H, P, D) and pv (slots, H, P, Dv), each block's keys rotated by `delta` (H, n)
-    positions (None: none turn) with remap's tables, merged with the partial `init` if
-    given (float32, those shapes): cpu_select's gather, re-rotation, `_flat_part` and
-    `merge` in one loop, without copying the keys and values out. None when the loops are
-    not available."""
-    if (q.dtype != np.float32 or pk.dtype != np.float32 or pv.dtype != np.float32
-            or _loops() is None):
-        return None
-    if delta is None:
-        delta = np.zeros(slots.shape, np.int64)
+    over what a sparse step reads, merged with the partial `init` (float32, those shapes):
+    per head the sink pages [0, sink), the chosen blocks `chosen` (H, k) and the window pages
+    [hi, n_pages) of the RAM pools pk (slots, H, P, D) and pv (slots, H, P, Dv), page p in
+    slot slot_of[p] (slot p when slot_of is None); with `place` (reach layout, end, trained)
+    the keys turned as remap.block_deltas turns them. cpu_select's layout, gather,
+    re-rotation, `_flat_part` and `merge` in one loop, nothing copied out of the pools (the
+    layout in numpy cost ~0.35 ms of a 32k step's layer). None when the loops are not
+    available or the arguments do not fit."""
+    h, r, _ = q.shape
+    dv = pv.shape[-1]
+    if place is None:
+        turned, reach, end, trained = False, False, 0, 0
         tables = tuple(np.ones((1, 1), np.float32) for _ in range(4))  # never looked up
     else:
         assert tables is not None
-        if not _fits_tables(pk.shape[-1], delta, tables, split):
+        turned, (reach, end, trained) = True, place
+        reach_max = 2 * (n_pages * nb * b + abs(end) + abs(trained))  # |delta| at most
+        if pk.shape[-1] < 2 * tables[0].shape[1] or reach_max >= split * len(tables[2]):
             return None
-    h, r, _ = q.shape
-    if not (_in_pool(pk, slots, blk, b, h) and pk.shape[:3] == pv.shape[:3]
-            and slots.shape == delta.shape):
+    slots = np.zeros(1, np.int64) if slot_of is None else slot_of[:n_pages]
+    if (q.dtype != np.float32 or pk.dtype != np.float32 or pv.dtype != np.float32
+            or pk.ndim != 4 or pv.shape[:3] != pk.shape[:3] or pk.shape[1] < h
+            or pk.shape[2] != nb * b or pk.shape[3] != q.shape[2] or chosen.shape[0] != h
+            or not 0 <= sink <= hi <= n_pages or init[0].shape != (h, r)
+            or init[1].shape != (h, r) or init[2].shape != (h, r, dv)
+            or any(a.dtype != np.float32 for a in init) or _loops() is None):
         return None
-    dv = pv.shape[-1]
-    if init is None:
-        init = (np.full((h, r), -np.inf, np.float32), np.zeros((h, r), np.float32),
-                np.zeros((h, r, dv), np.float32))
-    elif (init[0].shape != (h, r) or init[1].shape != (h, r) or init[2].shape != (h, r, dv)
-          or any(a.dtype != np.float32 for a in init)):
+    # The loop checks no bounds.
+    if chosen.size and (chosen.min() < 0 or chosen.max() >= n_pages * nb):
+        return None
+    if (n_pages > len(pk) if slot_of is None else len(slots) < n_pages
+            or (n_pages and (slots.min() < 0 or slots.max() >= len(pk)))):
         return None
     out = (np.empty((h, r), np.float32), np.empty((h, r), np.float32),
            np.empty((h, r, dv), np.float32))
-    ok = _run("attend", q, pk, pv, slots.astype(np.int64, copy=False),
-              blk.astype(np.int64, copy=False), delta.astype(np.int64, copy=False), b, split,
-              *tables, *init, *out)
+    ok = _run("attend_chosen", q, pk, pv, chosen.astype(np.int64, copy=False), sink, hi,
+              n_pages, nb, b, turned, reach, end, trained, slots.astype(np.int64, copy=False),
+              slot_of is None, split, *tables, *init, *out)
     return out if ok else None
 
 

@@ -331,17 +331,18 @@ def choose(bmin: Any, bmax: Any, rows: Any, first: Any, q: Any, m0: Any, lo: int
 
 
 @jit_inf
-def attend_blocks(q: Any, pk: Any, pv: Any, slots: Any, blk: Any, delta: Any, b: int,
-                  split: int, cl: Any, sl: Any, ch: Any, sh: Any, m_in: Any, l_in: Any,
-                  o_in: Any, m_out: Any, l_out: Any, o_out: Any) -> None:
-    """cpu_kernels.attend into m_out, l_out, o_out, merged with the partial m_in, l_in, o_in
-    (max -inf, sum and output 0 for none). A turned block's logits come from the
-    query rows rotated back (rows, not the block's b keys, are rotated); the values are
-    summed a block at a time by `weigh_values` straight from the pool, where a loop over the
-    columns inside the keys loaded and stored the output row for every key (in a warm cache
-    with half the blocks moved, 1.24 -> 0.96 ms for 3 heads x 256 blocks)."""
-    heads, rows, dim = q.shape
-    n = slots.shape[1]
+def attend_head(q: Any, pk: Any, pv: Any, h: int, slots: Any, blk: Any, delta: Any, b: int,
+                split: int, cl: Any, sl: Any, ch: Any, sh: Any, m_in: Any, l_in: Any,
+                o_in: Any, m_out: Any, l_out: Any, o_out: Any) -> None:
+    """Head h's softmax partial into m_out, l_out (R,), o_out (R, Dv): queries q (R, D) over
+    blocks j (b keys pk/pv[slots[j], h, blk[j] * b:...]), block j's keys turned by delta[j]
+    positions, merged with m_in, l_in, o_in. A turned block's logits come from the query
+    rows rotated back (rows, not the block's b keys, are rotated); the values are summed a
+    block at a time by `weigh_values` straight from the pool, where a loop over the columns
+    inside the keys loaded and stored the output row for every key (in a warm cache with
+    half the blocks moved, 1.24 -> 0.96 ms for 3 heads x 256 blocks)."""
+    rows, dim = q.shape
+    n = slots.shape[0]
     dv = pv.shape[3]
     c = np.empty(cl.shape[1], np.float32)
     s = np.empty(cl.shape[1], np.float32)
@@ -351,45 +352,82 @@ def attend_blocks(q: Any, pk: Any, pv: Any, slots: Any, blk: Any, delta: Any, b:
     o = np.empty((rows, dv), np.float32)
     qq = np.empty((rows, dim), np.float32)  # local: LLVM sees the logits' stores miss it
     qr = np.empty((rows, dim), np.float32)
+    qq[:] = q
+    for j in range(n):  # logits
+        d = delta[j]
+        qs = qq
+        if d != 0:
+            # q . R(d) k = R(-d) q . k: the rows rotated back, not the block's b keys
+            angles(-d, split, cl, sl, ch, sh, c, s)
+            for r in range(rows):
+                turn(qq[r], c, s, qr[r])
+            qs = qr
+        first = blk[j] * b
+        slot = slots[j]
+        for t in range(b):
+            kk = pk[slot, h, first + t]
+            for r in range(rows):
+                acc = np.float32(0.0)
+                for i in range(dim):
+                    acc += qs[r, i] * kk[i]
+                p[r, j * b + t] = acc
+    for r in range(rows):  # softmax partial: max, exp, sum, merged with the given one
+        big = max(row_max(p, r), m_in[r])
+        top[:] = big
+        exp_into(p[r], top, p[r], bits)
+        total = np.float32(0.0)
+        for x in range(n * b):
+            total += p[r, x]
+        was = np.exp(m_in[r] - big)  # 0 for none (-inf)
+        m_out[r] = big
+        l_out[r] = l_in[r] * was + total
+        for i in range(dv):
+            o[r, i] = o_in[r, i] * was
+    for j in range(n):  # weights x values, a block at a time read in place
+        first = blk[j] * b
+        weigh_values(p[:, j * b:(j + 1) * b], pv[slots[j], h, first:first + b], 0, dv, o, 0)
+    o_out[:] = o
+
+
+@jit_inf
+def attend_chosen(q: Any, pk: Any, pv: Any, chosen: Any, sink: int, hi: int, n_pages: int,
+                  nb: int, b: int, turned: bool, reach: bool, end: int, trained: int,
+                  slot_of: Any, identity: bool, split: int, cl: Any, sl: Any, ch: Any,
+                  sh: Any, m_in: Any, l_in: Any, o_in: Any, m_out: Any, l_out: Any,
+                  o_out: Any) -> None:
+    """cpu_kernels.attend_chosen: per head, the sink pages' blocks, the chosen blocks in
+    position order and the window's, placed as remap.block_deltas places them when `turned`
+    (LAYOUT "reach" when `reach`, else "infllm"), attended by `attend_head`."""
+    heads, k = chosen.shape
+    n_sink = sink * nb
+    n = n_sink + k + (n_pages - hi) * nb
+    P = nb * b
+    S, K, W0 = sink * P, k * b, hi * P
+    E = end - trained
+    near = reach and trained > 0 and 0 <= E <= W0 - S - K
+    shift = E if near else W0 - S - K
+    slots = np.empty(n, np.int64)
+    blk = np.empty(n, np.int64)
+    delta = np.zeros(n, np.int64)
     for h in range(heads):
-        for r in range(rows):
-            qq[r] = q[h, r]
-        for j in range(n):  # logits
-            d = delta[h, j]
-            qs = qq
-            if d != 0:
-                # q . R(d) k = R(-d) q . k: the rows rotated back, not the block's b keys
-                angles(-d, split, cl, sl, ch, sh, c, s)
-                for r in range(rows):
-                    turn(qq[r], c, s, qr[r])
-                qs = qr
-            first = blk[h, j] * b
-            slot = slots[h, j]
-            for t in range(b):
-                kk = pk[slot, h, first + t]
-                for r in range(rows):
-                    acc = np.float32(0.0)
-                    for i in range(dim):
-                        acc += qs[r, i] * kk[i]
-                    p[r, j * b + t] = acc
-        for r in range(rows):  # softmax partial: max, exp, sum, merged with the given one
-            big = max(row_max(p, r), m_in[h, r])
-            top[:] = big
-            exp_into(p[r], top, p[r], bits)
-            total = np.float32(0.0)
-            for x in range(n * b):
-                total += p[r, x]
-            was = np.exp(m_in[h, r] - big)  # 0 for none (-inf)
-            m_out[h, r] = big
-            l_out[h, r] = l_in[h, r] * was + total
-            for i in range(dv):
-                o[r, i] = o_in[h, r, i] * was
-        for j in range(n):  # weights x values, a block at a time read in place
-            first = blk[h, j] * b
-            weigh_values(p[:, j * b:(j + 1) * b], pv[slots[h, j], h, first:first + b],
-                         0, dv, o, 0)
-        for r in range(rows):
-            o_out[h, r] = o[r]
+        top = np.sort(chosen[h])
+        for j in range(n):
+            if j < n_sink:
+                a = j
+            elif j < n_sink + k:
+                a = top[j - n_sink]
+            else:
+                a = hi * nb + j - n_sink - k
+            slots[j] = a // nb if identity else slot_of[a // nb]
+            blk[j] = a % nb
+            if turned:
+                if j < n_sink:
+                    delta[j] = shift
+                elif j < n_sink + k:
+                    step = (j - n_sink) * b - top[j - n_sink] * b  # j b - s_j
+                    delta[j] = max(step + E + S, 0) if near else step + W0 - K
+        attend_head(q[h], pk, pv, h, slots, blk, delta, b, split, cl, sl, ch, sh, m_in[h],
+                    l_in[h], o_in[h], m_out[h], l_out[h], o_out[h])
 
 
 @jit  # logits are finite

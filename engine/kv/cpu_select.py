@@ -467,6 +467,13 @@ def attend_blocks(store: Any, layer: int, q: np.ndarray,
     b = table.block_tokens
     nb = P // b
     h, _, d = q.shape
+    part = cpu_kernels.attend_chosen(
+        q, pk, pv, top, sink, hi, n_pages, nb, b,
+        None if spec is None else (remap.LAYOUT == "reach", end, spec.trained),
+        None if spec is None else remap._split_tables(spec), remap.SPLIT,
+        None if table.identity else table.slot_of, recent)
+    if part is not None:  # one loop: laid out, turned and merged there, nothing gathered
+        return part
     delta = None
     if spec is not None:
         top, delta = remap.block_deltas(top, sink, hi, n_pages, P, b, end, spec.trained)
@@ -478,20 +485,11 @@ def attend_blocks(store: Any, layer: int, q: np.ndarray,
     n_rot = sink * nb + n_top
     page, blk = blocks // nb, blocks % nb
     slots = page if table.identity else table.slot_of[page]
-    turn = None
-    if delta is not None:  # the window's delta is 0: only sinks and chosen blocks turn
-        turn = np.zeros(blocks.shape, np.int64)
-        turn[:, :sink * nb] = delta[:, :sink * nb]
-        turn[:, sink * nb:n_rot] = delta[:, delta.shape[1] - n_top:]
-    part = cpu_kernels.attend(q, pk, pv, slots, blk, turn, b,
-                              None if spec is None else remap._split_tables(spec), remap.SPLIT,
-                              recent)
-    if part is not None:  # one loop: no gathered copies of the keys and values, merged
-        return part
     heads = np.arange(h)[:, None]
     k = pk.reshape(*pk.shape[:2], nb, b, d)[slots, heads, blk]                # (H, n, b, D)
     v = pv.reshape(*pv.shape[:2], nb, b, pv.shape[-1])[slots, heads, blk]
-    if turn is not None:
-        k[:, :n_rot] = remap.rerotate(k[:, :n_rot], turn[:, :n_rot], spec)  # type: ignore[arg-type]
+    if delta is not None:  # the window's delta is 0: only sinks and chosen blocks turn
+        turn = np.concatenate([delta[:, :sink * nb], delta[:, delta.shape[1] - n_top:]], 1)
+        k[:, :n_rot] = remap.rerotate(k[:, :n_rot], turn, spec)  # type: ignore[arg-type]
     return merge([recent, _flat_part(q, k.reshape(h, -1, d), v.reshape(h, -1, v.shape[-1]),
                                      None)])

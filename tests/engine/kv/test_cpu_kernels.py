@@ -228,63 +228,64 @@ def test_choose_equals_bounded_then_rescore(n_first: int, moved: bool,
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
-@pytest.mark.parametrize("turned", [True, False])
-def test_attend_equals_gather_rotate_and_softmax(monkeypatch: pytest.MonkeyPatch,
-                                                 turned: bool) -> None:
-
+@pytest.mark.parametrize("layout", ["reach", "infllm", None])
+def test_attend_chosen_equals_gather_rotate_and_softmax(monkeypatch: pytest.MonkeyPatch,
+                                                       layout: str | None) -> None:
+    """The loop lays out sinks, chosen blocks (in position order) and window, turns them as
+    remap.block_deltas places them (either layout, or not at all), and attends them from a
+    pool whose pages sit in shuffled slots: numpy's gather, rotation and softmax partial,
+    merged with a given partial as cpu_select.merge merges."""
     rng = np.random.default_rng(9)
-    n_slots, h, p, d, dv, b = 12, 3, 32, 64, 48, 8
+    n_pages, h, p, d, dv, b = 12, 3, 32, 64, 48, 8
     nb = p // b
-    pk = rng.standard_normal((n_slots, h, p, d), np.float32)
-    pv = rng.standard_normal((n_slots, h, p, dv), np.float32)
+    sink, hi = 1, 10
+    slot_of = rng.permutation(n_pages + 3)[:n_pages].astype(np.int32)
+    pk = rng.standard_normal((n_pages + 3, h, p, d), np.float32)
+    pv = rng.standard_normal((n_pages + 3, h, p, dv), np.float32)
     q = rng.standard_normal((h, 3, d), np.float32) * 0.3
-    blocks = np.sort(rng.choice(n_slots * nb, (h, 20)), axis=1)
-    slots, blk = blocks // nb, blocks % nb
-    delta = rng.integers(0, 30_000, (h, 20)) if turned else None
-    if delta is not None:
-        delta[:, 15:] = 0                             # the window's blocks stay
-    tables = remap._split_tables(SPEC)
-    got = cpu_kernels.attend(q, pk, pv, slots, blk, delta, b, tables, remap.SPLIT)
-    assert got is not None
+    chosen = np.stack([rng.choice(np.arange(sink * nb, hi * nb), 9, replace=False)
+                       for _ in range(h)])                    # unsorted, as selection gives
+    spec = remap.RopeSpec(dims=64, traditional=False, base=100000.0, scale=1.0, trained=200)
+    end = n_pages * p + 1
+    if layout is not None:
+        monkeypatch.setattr(remap, "LAYOUT", layout)
+        top, delta = remap.block_deltas(chosen, sink, hi, n_pages, p, b, end, spec.trained)
+        turn = np.concatenate([delta[:, :sink * nb], delta[:, delta.shape[1] - 9:]], 1)
+    else:
+        top, turn = np.sort(chosen, axis=1), None
+    blocks = np.concatenate([np.tile(np.arange(sink * nb), (h, 1)), top,
+                             np.tile(np.arange(hi * nb, n_pages * nb), (h, 1))], axis=1)
     heads = np.arange(h)[:, None]
-    k = pk.reshape(n_slots, h, nb, b, d)[slots, heads, blk]
-    v = pv.reshape(n_slots, h, nb, b, dv)[slots, heads, blk]
-    if delta is not None:
+    at = slot_of[blocks // nb]
+    k = pk.reshape(-1, h, nb, b, d)[at, heads, blocks % nb]
+    v = pv.reshape(-1, h, nb, b, dv)[at, heads, blocks % nb]
+    if turn is not None:
+        assert np.abs(turn).max() > 0  # something moves
         with monkeypatch.context() as mp:
             _numpy_only(mp)
-            k = remap.rerotate(k, delta, SPEC)
+            k[:, :turn.shape[1]] = remap.rerotate(k[:, :turn.shape[1]], turn, spec)
     want = cpu_select._flat_part(q, k.reshape(h, -1, d), v.reshape(h, -1, dv), None)
-    for a, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5)
-    # merged in the loop with a given partial (the recent tokens'), as cpu_select.merge does;
-    # one whose max passes the blocks' and one below them
-    for lift in (5.0, -5.0):
-        init = (want[0] + np.float32(lift), rng.random((h, 3), np.float32) + 1,
-                rng.standard_normal((h, 3, dv), np.float32))
-        both = cpu_kernels.attend(q, pk, pv, slots, blk, delta, b, tables, remap.SPLIT, init)
-        assert both is not None
-        for a, w in zip(both, cpu_select.merge([init, want]), strict=True):
+    place = None if layout is None else (layout == "reach", end, spec.trained)
+    tables = remap._split_tables(spec)
+    # merged with a given partial (the recent tokens'): none, one whose max passes the
+    # blocks' and one below them
+    none = (np.full((h, 3), -np.inf, np.float32), np.zeros((h, 3), np.float32),
+            np.zeros((h, 3, dv), np.float32))
+    for lift in (None, 5.0, -5.0):
+        init = none if lift is None else (
+            want[0] + np.float32(lift), rng.random((h, 3), np.float32) + 1,
+            rng.standard_normal((h, 3, dv), np.float32))
+        got = cpu_kernels.attend_chosen(q, pk, pv, chosen, sink, hi, n_pages, nb, b, place,
+                                        tables, remap.SPLIT, slot_of, init)
+        assert got is not None
+        for a, w in zip(got, want if lift is None else cpu_select.merge([init, want]),
+                        strict=True):
             np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5)
-    # a block past the pool is not read out of place: numpy's path takes it (and raises)
-    bad = slots.copy()
-    bad[0, 0] = n_slots
-    assert cpu_kernels.attend(q, pk, pv, bad, blk, delta, b, tables, remap.SPLIT) is None
-
-
-def test_warm_loads_the_loops_on_a_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    import threading
-
-    monkeypatch.delitem(cpu_kernels._state, "loops", raising=False)
-    monkeypatch.setattr(cpu_kernels, "_warming", [])
-    cpu_kernels.warm()
-    cpu_kernels.warm()  # once: the second call finds it loading
-    loaders = [t for t in threading.enumerate() if t.name == "strata-loops-load"]
-    assert len(loaders) <= 1
-    for t in loaders:
-        t.join(30)
-    assert "loops" in cpu_kernels._state  # loaded (or found missing) on the thread
-    if sys.platform == "linux":
-        assert cpu_kernels._state["loops"] is not None
+    # a page past the pool is not read out of place: the loop steps aside
+    bad = slot_of.copy()
+    bad[0] = len(pk)
+    assert cpu_kernels.attend_chosen(q, pk, pv, chosen, sink, hi, n_pages, nb, b, place,
+                                     tables, remap.SPLIT, bad, none) is None
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
