@@ -25,7 +25,7 @@ def _steps(tmp_path: Path, queries: list[Any], trim_before: int = -1
     per query, the keys and values of each step random; page 3 holds keys aligned with the
     first query, page 6 with the second. Returns each step's output, (keys, values), and for
     each step that bounded, the two pages its bound ranks best (None for a step that
-    reused the bound before it)."""
+    reused the bound before it, or that chose in one compiled pass)."""
     import mlx.core as mx
     import numpy as np
 
@@ -48,6 +48,9 @@ def _steps(tmp_path: Path, queries: list[Any], trim_before: int = -1
                                         v[None, None, n + i:n + i + 1])
         outs.append(attention.attend(cache, q[None, None, None], kk, vv, 1.0)[0, 0, 0])
         last = store.tables[0].chosen  # (key, next, steps served, (bound, candidates))
+        if last is None:  # chosen in one compiled pass (cpu_select.choose): nothing kept
+            best.append(None)
+            continue
         bound = np.array(last[3][0][0])  # candidates: pages 1..8, one block each
         best.append(sorted((np.argsort(-bound)[:2] + 1).tolist()) if last[2] == 1 else None)
     store.close()
