@@ -255,11 +255,63 @@ def top_k(x: Any, k: int, idx: Any) -> None:
 
 
 @jit_inf
-def choose(bmin: Any, bmax: Any, rows: Any, first: Any, q: Any, m0: Any, lo: int, nb: int,
-           b: int, e: int, s0: int, split: int, cl: Any, sl: Any, ch: Any, sh: Any,
-           voted: Any, n_blocks: int, read_pages: int, c: int, m: int, pk: Any,
-           slot_of: Any, identity: bool, out: Any) -> None:
-    """cpu_kernels.choose into out (H, k): per head, the candidate blocks of pages
+def choose(pmin: Any, pmax: Any, bmin16: Any, bmax16: Any, lut: Any, row_of: Any,
+           st_min: Any, st_max: Any, used: Any, q: Any, m0: Any, lo: int, c: int,
+           n_first: int, page_run: int, nb: int, b: int, e: int, s0: int, split: int,
+           cl: Any, sl: Any, ch: Any, sh: Any, voted: Any, n_blocks: int, read_pages: int,
+           m: int, pk: Any, slot_of: Any, identity: bool, out: Any) -> None:
+    """cpu_kernels.choose into out (H, k), used[0]: the rows of st_min/st_max in use. With
+    more than 2 n_first candidate pages, each head's n_first best by the page bound (pools
+    pmin/pmax (N H, 1, D): page p of head h is row p H + h; far runs of page_run pages),
+    else every page; their blocks' float16 summaries (bmin16/bmax16 (H, N nb D) as uint16,
+    decoded by `lut`) converted once into rows of st_min/st_max (X, nb D) as
+    cpu_select.page_rows keeps them (row_of (H, N)); then `choose_blocks`."""
+    heads = q.shape[0]
+    dim = q.shape[2]
+    P = nb * b
+    n_pick = n_first if c > 2 * n_first else c
+    first = np.empty((heads, n_pick), np.int64)
+    if n_pick < c:
+        prow = np.empty(c, np.int64)
+        starts = np.empty(c, np.int64)
+        ps = np.empty(c, np.float32)
+        for h in range(heads):
+            for i in range(c):
+                prow[i] = (lo + i) * heads + h
+                starts[i] = (lo + i) * P
+            bound_head(pmin, pmax, prow, q[h], m0[h], starts, e, s0, page_run, split, cl, sl,
+                       ch, sh, ps)
+            top_k(ps, n_pick, first[h])
+    else:
+        for h in range(heads):
+            for i in range(c):
+                first[h, i] = i
+    width = nb * dim
+    rows = np.empty((heads, n_pick), np.int64)
+    for h in range(heads):
+        for i in range(n_pick):
+            page = first[h, i] + lo
+            if row_of[h, page] < 0:
+                at = page * width
+                u = used[0]
+                for x in range(width):
+                    st_min[u, x] = lut[bmin16[h, at + x]]
+                    st_max[u, x] = lut[bmax16[h, at + x]]
+                row_of[h, page] = u
+                used[0] = u + 1
+            rows[h, i] = row_of[h, page]
+    choose_blocks(st_min.reshape((st_min.shape[0], nb, dim)),
+                  st_max.reshape((st_max.shape[0], nb, dim)), rows, first, q, m0, lo, nb, b,
+                  e, s0, split, cl, sl, ch, sh, voted, n_blocks, read_pages, c, m, pk,
+                  slot_of, identity, out)
+
+
+@jit_inf
+def choose_blocks(bmin: Any, bmax: Any, rows: Any, first: Any, q: Any, m0: Any, lo: int,
+                  nb: int, b: int, e: int, s0: int, split: int, cl: Any, sl: Any, ch: Any,
+                  sh: Any, voted: Any, n_blocks: int, read_pages: int, c: int, m: int,
+                  pk: Any, slot_of: Any, identity: bool, out: Any) -> None:
+    """`choose` past the page level, into out (H, k): per head, the candidate blocks of pages
     first[h] + lo (their summaries at pools bmin/bmax[rows[h, i]], (X, nb, D)) bounded, the
     voted ones (H, v) and those outside the read_pages best of the c candidate pages dropped
     (-inf), the m best shortlisted, rescored by their true logits against the keys in pool pk

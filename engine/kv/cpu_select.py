@@ -163,13 +163,31 @@ def page_rows(table: Any, bmin: np.ndarray, bmax: np.ndarray, pages: np.ndarray
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The block summaries of pages (H, M) per head, from bmin, bmax (H, block_pages * nb, D)
     float16, as float32 pools (X, nb, D) and each (head, page)'s row in them (H, M). Each
-    (head, page) is converted once and kept in `table.np_rows` (row of each (head, page) or
-    -1, then the rows converted, min and max): float16 to float32 ran at ~0.5G values/s,
-    1.4 ms of a 32k decode step's layer, and a step's first-level pages are mostly the last
-    step's. Only pages looked at take memory."""
+    (head, page) is converted once and kept in `table.np_rows` (`row_cache`): float16 to
+    float32 ran at ~0.5G values/s, 1.4 ms of a 32k decode step's layer, and a step's
+    first-level pages are mostly the last step's. Only pages looked at take memory."""
     h, _, d = bmin.shape
+    nb = bmin.shape[1] // table.block_pages
+    heads = np.arange(h)[:, None]
+    need = row_cache(table, h, nb, d)[0][heads, pages] < 0
+    st = row_cache(table, h, nb, d, int(need.sum()))
+    row_of = st[0]
+    if need.any():
+        hh, mm = np.nonzero(need)
+        pp = pages[hh, mm]
+        used, k = st[1], len(hh)
+        st[2][used:used + k] = bmin.reshape(h, -1, nb * d)[hh, pp]
+        st[3][used:used + k] = bmax.reshape(h, -1, nb * d)[hh, pp]
+        row_of[hh, pp] = np.arange(used, used + k)
+        st[1] = used + k
+    return st[2].reshape(-1, nb, d), st[3].reshape(-1, nb, d), row_of[heads, pages]
+
+
+def row_cache(table: Any, h: int, nb: int, d: int, more: int = 0) -> list[Any]:
+    """table.np_rows, made or grown to hold a row for every page and `more` rows beyond those
+    in use: [row of each (head, page) or -1 (H, N) int64, rows in use, the rows converted,
+    min and max (X, nb D) float32]."""
     n = table.block_pages
-    nb = bmin.shape[1] // n
     st = table.np_rows
     if st is None:
         st = [np.full((h, n), -1, np.int64), 0, np.empty((64, nb * d), np.float32),
@@ -177,24 +195,14 @@ def page_rows(table: Any, bmin: np.ndarray, bmax: np.ndarray, pages: np.ndarray
         table.np_rows = st
     if st[0].shape[1] < n:
         st[0] = np.concatenate([st[0], np.full((h, 2 * n - st[0].shape[1]), -1, np.int64)], 1)
-    row_of = st[0]
-    heads = np.arange(h)[:, None]
-    need = row_of[heads, pages] < 0
-    if need.any():
-        hh, mm = np.nonzero(need)
-        pp = pages[hh, mm]
-        used, k = st[1], len(hh)
-        if used + k > len(st[2]):
-            size = max(used + k, 2 * len(st[2]))
-            for i in (2, 3):
-                grown = np.empty((size, nb * d), np.float32)
-                grown[:used] = st[i][:used]
-                st[i] = grown
-        st[2][used:used + k] = bmin.reshape(h, n, nb * d)[hh, pp]
-        st[3][used:used + k] = bmax.reshape(h, n, nb * d)[hh, pp]
-        row_of[hh, pp] = np.arange(used, used + k)
-        st[1] = used + k
-    return st[2].reshape(-1, nb, d), st[3].reshape(-1, nb, d), row_of[heads, pages]
+    used = st[1]
+    if used + more > len(st[2]):
+        size = max(used + more, 2 * len(st[2]))
+        for i in (2, 3):
+            grown = np.empty((size, nb * d), np.float32)
+            grown[:used] = st[i][:used]
+            st[i] = grown
+    return st  # type: ignore[no-any-return]
 
 
 def voted(votes: Any, votes_at: int, lo: int, hi: int, nb: int, k_vote: int,
@@ -231,25 +239,31 @@ def first_pages(table: Any, q: np.ndarray, m0: np.ndarray, lo: int, hi: int, n_f
 def choose(store: Any, layer: int, q: np.ndarray, m0: np.ndarray, n_pages: int, lo: int,
            hi: int, n_first: int, read_pages: int, voted: np.ndarray | None,
            far: Far | None, page_run: int, k: int, m: int) -> np.ndarray | None:
-    """`bounded` then `rescore` (shortlist m, keep k a head) as one compiled pass past the
-    page level (cpu_kernels.choose): the blocks (H, k) they choose, up to the order of ties.
-    None unless every page is in the RAM tier as plain float32 and the loops run here (the
-    caller then takes those two). Why: between the loops the two ran ~30 numpy calls of
-    20-90 us each on these machines, ~1.5 ms of a 32k decode step's layer."""
+    """`bounded` then `rescore` (shortlist m, keep k a head) as one compiled pass
+    (cpu_kernels.choose): the blocks (H, k) they choose, up to the order of ties. None unless
+    every page is in the RAM tier as plain float32 and the loops run here (the caller then
+    takes those two). Why: around their loops the two ran ~30 numpy calls of 20-90 us each
+    on these machines, ~1.5 ms of a 32k decode step's layer."""
     table = store.tables[layer]
     pk = plain_pool(store, layer)
-    if pk is None or not table.all_resident(n_pages) or not cpu_kernels.available():
+    if pk is None or not table.all_resident(n_pages):
         return None
-    nb = table.page_tokens // table.block_tokens
-    first = first_pages(table, q, m0, lo, hi, n_first, far, page_run)
-    if first is None:
-        first = np.broadcast_to(np.arange(hi - lo), (q.shape[0], hi - lo))
+    b = table.block_tokens
+    nb = table.page_tokens // b
+    h, _, d = q.shape
+    c = hi - lo
+    pmin, pmax = (_f32(np.asarray(a)).reshape(-1, 1, a.shape[-1])
+                  for a in (table.kmin, table.kmax))
+    st = row_cache(table, h, nb, d, h * (n_first if c > 2 * n_first else c))
     bmin, bmax = (np.asarray(a) for a in table.block_summaries)
-    pool_min, pool_max, rows = page_rows(table, bmin, bmax, first + lo)
-    return cpu_kernels.choose(
-        pool_min, pool_max, rows, first, q, m0, lo, hi - lo, nb, table.block_tokens, far,
-        None if far is None else remap._split_tables(far[0]), remap.SPLIT, voted, read_pages,
-        m, k, pk, None if table.identity else table.slot_of)
+    got = cpu_kernels.choose(
+        pmin, pmax, bmin, bmax, (st[0], st[1], st[2], st[3]), q, m0, lo, c, n_first,
+        page_run, nb, b, far, None if far is None else remap._split_tables(far[0]),
+        remap.SPLIT, voted, read_pages, m, k, pk, None if table.identity else table.slot_of)
+    if got is None:
+        return None
+    st[1] = got[1]
+    return got[0]
 
 
 def bounded(table: Any, q: np.ndarray, m0: np.ndarray, n_pages: int, lo: int, hi: int,
