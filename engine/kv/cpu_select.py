@@ -2,8 +2,9 @@
 
 Contract: `bounded`, `rescore` and `voted` compute what engine.kv.attention's `_bounded`,
 `_rescore` and `_voted` compute (the same bound, the same shortlist, the same true logits,
-the same choice up to float32 rounding and the order of ties), and `attend_blocks` what
-`_sparse` attends after choosing (None where it cannot: pages not all in RAM as float32),
+the same choice up to float32 rounding and the order of ties), `choose` what `bounded` then
+`rescore` choose, and `attend_blocks` what `_sparse` attends after choosing (those two None
+where they cannot: pages not all in RAM as float32, or no compiled loops for `choose`),
 on numpy arrays: queries (H, R, D) and running maxima (H, R) in float32, the layer's
 summaries and votes viewed without a copy, block indices as int64. `enabled(rows)` says
 whether attention takes this path: decode steps on the CPU, unless STRATA_NP_SELECT=0.
