@@ -211,6 +211,8 @@ def rescore_head(q: Any, pk: Any, h: int, slots: Any, blk: Any, at: Any, b: int,
     ex = np.empty(n, np.float32)
     bits = np.empty(n, np.int32)
     for j in range(n):
+        # rotated back as in bound_head, written out again: a shared helper, even inlined,
+        # made `choose` 0.1-0.3 ms a layer slower at 32k (alternated runs)
         st = at[j] * b
         if st < e:
             angles(-(e + s0 - st), split, cl, sl, ch, sh, c, s)
