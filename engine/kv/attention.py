@@ -320,6 +320,13 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
         else:
             acc = _exact(store, layer, qg, n_pages, acc)
     assert acc is not None
+    if isinstance(acc[2], np.ndarray):
+        # The numpy steps' partial (`_sparse` over pages all in RAM): divided here and
+        # converted once, where three conversions and MLX's division cost ~0.1 ms a layer.
+        if sinks is None:
+            out = mx.array((acc[2] / acc[1][..., None]).reshape(1, hq, L, dv))
+            return out if out.dtype == queries.dtype else out.astype(queries.dtype)
+        acc = (mx.array(acc[0]), mx.array(acc[1]), mx.array(acc[2]))
     if sinks is not None:
         acc = _merge(acc, _sink_partial(sinks, h, L, dv, acc[2].dtype))
     out = acc[2] / acc[1][..., None]
@@ -645,7 +652,8 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     `end`: the chunk's end (the remapped layout keeps what the trained length reaches);
     `budget`: tokens to attend instead of the settings' (a prefill chunk past the trained
     length, PREFILL_REACH); `recent_only`: the budget's blocks are the most recent ones
-    (PREFILL_RECENT)."""
+    (PREFILL_RECENT). A decode step the numpy steps attend returns its partial as numpy
+    arrays (`attend` divides and converts it once)."""
     held: dict[str, Any] = {}  # pages the shortlist's keys were read from for this step
     far = None
     # Decode steps only: a chunk's rows would multiply the rotated queries (a 64-token chunk
@@ -654,18 +662,22 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
         far = (spec, end - spec.trained, min(store.tables[layer].sink_pages, n_pages) * store.P)
     step = end if budget is None and not recent_only and end - start <= SPARSE_MAX_L else None
     chosen = select_blocks(store, layer, qg, n_pages, acc, start, held, budget, recent_only,
-                           far, step)
+                           far, step, np_top=True)
     if chosen is None:
         return _exact(store, layer, qg, n_pages, acc)
     top, sink, hi = chosen
     if end - start <= SPARSE_MAX_L and cpu_select.enabled(qg.shape[1]):
         # A decode step over pages all in RAM: attended in numpy too (the query and the
-        # recent partial are evaluated already), one conversion back instead of ~20 ops.
-        part = cpu_select.attend_blocks(store, layer, cpu_select.to_np(qg),
-                                        tuple(cpu_select.to_np(a) for a in acc),  # type: ignore[arg-type]
-                                        np.asarray(top), sink, hi, n_pages, spec, end)
+        # recent partial are evaluated already), returned as numpy for `attend` to divide.
+        q_np, rec = held.pop("np", None) or (
+            cpu_select.to_np(qg), (cpu_select.to_np(acc[0]), cpu_select.to_np(acc[1]),
+                                   cpu_select.to_np(acc[2])))
+        part = cpu_select.attend_blocks(store, layer, q_np, rec, np.asarray(top), sink, hi,
+                                        n_pages, spec, end, held.pop("resident", False))
         if part is not None:
-            return mx.array(part[0]), mx.array(part[1]), mx.array(part[2])
+            return part
+    if isinstance(top, np.ndarray):
+        top = mx.array(top.astype(np.int32))
     table = store.tables[layer]
     P = store.P
     b = table.block_tokens
@@ -728,7 +740,8 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
                   start: int = -1, held: dict[str, Any] | None = None,
                   budget: int | None = None, recent_only: bool = False,
                   far: tuple[remap.RopeSpec, int, int] | None = None,
-                  step_end: int | None = None) -> tuple[Any, int, int] | None:
+                  step_end: int | None = None, np_top: bool = False
+                  ) -> tuple[Any, int, int] | None:
     """The blocks a sparse step over pages [0, n_pages) attends besides the sinks and the
     window (see `_sparse`): (top (H, k) block indices, sink pages, hi: the window's first
     page), or None when the budget holds every candidate (the step is then exact). The same
@@ -737,7 +750,8 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     candidates starting before position E are scored moved to E + S (FAR_ROTATE).
     `step_end`: a decode step's end; such a step right after the one that bounded (same
     pages and budget, starting where it ended) re-ranks that step's shortlist instead of
-    bounding again, up to RESELECT_STEPS steps in all."""
+    bounding again, up to RESELECT_STEPS steps in all. `np_top`: top may be a numpy array
+    (the numpy steps chose it), not converted to MLX."""
     table = store.tables[layer]
     P = store.P
     budget = store.settings.budget_tokens if budget is None else budget
@@ -759,10 +773,12 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     if held is not None:
         # The step's sinks and window: a shortlist read for this step only takes them along
         # (`_step_pages`), so the attention after it finds every page in one read batch.
-        held["also"] = np.concatenate([np.arange(sink), np.arange(hi, n_pages)])
+        # (as page ranges: most steps read nothing, and building the array cost 0.04 ms)
+        held["also"] = (sink, hi, n_pages)
     if cpu_select.enabled(qg.shape[1]):
-        return _select_np(store, layer, qg, n_pages, acc, start, held, budget, far,
-                          step_end, sink, hi, k_sel)
+        got = _select_np(store, layer, qg, n_pages, acc, start, held, budget, far, step_end,
+                         sink, hi, k_sel)
+        return got if np_top else (mx.array(got[0].astype(np.int32)), sink, hi)
     voted = _voted(table, lo, hi, nb, int(k_sel * VOTE_SHARE), start)
     _also_voted(held, voted, nb)
     k_step = k_sel - (0 if voted is None else voted.shape[1])
@@ -807,10 +823,12 @@ def _shortlist(table: Any, key: tuple[Any, ...], start: int, step_end: int | Non
 def _select_np(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial, start: int,
                held: dict[str, Any] | None, budget: int,
                far: tuple[remap.RopeSpec, int, int] | None, step_end: int | None, sink: int,
-               hi: int, k_sel: int) -> tuple[Any, int, int]:
+               hi: int, k_sel: int) -> tuple[np.ndarray, int, int]:
     """`select_blocks` past its early returns, in numpy (engine.kv.cpu_select): the same
     votes, bound, shortlist reuse and rescoring, one synchronisation (the query and its
-    running max) instead of ~40 small MLX ops."""
+    running max) instead of ~40 small MLX ops; top (H, k) as numpy integers. `held` gets
+    the query and recent partial as numpy ("np") for the step's attention, and "resident"
+    when the compiled pass found every page in the RAM pool."""
     table = store.tables[layer]
     b = table.block_tokens
     nb = store.P // b
@@ -819,6 +837,8 @@ def _select_np(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial, sta
     # all three next): one each cost two more waits on MLX's stream a layer.
     mx.eval(qg, *acc)
     q, m0 = cpu_select.to_np(qg), cpu_select.to_np(acc[0])
+    if held is not None and acc[1] is not None and acc[2] is not None:
+        held["np"] = (q, (m0, cpu_select.to_np(acc[1]), cpu_select.to_np(acc[2])))
     voted = cpu_select.voted(table.votes, table.votes_at, lo, hi, nb, int(k_sel * VOTE_SHARE),
                              start)
     _also_voted(held, voted, nb)
@@ -836,16 +856,18 @@ def _select_np(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial, sta
                                 voted, far, FAR_PAGE_RUN, k_step, m)
         if top is not None:
             table.chosen = None
+            if held is not None:
+                held["resident"] = True
             if voted is not None:
                 top = np.concatenate([voted, top], axis=1)
-            return mx.array(top.astype(np.int32)), sink, hi
+            return top, sink, hi
     score, cand = _shortlist(table, (n_pages, budget, True), start, step_end,
                              lambda: cpu_select.bounded(
                                  table, q, m0, n_pages, lo, hi, n_first, read_pages, voted,
                                  far, FAR_PAGE_RUN))
     if k_step <= 0:
         assert voted is not None
-        return mx.array(voted), sink, hi
+        return voted, sink, hi
     if RESCORE > 1:
         def keys_of(at: np.ndarray) -> np.ndarray:
             k = cpu_select.resident_keys(store, layer, at) if table.all_resident(
@@ -864,7 +886,7 @@ def _select_np(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial, sta
         top = top + lo * nb if cand is None else np.take_along_axis(cand, top, axis=-1)
     if voted is not None:
         top = np.concatenate([voted, top], axis=1)
-    return mx.array(top.astype(np.int32)), sink, hi
+    return top, sink, hi
 
 
 def _bounded(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial, lo: int, hi: int,
@@ -944,6 +966,8 @@ def _step_pages(store: Any, layer: int, uniq: np.ndarray, held: dict[str, Any] |
         n = held["k"].shape[0]
     need = uniq[row[uniq] < 0]
     also = None if held is None else held.pop("also", None)
+    if also is not None:  # page ranges: the sinks [0, also[0]), the window [also[1], also[2])
+        also = np.concatenate([np.arange(also[0]), np.arange(also[1], also[2])])
     voted = None if held is None else held.pop("voted", None)
     if also is not None and len(need):
         # Pages the step reads next (`select_blocks`: sinks, window, voted blocks): one batch

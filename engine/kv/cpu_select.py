@@ -466,16 +466,18 @@ def resident_keys(store: Any, layer: int, at: np.ndarray) -> np.ndarray | None:
 def attend_blocks(store: Any, layer: int, q: np.ndarray,
                   recent: tuple[np.ndarray, np.ndarray, np.ndarray], top: np.ndarray,
                   sink: int, hi: int, n_pages: int, spec: remap.RopeSpec | None,
-                  end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+                  end: int, resident: bool = False
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """attention._sparse's attention after selection, in numpy: the softmax partial (max,
     sum, output) of queries q (H, R, D) over the sink pages [0, sink), the chosen blocks `top`
     (H, k) and the window pages [hi, n_pages), re-rotated as remap.block_deltas places them
     (`spec`), merged with the `recent` partial. None unless every page is in the RAM tier as
-    plain float32 (`plain_pool`)."""
+    plain float32 (`plain_pool`). `resident`: the step's `choose` found them so (not
+    checked again)."""
     table = store.tables[layer]
     pk = plain_pool(store, layer)
     pool_v = store.pool_v[layer]
-    if pk is None or pool_v is None or not table.all_resident(n_pages):
+    if pk is None or pool_v is None or not (resident or table.all_resident(n_pages)):
         return None
     pv = np.asarray(pool_v[0])
     P = store.P

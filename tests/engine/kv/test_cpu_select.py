@@ -300,3 +300,35 @@ def test_starter_logits_alike_with_numpy_dense_decode(starter_lm: Any, tmp_path:
     assert len(ran) == 4 * starter_lm.kv_geometry.layers  # every layer's steps, numpy on
     assert runs[0][0] == runs[1][0]
     assert float(mx.abs(runs[0][1] - runs[1][1]).max()) < 1e-4
+
+
+def test_attention_sinks_merge_after_the_numpy_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sparse decode step of a model with attention sinks (gpt-oss' per-head logits): the
+    numpy steps return their partial as numpy arrays, and `attend` merges the sinks into it
+    as into MLX's own (outputs within 1e-5, and the sinks change them)."""
+    import mlx.core as mx
+
+    h, d, p = 2, 64, 128
+    rng = np.random.default_rng(7)
+    s = KVSettings(mode="sparse", page_tokens=p, ssd=False, budget_tokens=768).validate()
+    store = KVStore(s, n_layers=1, kv_heads=h, head_dim=d)
+    cache = PagedLayerCache(store, 0)
+
+    def arr(*shape: int, scale: float = 1.0) -> Any:
+        return mx.array((rng.standard_normal(shape) * scale).astype(np.float32))
+
+    cache.update_and_fetch(arr(1, h, 8192, d), arr(1, h, 8192, d))
+    q = arr(1, 3 * h, 1, d, scale=0.125)
+    k, v = cache.update_and_fetch(arr(1, h, 1, d), arr(1, h, 1, d))
+    sinks = arr(3 * h) + 6.0  # about a tenth of the softmax mass: the merge shows
+    outs = {}
+    for flag in (True, False):
+        monkeypatch.setattr(cpu_select, "NP_SELECT", flag)
+        for with_sinks in (True, False):
+            got = attention.attend(cache, q, k, v, 1.0, sinks=sinks if with_sinks else None)
+            outs[flag, with_sinks] = np.array(got)
+    assert outs[True, True].shape == (1, 3 * h, 1, d)
+    assert np.abs(outs[True, True] - outs[False, True]).max() < 1e-5
+    assert np.abs(outs[True, False] - outs[False, False]).max() < 1e-5
+    assert np.abs(outs[True, True] - outs[True, False]).max() > 1e-3
+    store.close()
