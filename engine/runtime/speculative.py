@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import mlx.core as mx
+import numpy as np
 
 from engine.errors import StrataError
 from engine.kv import SPARSE_MAX_L, trimmable
@@ -132,46 +133,70 @@ class LookupDrafter:
     (the latest one, n from max_n down to min_n), from the prompt or the reply itself. Once
     a draft is found, the copy it came from is followed: while the reply keeps matching the
     source, the next draft continues there without a new search (a copy stays on its line
-    instead of jumping to the latest place a short n-gram occurs)."""
+    instead of jumping to the latest place a short n-gram occurs).
+
+    The history is held as one numpy array and searched when asked, not indexed: an index of
+    every n-gram cost 0.8 s and a dict entry per token per n at 128k tokens, paid on a
+    reply's second token; a vectorized search of the last token's earlier places costs well
+    under a millisecond there (docs/benchmarks.md). A history is taken as the one held when
+    its first token and its last common tokens agree; were one to differ only in between,
+    its drafts would come from the old text, and verification rejects what the target would
+    not have said (drafts never change the reply)."""
 
     name = "lookup"
+    CHECK = 64  # trailing tokens compared to tell a grown history from another one
 
     def __init__(self, min_n: int = 3, max_n: int = 8) -> None:
         self.min_n, self.max_n = min_n, max_n
-        # n -> n-gram -> end (exclusive) of its latest occurrence indexed so far; the
-        # (min_n - 1)-grams tell whether the next token may complete a match.
-        self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in
-                                                              range(min_n - 1, max_n + 1)}
-        self._done = 0  # n-grams ending before this position are indexed
-        self._seq: list[int] = []
-        # The copy followed: seq[src] was predicted to be the token at position at; it was
+        self._buf = np.zeros(0, np.int64)
+        self._h = 0  # tokens of _buf that are the history
+        # The copy followed: token src was predicted to be the one at position at; it was
         # picked (by a fresh search) when the history ended at `_picked`.
         self._src: int | None = None
         self._at = 0
         self._picked = 0
 
     def _extend(self, history: Sequence[int]) -> None:
-        seq = self._seq
-        if len(seq) > len(history) or seq != list(history[:len(seq)]):
-            # Another history (a new prompt): index again from the start.
-            self._index = {n: {} for n in self._index}
-            self._done, seq, self._src = 0, [], None
-        seq.extend(history[len(seq):])
-        self._seq = seq
-        # Index every n-gram that ends before the last position (the query's own end).
-        for end in range(max(self._done, 1), len(seq)):
-            for n, table in self._index.items():
-                if end >= n:
-                    table[tuple(seq[end - n:end])] = end
-        self._done = max(self._done, len(seq) - 1 if seq else 0)
+        n = len(history)
+        c = min(self._h, n)
+        lo = max(0, c - self.CHECK)
+        if c and (history[0] != self._buf[0]
+                  or not np.array_equal(self._buf[lo:c], np.asarray(history[lo:c]))):
+            c = 0  # another history (a new prompt): taken afresh, no copy followed
+            self._src = None
+        if n > len(self._buf):
+            buf = np.zeros(max(n, 2 * len(self._buf), 256), np.int64)
+            buf[:c] = self._buf[:c]
+            self._buf = buf
+        if n > c:
+            self._buf[c:n] = np.asarray(history[c:n])
+        self._h = n
+
+    def _latest(self, lo_n: int, hi_n: int) -> tuple[int, int] | None:
+        """(end, n): the latest end (exclusive, before the history's last position) of an
+        earlier occurrence of the history's last n tokens, for the largest n in [lo_n,
+        hi_n] that has one; None if none has."""
+        a, h = self._buf, self._h
+        if h < max(lo_n, 1) + 1:
+            return None
+        at = np.flatnonzero(a[:h - 1] == a[h - 1])  # the n-grams' last tokens: ends at + 1
+        found = None
+        for j in range(1, hi_n + 1):
+            if j >= lo_n and len(at):
+                found = (int(at[-1]) + 1, j)
+            if j == hi_n or not len(at) or h - 1 - j < 0:
+                break
+            at = at[at >= j]
+            at = at[a[at - j] == a[h - 1 - j]]
+        return found
 
     def _aligned(self) -> int | None:
         """Where the followed copy continues, if every token since it was picked matched."""
-        src, at, seq = self._src, self._at, self._seq
+        src, at, a, h = self._src, self._at, self._buf, self._h
         if src is None:
             return None
-        n = len(seq) - at
-        if n < 0 or src + n >= at or seq[src:src + n] != seq[at:]:
+        n = h - at
+        if n < 0 or src + n >= at or not np.array_equal(a[src:src + n], a[at:h]):
             return None
         return src + n
 
@@ -179,21 +204,17 @@ class LookupDrafter:
         if k <= 0 or len(history) <= self.min_n:
             return []
         self._extend(history)
-        seq, h = self._seq, len(self._seq)
+        h = self._h
         src = self._aligned()
         if src is None:
-            for n in range(self.max_n, self.min_n - 1, -1):
-                if h < n:
-                    continue
-                src = self._index[n].get(tuple(seq[h - n:]))
-                if src is not None:
-                    break
+            hit = self._latest(self.min_n, self.max_n)
+            src = None if hit is None else hit[0]
             self._picked = h
         if src is None:
             self._src = None
             return []
         self._src, self._at = src, h
-        return seq[src:min(src + k, h)]
+        return [int(t) for t in self._buf[src:min(src + k, h)]]
 
     def following(self, history: Sequence[int]) -> bool:
         """Whether a proposal after `history` continues the copy followed so far (every
@@ -205,7 +226,7 @@ class LookupDrafter:
         """How many tokens the copy followed has matched since a fresh search picked it
         (-1: the reply left it, the next proposal searches afresh)."""
         self._extend(history)
-        return len(self._seq) - self._picked if self._aligned() is not None else -1
+        return self._h - self._picked if self._aligned() is not None else -1
 
     def may_propose(self, history: Sequence[int]) -> bool:
         m = self.min_n - 1
@@ -214,7 +235,7 @@ class LookupDrafter:
         if m == 0:
             return True
         self._extend(history)
-        return self._aligned() is not None or tuple(self._seq[-m:]) in self._index[m]
+        return self._aligned() is not None or self._latest(m, m) is not None
 
     def cost_per_token(self) -> float:
         return 0.0

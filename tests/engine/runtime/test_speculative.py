@@ -57,6 +57,49 @@ def test_lookup_proposes_what_followed_the_last_match() -> None:
     assert d.may_propose([7, 8, 9, 1, 9])
 
 
+def _latest_by_hand(seq: list[int], lo: int, hi: int) -> int | None:
+    """The end of the latest earlier occurrence of seq's last n tokens (ending before its
+    last position), n from hi down to lo: the lookup's rule, one slice at a time."""
+    h = len(seq)
+    for n in range(hi, lo - 1, -1):
+        if h < n:
+            continue
+        for end in range(h - 1, n - 1, -1):
+            if seq[end - n:end] == seq[h - n:]:
+                return end
+    return None
+
+
+def test_lookup_search_equals_the_rule_by_hand() -> None:
+    """The vectorized search against the rule written out: random histories over small
+    vocabularies (many overlapping matches), each grown token by token through one drafter,
+    with a new prompt and a history one token shorter now and then."""
+    import random
+
+    rng = random.Random(5)
+    checked = 0
+    for _ in range(300):
+        lo = rng.choice([1, 2, 3])
+        hi = lo + rng.choice([0, 1, 3, 5])
+        vocab = rng.choice([2, 3, 5, 40])
+        d = LookupDrafter(min_n=lo, max_n=hi)
+        seq = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        for _ in range(20):
+            if rng.random() < 0.1:
+                seq = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+            seq = seq + [rng.randrange(vocab)]
+            if rng.random() < 0.2:
+                d.may_propose(seq[:-1])  # as generate asks after the first token
+            want = _latest_by_hand(seq, lo, hi) if len(seq) > lo else None
+            got = d.propose(seq, 4)
+            if not got or d.held(seq) == 0:  # a fresh search's draft, not a followed copy
+                assert got == ([] if want is None else seq[want:want + 4]), (seq, lo, hi)
+                checked += 1
+            assert d.may_propose(seq) == (
+                _latest_by_hand(seq, lo - 1, lo - 1) is not None if lo > 1 else True)
+    assert checked > 1000
+
+
 def test_lookup_follows_the_copy_it_drafted_from() -> None:
     # The 2-gram (4, 5) last occurs before 7, but the copy being followed (the first line,
     # picked by its 2-gram (1, 2)) goes on with 6.
