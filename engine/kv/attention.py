@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -174,6 +175,27 @@ DENSE_TOP_PAST = FUSED_PAST_MAX
 NP_EXP_MIN = int(os.environ.get("STRATA_NP_EXP_MIN") or 1 << 16)
 
 _Partial = tuple[Any, Any, Any]  # running max (H, R), sum (H, R), output (H, R, D)
+
+
+@dataclass
+class StepReads:
+    """What one sparse step's selection hands its attention, so that nothing is read or
+    converted twice in the step. Selection sets `also` (the sinks' and window's page
+    ranges: sink pages, the window's first page, n_pages) and `voted` ((H, k) voted blocks,
+    blocks a page), which the step's first read of cold pages takes along and clears; the
+    numpy selection sets `np_in` (the query and the recent partial as numpy) and `resident`
+    (its compiled pass found every page in RAM). A read of cold pages for the step only
+    (`_step_pages`) leaves `pages` (those read), `row` (page -> its row in `k` and `v`), `k`
+    and `v` (decoded, (n, H, P, D)); a later read in the step takes them from here."""
+
+    also: tuple[int, int, int] | None = None
+    voted: tuple[Any, int] | None = None
+    np_in: tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
+    resident: bool = False
+    pages: np.ndarray | None = None
+    row: np.ndarray | None = None
+    k: Any = None
+    v: Any = None
 
 
 def _stats(s: Any, v: Any) -> _Partial:
@@ -654,7 +676,7 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     length, PREFILL_REACH); `recent_only`: the budget's blocks are the most recent ones
     (PREFILL_RECENT). A decode step the numpy steps attend returns its partial as numpy
     arrays (`attend` divides and converts it once)."""
-    held: dict[str, Any] = {}  # pages the shortlist's keys were read from for this step
+    held = StepReads()
     far = None
     # Decode steps only: a chunk's rows would multiply the rotated queries (a 64-token chunk
     # past 128k: 150 MB a layer).
@@ -669,11 +691,11 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     if end - start <= SPARSE_MAX_L and cpu_select.enabled(qg.shape[1]):
         # A decode step over pages all in RAM: attended in numpy too (the query and the
         # recent partial are evaluated already), returned as numpy for `attend` to divide.
-        q_np, rec = held.pop("np", None) or (
+        q_np, rec = held.np_in or (
             cpu_select.to_np(qg), (cpu_select.to_np(acc[0]), cpu_select.to_np(acc[1]),
                                    cpu_select.to_np(acc[2])))
         part = cpu_select.attend_blocks(store, layer, q_np, rec, np.asarray(top), sink, hi,
-                                        n_pages, spec, end, held.pop("resident", False))
+                                        n_pages, spec, end, held.resident)
         if part is not None:
             return part
     if isinstance(top, np.ndarray):
@@ -706,7 +728,7 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
         uniq = np.unique(page_np)
         # Pages the rescoring read for this step only (RAM could not hold the shortlist) are
         # attended from what was read: a page is read once a step (never more than exact).
-        got = None if "k" in held else store.ensure_resident(layer, uniq)
+        got = None if held.k is not None else store.ensure_resident(layer, uniq)
         if got is not None:
             slots = mx.array(table.slot_of[page_np])
             pools = (store.pool_k[layer], store.pool_v[layer])
@@ -737,7 +759,7 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
 
 
 def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
-                  start: int = -1, held: dict[str, Any] | None = None,
+                  start: int = -1, held: StepReads | None = None,
                   budget: int | None = None, recent_only: bool = False,
                   far: tuple[remap.RopeSpec, int, int] | None = None,
                   step_end: int | None = None, np_top: bool = False
@@ -774,7 +796,7 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
         # The step's sinks and window: a shortlist read for this step only takes them along
         # (`_step_pages`), so the attention after it finds every page in one read batch.
         # (as page ranges: most steps read nothing, and building the array cost 0.04 ms)
-        held["also"] = (sink, hi, n_pages)
+        held.also = (sink, hi, n_pages)
     if cpu_select.enabled(qg.shape[1]):
         got = _select_np(store, layer, qg, n_pages, acc, start, held, budget, far, step_end,
                          sink, hi, k_sel)
@@ -797,12 +819,12 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     return top, sink, hi
 
 
-def _also_voted(held: dict[str, Any] | None, voted: Any, nb: int) -> None:
+def _also_voted(held: StepReads | None, voted: Any, nb: int) -> None:
     """The voted blocks (H, k) join what a step's shortlist read takes along (they are
     chosen without being rescored, so the rescoring does not read them): kept as given
     (an MLX array is not evaluated unless a read for the step happens)."""
-    if held is not None and voted is not None and "also" in held:
-        held["voted"] = (voted, nb)
+    if held is not None and voted is not None and held.also is not None:
+        held.voted = (voted, nb)
 
 
 def _shortlist(table: Any, key: tuple[Any, ...], start: int, step_end: int | None,
@@ -821,13 +843,13 @@ def _shortlist(table: Any, key: tuple[Any, ...], start: int, step_end: int | Non
 
 
 def _select_np(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial, start: int,
-               held: dict[str, Any] | None, budget: int,
+               held: StepReads | None, budget: int,
                far: tuple[remap.RopeSpec, int, int] | None, step_end: int | None, sink: int,
                hi: int, k_sel: int) -> tuple[np.ndarray, int, int]:
     """`select_blocks` past its early returns, in numpy (engine.kv.cpu_select): the same
     votes, bound, shortlist reuse and rescoring, one synchronisation (the query and its
     running max) instead of ~40 small MLX ops; top (H, k) as numpy integers. `held` gets
-    the query and recent partial as numpy ("np") for the step's attention, and "resident"
+    the query and recent partial as numpy (`np_in`) for the step's attention, and `resident`
     when the compiled pass found every page in the RAM pool."""
     table = store.tables[layer]
     b = table.block_tokens
@@ -838,7 +860,7 @@ def _select_np(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial, sta
     mx.eval(qg, *acc)
     q, m0 = cpu_select.to_np(qg), cpu_select.to_np(acc[0])
     if held is not None and acc[1] is not None and acc[2] is not None:
-        held["np"] = (q, (m0, cpu_select.to_np(acc[1]), cpu_select.to_np(acc[2])))
+        held.np_in = (q, (m0, cpu_select.to_np(acc[1]), cpu_select.to_np(acc[2])))
     voted = cpu_select.voted(table.votes, table.votes_at, lo, hi, nb, int(k_sel * VOTE_SHARE),
                              start)
     _also_voted(held, voted, nb)
@@ -857,7 +879,7 @@ def _select_np(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial, sta
         if top is not None:
             table.chosen = None
             if held is not None:
-                held["resident"] = True
+                held.resident = True
             if voted is not None:
                 top = np.concatenate([voted, top], axis=1)
             return top, sink, hi
@@ -946,7 +968,7 @@ def _bounded(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial, lo: i
     return score, cand
 
 
-def _step_pages(store: Any, layer: int, uniq: np.ndarray, held: dict[str, Any] | None
+def _step_pages(store: Any, layer: int, uniq: np.ndarray, held: StepReads | None
                 ) -> tuple[Any, Any, np.ndarray]:
     """Decoded keys and values (n, H, P, D) of the distinct pages `uniq` for this step only,
     and row (page -> its row): the pages in `held` (read by the rescoring this step) are
@@ -958,17 +980,20 @@ def _step_pages(store: Any, layer: int, uniq: np.ndarray, held: dict[str, Any] |
     ks: list[Any] = []
     vs: list[Any] = []
     n = 0
-    if held and "k" in held:
-        have = held["pages"]
-        row[have] = held["row"][have]
-        ks.append(held["k"])
-        vs.append(held["v"])
-        n = held["k"].shape[0]
+    ranges, voted = None, None
+    if held is not None:
+        if held.k is not None:
+            have = held.pages
+            assert have is not None and held.row is not None
+            row[have] = held.row[have]
+            ks.append(held.k)
+            vs.append(held.v)
+            n = held.k.shape[0]
+        ranges, voted, held.also, held.voted = held.also, held.voted, None, None
     need = uniq[row[uniq] < 0]
-    also = None if held is None else held.pop("also", None)
-    if also is not None:  # page ranges: the sinks [0, also[0]), the window [also[1], also[2])
-        also = np.concatenate([np.arange(also[0]), np.arange(also[1], also[2])])
-    voted = None if held is None else held.pop("voted", None)
+    also = None
+    if ranges is not None:  # the sinks [0, ranges[0]), the window [ranges[1], ranges[2])
+        also = np.concatenate([np.arange(ranges[0]), np.arange(ranges[1], ranges[2])])
     if also is not None and len(need):
         # Pages the step reads next (`select_blocks`: sinks, window, voted blocks): one batch
         # now spares a second read and the copy of this one that joining them took (~6 ms a
@@ -987,12 +1012,12 @@ def _step_pages(store: Any, layer: int, uniq: np.ndarray, held: dict[str, Any] |
     k = ks[0] if len(ks) == 1 else mx.concatenate(ks)
     v = vs[0] if len(vs) == 1 else mx.concatenate(vs)
     if held is not None:
-        held.update(pages=np.flatnonzero(row >= 0), row=row, k=k, v=v)
+        held.pages, held.row, held.k, held.v = np.flatnonzero(row >= 0), row, k, v
     return k, v, row
 
 
 def _gather_keys(store: Any, layer: int, at: Any, n_pages: int,
-                 held: dict[str, Any] | None = None) -> Any:
+                 held: StepReads | None = None) -> Any:
     """Decoded keys (H, m, b, D) of the blocks `at` (H, m) per head, from whichever tier holds
     their pages: gathered from the RAM tier, cold pages read through the store's verified
     path first (kept in RAM when it holds them, else read for this step only)."""
@@ -1019,7 +1044,7 @@ def _gather_keys(store: Any, layer: int, at: Any, n_pages: int,
 
 
 def _rescore(store: Any, layer: int, qg: Any, acc: _Partial, score: Any, k_sel: int,
-             cand: Any, lo: int, n_pages: int, held: dict[str, Any] | None = None,
+             cand: Any, lo: int, n_pages: int, held: StepReads | None = None,
              far: tuple[remap.RopeSpec, int, int] | None = None) -> Any:
     """The k_sel blocks (H, k_sel) among `score`'s candidates (the blocks of pages lo.., or
     with two levels the blocks `cand` names per head) chosen by their true largest logit: the

@@ -54,7 +54,7 @@ def run_case(module: Any, name: str) -> tuple[np.ndarray, np.ndarray]:
     n = store.tables[0].n_pages
     qg = q.reshape(H, 3, D)
     acc = module._partial_recent(qg, cache.recent[0][0], cache.recent[1][0], 1)
-    got = module.select_blocks(store, 0, qg, n, acc, 10 ** 9, {})
+    got = module.select_blocks(store, 0, qg, n, acc, 10 ** 9, module.StepReads())
     assert got is not None
     blocks = np.sort(np.array(got[0]), axis=-1)
     o = np.array(out.astype(mx.float32))
