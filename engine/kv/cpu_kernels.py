@@ -254,6 +254,11 @@ _HALF = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).a
     np.float32)
 
 
+# The angle tables' stand-ins where nothing moves: the loops take four arrays and never look
+# them up then.
+_NO_TABLES = tuple(np.ones((1, 1), np.float32) for _ in range(4))
+
+
 def choose(pmin: np.ndarray, pmax: np.ndarray, bmin: np.ndarray, bmax: np.ndarray,
            cache: tuple[np.ndarray, int, np.ndarray, np.ndarray], q: np.ndarray,
            m0: np.ndarray, lo: int, c: int, n_first: int, page_run: int, nb: int, b: int,
@@ -277,7 +282,7 @@ def choose(pmin: np.ndarray, pmax: np.ndarray, bmin: np.ndarray, bmax: np.ndarra
     P = nb * b
     if far is None:  # nothing moves: the tables are never looked up
         e = s0 = 0
-        tables = tuple(np.ones((1, 1), np.float32) for _ in range(4))
+        tables = _NO_TABLES
     else:
         assert tables is not None
         _, e, s0 = far
@@ -344,7 +349,7 @@ def attend_chosen(q: np.ndarray, pk: np.ndarray, pv: np.ndarray, chosen: np.ndar
     dv = pv.shape[-1]
     if place is None:
         turned, reach, end, trained = False, False, 0, 0
-        tables = tuple(np.ones((1, 1), np.float32) for _ in range(4))  # never looked up
+        tables = _NO_TABLES
     else:
         assert tables is not None
         turned, (reach, end, trained) = True, place

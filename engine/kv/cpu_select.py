@@ -219,6 +219,14 @@ def voted(votes: Any, votes_at: int, lo: int, hi: int, nb: int, k_vote: int,
     return pick[:, :k_vote] + lo * nb
 
 
+def page_pools(table: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The page summaries (N, H, D) read in place as pools of one row (N H, 1, D): head h's
+    page i is row i H + h (a head-major copy of the candidates took 0.15 ms a layer at 32k)."""
+    pmin, pmax = (_f32(np.asarray(a)).reshape(-1, 1, a.shape[-1])
+                  for a in (table.kmin, table.kmax))
+    return pmin, pmax
+
+
 def first_pages(table: Any, q: np.ndarray, m0: np.ndarray, lo: int, hi: int, n_first: int,
                 far: Far | None, page_run: int) -> np.ndarray | None:
     """The first level of `bounded`: per head, the n_first pages (H, n_first), as offsets
@@ -227,10 +235,7 @@ def first_pages(table: Any, q: np.ndarray, m0: np.ndarray, lo: int, hi: int, n_f
     if hi - lo <= 2 * n_first:
         return None
     h = q.shape[0]
-    # The page summaries (N, H, D) read in place as pools of one row (N H, 1, D): head h's
-    # page i is row i H + h (a head-major copy of the candidates took 0.15 ms a layer at 32k).
-    pmin, pmax = (_f32(np.asarray(a)).reshape(-1, 1, a.shape[-1])
-                  for a in (table.kmin, table.kmax))
+    pmin, pmax = page_pools(table)
     prow = np.arange(lo, hi)[None] * h + np.arange(h)[:, None]             # (H, c)
     pscore = score(pmin, pmax, q.swapaxes(-1, -2), m0, (np.arange(lo, hi) * table.page_tokens)[
         None], far, page_run, prow)
@@ -253,8 +258,7 @@ def choose(store: Any, layer: int, q: np.ndarray, m0: np.ndarray, n_pages: int, 
     nb = table.page_tokens // b
     h, _, d = q.shape
     c = hi - lo
-    pmin, pmax = (_f32(np.asarray(a)).reshape(-1, 1, a.shape[-1])
-                  for a in (table.kmin, table.kmax))
+    pmin, pmax = page_pools(table)
     st = row_cache(table, h, nb, d, h * (n_first if c > 2 * n_first else c))
     bmin, bmax = (np.asarray(a) for a in table.block_summaries)
     got = cpu_kernels.choose(
