@@ -405,10 +405,11 @@ class PrefixLayout:
                     self.codec.dtype)
                 and (not c.quantized or c.group == self.codec.group))
 
-    def _header_digest(self, head: bytes, h: bytes, depth: int, prompt: Sequence[int]
-                       ) -> tuple[int, int] | None:
+    def _header_digest(self, head: bytes, h: bytes, depth: int,
+                       prompt: Sequence[int] | np.ndarray) -> tuple[int, int] | None:
         """The digests a page header promises (layer records, summaries), if the header
-        checks (CRC, magic, layout, its hash, depth, tokens); None otherwise."""
+        checks (CRC, magic, layout, its hash, depth, tokens); None otherwise. `prompt` may be
+        the ids as a "<u4" array already (a restore checks a thousand headers)."""
         P = self.P
         body = head[:-_CRC.size]
         if crc32(body) != _CRC.unpack(head[-_CRC.size:])[0]:

@@ -139,6 +139,24 @@ def stored(request: pytest.FixtureRequest, starter_lm: LoadedModel,
     yield Stored(bits, system, folder, ids, pages, (tok_s, text_s), (tok_e, text_e))
 
 
+def test_page_bounds_over_ordered_bits_equal_the_float_extremes() -> None:
+    """The restore's page bounds reduce float16 summaries as integers in the floats' order:
+    the same extremes as float min and max over negatives, zeros, subnormals, infinities and
+    values a bit apart, and the mapping undoes itself."""
+    edge = np.array([-np.inf, -65504.0, -1.0, -6e-8, -0.0, 0.0, 6e-8, 1e-3, 1.0, 1.0009765625,
+                     65504.0, np.inf], np.float16)
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.choice(edge, 4096), (rng.standard_normal(4096) * 3)
+                        .astype(np.float16)]).reshape(64, 8, 16)
+    bits = mx.array(x).view(mx.int16)
+    assert np.array_equal(np.array(prefix_restore._ordered(prefix_restore._ordered(bits))),
+                          x.view(np.int16))
+    for red, f in ((mx.min, np.min), (mx.max, np.max)):
+        got = np.array(prefix_restore._ordered(red(prefix_restore._ordered(bits), axis=1))
+                       .view(mx.float16))
+        assert np.array_equal(got, f(x, axis=1))
+
+
 def test_a_restore_maps_the_stored_pages_and_copies_nothing(
         stored: Stored, starter_lm: LoadedModel, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
