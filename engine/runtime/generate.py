@@ -69,6 +69,9 @@ from engine.runtime.tokenizer import StreamingDetokenizer, Tokenizer
 from engine.telemetry import GenerationEvent, Timeline
 
 PREFILL_STEP = 512
+# A plain decode step is queued before the token before it goes out only while building a
+# step takes less than this share of the time between two tokens (see `_decode`).
+PIPELINE_BUILD_SHARE = 0.5
 # Sparse mode past SPARSE_PREFILL_PAST tokens (a long restored context): the new tokens are
 # prefilled SPARSE_CHUNK_L at a time, each chunk selecting its pages once as decoding does
 # instead of reading every page (engine.kv.attention). The last chunk there also gives the
@@ -524,6 +527,10 @@ def _decode(lm: LoadedModel, cache: list[LayerCache], pc: PromptCache, sampler: 
     ahead: list[int] = []
     n = 0
     t_first = 0.0
+    # Seconds the last plain step took to build (its graph, and what that waited on), and
+    # between the last two tokens: their ratio decides the pipelining.
+    built = interval = 0.0
+    last_out = time.perf_counter()
     reason: str | None = None
     while True:
         if n and cancel():  # checked before each new token, so nothing runs past a Stop
@@ -534,15 +541,25 @@ def _decode(lm: LoadedModel, cache: list[LayerCache], pc: PromptCache, sampler: 
         # indexes the whole prompt (0.2-0.5 s after 128k stored tokens).
         plain = spec is None or drafted or (n > 0 and spec.rest(history))
         # The first token goes out before the next step is queued: building that step reads
-        # pages (a restored context's, cold), which must not delay it.
-        if not fed and plain and pipelined and 0 < n and n + 1 < max_tokens:
+        # pages (a restored context's, cold), which must not delay it. So does every token
+        # while building a step takes most of a token's time: the paged attention evaluates
+        # each layer past a few hundred tokens, so the step is computed as it is built;
+        # queued first, it would hold this token back a whole step and overlap nothing (at
+        # 128k restored tokens a reply's second token came 4-8 s after its first, two
+        # steps; docs/benchmarks.md).
+        if (not fed and plain and pipelined and 1 < n and n + 1 < max_tokens
+                and built < PIPELINE_BUILD_SHARE * interval):
+            t_build = time.perf_counter()
             next_y = sampler(_forward(lm, y[None], cache, pc, repair)[:, -1, :], history)
+            built = time.perf_counter() - t_build
             mx.async_eval(next_y)
             fed = True
         tok = ahead.pop(0) if drafted else int(y.item())
         if fed and not drafted:
             pc.tokens.append(tok)
         n += 1
+        now = time.perf_counter()
+        interval, last_out = now - last_out, now
         if n == 1:
             t_first = time.perf_counter()
             timeline.add("first decode", t_first_decode, t_first)
@@ -566,8 +583,10 @@ def _decode(lm: LoadedModel, cache: list[LayerCache], pc: PromptCache, sampler: 
         if not fed and spec is not None and not plain:
             ahead, next_y = spec.step(tok, history, max_tokens - n)
         elif not fed:
+            t_build = time.perf_counter()
             next_y = sampler(_forward(lm, mx.array([[tok]]), cache, pc, repair)[:, -1, :],
                              history)
+            built = time.perf_counter() - t_build
             pc.tokens.append(tok)
             mx.async_eval(next_y)
         if not drafted:

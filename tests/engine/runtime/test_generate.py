@@ -170,3 +170,54 @@ def test_multi_turn_reuses_previous_kv(starter_lm: Any) -> None:
     assert reply == cold and "Berlin" in reply
     assert [m["role"] for m in session.messages] == ["system", "user", "assistant", "user",
                                                      "assistant"]
+
+
+def _steps_at_each_token(lm: Any, ids: list[int], n: int) -> list[int]:
+    """Decode steps built (forward passes after the prefill's) when each token went out."""
+    from engine.runtime import generate as gen
+
+    calls: list[int] = []
+    forward = gen._forward
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        calls.append(a[1].shape[1])  # the step's new tokens
+        return forward(*a, **kw)
+
+    gen._forward = counted
+    try:
+        seen: list[int] = []
+        prefill = -1
+        for _ in generate(lm, ids, GREEDY, n, drafter="off"):
+            if prefill < 0:
+                prefill = len(calls)  # the first token: the prefill's passes only
+            seen.append(len(calls) - prefill)
+    finally:
+        gen._forward = forward
+    assert all(c == 1 for c in calls[prefill:]), "decode steps feed one token each"
+    return seen[:n]
+
+
+def test_a_step_computed_as_it_is_built_is_not_queued_before_the_token(
+        starter_lm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode is pipelined (the next step queued before the token before it goes out) while
+    building a step is cheap beside computing it: on MLX's lazy graph at a short context.
+    Where building a step is computing it (the paged attention's numpy steps, which evaluate
+    each layer), a queued step would hold the token back a whole step: each token then goes
+    out before the next step is built."""
+    from engine.kv import KVSettings, attention, cpu_select
+
+    ids = starter_lm.tokenizer.encode_chat(
+        [{"role": "user", "content": "Tell me a long story about a lighthouse."}])
+    old = starter_lm.kv_settings
+    try:
+        starter_lm.kv_settings = KVSettings(mode="exact")
+        lazy = _steps_at_each_token(starter_lm, ids, 12)
+        # The same store, its decode steps through the numpy pass from the first token.
+        monkeypatch.setattr(attention, "FUSED_DECODE_PAST", -1)
+        monkeypatch.setattr(cpu_select, "DENSE_MIN_KEYS", 0)
+        eager = _steps_at_each_token(starter_lm, ids, 12)
+    finally:
+        starter_lm.kv_settings = old
+    # Token k (1-based) needs k - 1 steps; pipelined, one more is built by then.
+    assert sum(s == k for k, s in enumerate(lazy[2:-1], 3)) >= 7, lazy
+    assert eager[1:] == list(range(1, 12)), eager
