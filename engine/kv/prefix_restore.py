@@ -270,8 +270,8 @@ class PrefixRestorer(PrefixLayout):
         # Each page's header and summaries are one range 6 MB from the next (at 128k): with
         # the runs not in the page cache (a restart after a while), one read at a time waits
         # on the disk's latency each. A pool thread asks for them all ahead of the reads.
-        # (run, index in it, fd, offset) of each page, runs walked once: `plan.where` per
-        # page searched the runs (64 at 128k) twice a page, ~60 ms a restore.
+        # (run, index in it, fd, offset) of each page, the runs walked once (`plan.where`
+        # searches them, 64 at 128k, for one page).
         places = []
         for k, run in enumerate(plan.runs):
             upto = min(plan.hit_pages,

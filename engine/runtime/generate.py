@@ -538,7 +538,7 @@ def _decode(lm: LoadedModel, cache: list[LayerCache], pc: PromptCache, sampler: 
             break
         drafted = fed = bool(ahead)
         # The drafter's choice for the first token is made after it is out: its first call
-        # indexes the whole prompt (0.2-0.5 s after 128k stored tokens).
+        # takes in the whole prompt.
         plain = spec is None or drafted or (n > 0 and spec.rest(history))
         # The first token goes out before the next step is queued: building that step reads
         # pages (a restored context's, cold), which must not delay it. So does every token
@@ -561,7 +561,7 @@ def _decode(lm: LoadedModel, cache: list[LayerCache], pc: PromptCache, sampler: 
         now = time.perf_counter()
         interval, last_out = now - last_out, now
         if n == 1:
-            t_first = time.perf_counter()
+            t_first = now
             timeline.add("first decode", t_first_decode, t_first)
         if tok in lm.eos_ids:
             reason = "stop"
