@@ -233,7 +233,6 @@ class PrefixRestorer(PrefixLayout):
             return cached
         head = self.page_head + self.summary_bytes
         good = 0
-        records: list[list[tuple[int, int]]] = [[] for _ in range(self.n_layers)]
         n_max = plan.hit_pages - first
         L, h, nb, dd = self.n_layers, self.kv_heads, self.blocks, self.head_dim
         # Every page's block summaries land in one MLX buffer, left unwritten until then,
@@ -303,12 +302,11 @@ class PrefixRestorer(PrefixLayout):
             if good % BOUND_CHUNK == 0:
                 bound_chunk(good)
         bound_chunk(good)
-        for layer in range(self.n_layers):
-            at = layer * self.layer_bytes
-            records[layer] = [(fd, off + at) for fd, off in mapped]
+        records = [[(fd, off + layer * self.layer_bytes) for fd, off in mapped]
+                   for layer in range(self.n_layers)]
         del sums  # no numpy view may outlive the hand-over to MLX
         advice.result()  # (before any descriptor may be closed below)
-        used = {fd for recs in records[:1] for fd, _ in recs}
+        used = {fd for fd, _ in mapped}
         for run, fd, _ in opened:
             if fd in used:
                 store.hold(fd)

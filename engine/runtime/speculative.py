@@ -172,10 +172,10 @@ class LookupDrafter:
             self._buf[c:n] = np.asarray(history[c:n])
         self._h = n
 
-    def _latest(self, lo_n: int, hi_n: int) -> tuple[int, int] | None:
-        """(end, n): the latest end (exclusive, before the history's last position) of an
-        earlier occurrence of the history's last n tokens, for the largest n in [lo_n,
-        hi_n] that has one; None if none has."""
+    def _latest(self, lo_n: int, hi_n: int) -> int | None:
+        """The latest end (exclusive, before the history's last position) of an earlier
+        occurrence of the history's last n tokens, for the largest n in [lo_n, hi_n] that
+        has one; None if none has."""
         a, h = self._buf, self._h
         if h < max(lo_n, 1) + 1:
             return None
@@ -183,7 +183,7 @@ class LookupDrafter:
         found = None
         for j in range(1, hi_n + 1):
             if j >= lo_n and len(at):
-                found = (int(at[-1]) + 1, j)
+                found = int(at[-1]) + 1
             if j == hi_n or not len(at) or h - 1 - j < 0:
                 break
             at = at[at >= j]
@@ -207,8 +207,7 @@ class LookupDrafter:
         h = self._h
         src = self._aligned()
         if src is None:
-            hit = self._latest(self.min_n, self.max_n)
-            src = None if hit is None else hit[0]
+            src = self._latest(self.min_n, self.max_n)
             self._picked = h
         if src is None:
             self._src = None
