@@ -530,6 +530,9 @@ def _decode(lm: LoadedModel, cache: list[LayerCache], pc: PromptCache, sampler: 
     # Seconds the last plain step took to build (its graph, and what that waited on), and
     # between the last two tokens: their ratio decides the pipelining.
     built = interval = 0.0
+    # When the step whose token comes next was built, if it was a plain step built with
+    # nothing queued before it (0 otherwise): timed to its token for the speculator.
+    t_plain = 0.0
     last_out = time.perf_counter()
     reason: str | None = None
     while True:
@@ -559,6 +562,11 @@ def _decode(lm: LoadedModel, cache: list[LayerCache], pc: PromptCache, sampler: 
             pc.tokens.append(tok)
         n += 1
         now = time.perf_counter()
+        if t_plain and spec is not None and not fed:
+            # Nothing was queued behind it: build to token is the step's cost at this depth,
+            # which spares the speculator timing two of its own (`Speculator.calibrate`).
+            spec.plain_timed(now - t_plain)
+        t_plain = 0.0
         interval, last_out = now - last_out, now
         if n == 1:
             t_first = now
@@ -583,7 +591,7 @@ def _decode(lm: LoadedModel, cache: list[LayerCache], pc: PromptCache, sampler: 
         if not fed and spec is not None and not plain:
             ahead, next_y = spec.step(tok, history, max_tokens - n)
         elif not fed:
-            t_build = time.perf_counter()
+            t_build = t_plain = time.perf_counter()
             next_y = sampler(_forward(lm, mx.array([[tok]]), cache, pc, repair)[:, -1, :],
                              history)
             built = time.perf_counter() - t_build

@@ -454,6 +454,7 @@ class Speculator:
         self._since_probe = 0
         self._probe = False
         self.calibrated_s = 0.0  # what `calibrate` took for this reply (0: measured before)
+        self._plain: list[float] = []  # the last two plain steps the decode loop timed
         self._held = 0  # tokens the copy of the latest `kind` call has matched
         stats.setdefault("drafted_tokens", 0)
         stats.setdefault("accepted_tokens", 0)
@@ -498,11 +499,19 @@ class Speculator:
             own_cache.close()
         # The one point at the reply's depth: a plain step over its own cache, twice (the
         # faster kept), so the ratios above scale from the step this reply really takes
-        # (a reply that drafts every step times no plain step of its own).
+        # (a reply that drafts every step times no plain step of its own). The reply's own
+        # last two plain steps when it has taken them (`plain_timed`): at 128k restored
+        # tokens two more steps held its first draft back 1.4 s (docs/benchmarks.md).
         if at_depth and all(trimmable(c, 1) for c in self.pc.cache):
-            one = min(self._timed_here(tokens[-1]) for _ in range(2))
+            one = (min(self._plain) if len(self._plain) == 2
+                   else min(self._timed_here(tokens[-1]) for _ in range(2)))
             self.costs.add(1, one)
         return time.perf_counter() - t_start
+
+    def plain_timed(self, seconds: float) -> None:
+        """A plain step the decode loop ran (not through `step`) took `seconds` from its
+        build to its token, nothing else queued meanwhile: kept for `calibrate`."""
+        self._plain = [*self._plain[-1:], seconds]
 
     def _timed_here(self, tok: int) -> float:
         """Seconds of one plain step over the reply's cache, trimmed from it at once."""

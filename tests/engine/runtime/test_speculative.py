@@ -253,6 +253,72 @@ def test_calibration_times_the_pass_lengths_and_leaves_the_cache_as_it_was(
         cache.close()
 
 
+def test_calibration_takes_the_reply_s_own_plain_steps_when_it_has_two(
+        starter_lm: LoadedModel, copy_ids: list[int]) -> None:
+    """The depth's point comes from the two plain steps the decode loop last timed when it
+    has them (the faster kept), no step run over the reply's cache for it; with one, the
+    calibration times two of its own as before."""
+    lm = starter_lm
+    cache = lm.new_cache()
+    try:
+        run(lm, copy_ids[:-4], "off", 1, cache=cache)
+        fed: list[int] = []
+
+        def forward(x: Any) -> Any:
+            fed.append(x.shape[1])
+            return lm.model(x, cache=cache.cache)
+
+        spec = Speculator(lm, LookupDrafter(), Sampler(GREEDY), cache, forward, {},
+                          forced=False)
+        spec.costs = StepCosts()
+        for s in (0.31, 0.29, 0.5):
+            spec.plain_timed(s)
+        spec.calibrate()
+        assert fed == [] and spec.costs.seconds[1] == 0.29  # (0.29, 0.5): the faster
+        spec = Speculator(lm, LookupDrafter(), Sampler(GREEDY), cache, forward, {},
+                          forced=False)
+        spec.costs = StepCosts()
+        spec.plain_timed(0.01)
+        spec.calibrate()
+        assert fed == [1, 1] and spec.costs.seconds[1] != 0.01
+    finally:
+        cache.close()
+
+
+def test_the_decode_loop_times_its_unqueued_plain_steps_for_the_speculator(
+        starter_lm: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply that rests (nothing to copy) decodes its own plain steps; each built with no
+    step queued before its token is timed for the speculator: every step where the paged
+    attention computes it as it is built, at most the first where decode is pipelined."""
+    from engine.kv import attention, cpu_select
+
+    ids = starter_lm.tokenizer.encode_chat(
+        [{"role": "user", "content": "Tell me a long story about a lighthouse."}])
+    timed: list[float] = []
+    own = Speculator.plain_timed
+
+    def counted(self: Speculator, seconds: float) -> None:
+        timed.append(seconds)
+        own(self, seconds)
+
+    monkeypatch.setattr(Speculator, "plain_timed", counted)
+    old = starter_lm.kv_settings
+    try:
+        starter_lm.kv_settings = KVSettings(mode="exact")
+        run(starter_lm, ids, "auto", 12)
+        lazy = len(timed)
+        timed.clear()
+        monkeypatch.setattr(attention, "FUSED_DECODE_PAST", -1)
+        monkeypatch.setattr(cpu_select, "DENSE_MIN_KEYS", 0)
+        toks, last = run(starter_lm, ids, "auto", 12)
+    finally:
+        starter_lm.kv_settings = old
+    # 11 steps after the first token; one or two may go through `Speculator.step` (a
+    # draft tried and found empty), which times its own.
+    assert lazy <= 1, lazy
+    assert last.drafted_tokens == 0 and len(timed) >= len(toks) - 3 and min(timed) > 0, timed
+
+
 def test_calibration_waits_for_a_possible_draft_after_the_first_token(
         starter_lm: LoadedModel, copy_ids: list[int]) -> None:
     """No first token waits for the timing: a one-token reply never calibrates, and a reply
