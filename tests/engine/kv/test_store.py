@@ -55,6 +55,27 @@ def test_ram_tier_grows_by_a_quarter_not_doubling(tmp_path: Path) -> None:
     capped.close()
 
 
+def test_pages_read_into_ram_together_grow_the_pool_once(tmp_path: Path) -> None:
+    """Cold pages brought into RAM in one batch grow the layer's pool once, to hold them all:
+    each growth copies the pool, and a quarter at a time 60 pages cost four copies (after a
+    128k restore a decode step admits ~90 pages a layer)."""
+    import mlx.core as mx
+
+    store = _store(tmp_path, pages_in_ram=20)
+    k = mx.ones((H, P, D))
+    for n in range(80):
+        store.commit(0, k * n, k * -n)
+    store.flush()
+    assert store.pool_k[0][0].shape[0] == 20
+    store.max_slots = 200
+    cold = np.flatnonzero(~store.tables[0].resident(np.arange(80)))
+    slots = store.ensure_resident(0, cold)
+    assert slots is not None and len(cold) == 60
+    assert store.pool_k[0][0].shape[0] == 80  # 20 + 60 in one growth (a quarter: 85)
+    assert [float(store.pool_v[0][0][s, 0, 0, 0]) for s in slots] == [-float(c) for c in cold]
+    store.close()
+
+
 def _reference(q, ks, vs):  # noqa: ANN001, ANN202
     import mlx.core as mx
 
