@@ -209,11 +209,14 @@ def _stats(s: Any, v: Any) -> _Partial:
             and mx.default_device() == mx.cpu):
         mx.eval(s, v)
         a = np.asarray(s)
+        if not pages:
+            m, total, o = cpu_select.softmax_stats(np.array(a), np.asarray(v))
+            return mx.array(m), mx.array(total), mx.array(o)
         m = a.max(axis=axes)
-        e = a - (m[None, :, :, None] if pages else m[..., None])
+        e = a - m[None, :, :, None]
         np.exp(e, out=e)
         o = np.matmul(e, np.asarray(v))
-        return mx.array(m), mx.array(e.sum(axis=axes)), mx.array(o.sum(axis=0) if pages else o)
+        return mx.array(m), mx.array(e.sum(axis=axes)), mx.array(o.sum(axis=0))
     m = s.max(axis=axes)
     p = mx.exp(s - (m[None, :, :, None] if pages else m[..., None]))
     o = p @ v

@@ -76,28 +76,11 @@ THREADS = cpu_kernels.THREADS  # the larger numpy work's threads, the loops' poo
 _threads = cpu_kernels.threads
 
 
-# A stacked matmul of at least this many multiply-adds is cut along its rows and run on the
-# THREADS threads at once (numpy's BLAS keeps to one thread, see above): the rescoring's
-# 123 query rows x 2,048 keys of the question after 128k stored tokens took 6.5 ms a layer
-# on one.
+# A chunk's bound, rescoring or softmax partial of at least this many multiply-adds is
+# computed a piece at a time on the THREADS threads (`cpu_kernels.share`; numpy's BLAS keeps
+# to one thread, see above): the products, and the passes after them over each piece while
+# it is in the cache. A decode step's stay whole.
 SPLIT_MACS = 1 << 23
-
-
-def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a @ b for stacked float32 matrices (..., M, K) @ (..., K, N), past SPLIT_MACS cut
-    along M over the threads."""
-    m, k = a.shape[-2:]
-    n = b.shape[-1]
-    if THREADS < 2 or m < 2 * THREADS or a[..., 0, 0].size * m * k * n < SPLIT_MACS:
-        return np.matmul(a, b)
-    out = np.empty((*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), m, n), np.float32)
-    cut = -(-m // THREADS)
-
-    def part(lo: int) -> None:
-        np.matmul(a[..., lo:lo + cut, :], b, out=out[..., lo:lo + cut, :])
-
-    list(_threads().map(part, range(0, m, cut)))
-    return out
 
 
 def lse(x: np.ndarray, axis: int) -> np.ndarray:
@@ -123,37 +106,62 @@ def score(bmin: np.ndarray, bmax: np.ndarray, qt: np.ndarray, m: np.ndarray,
     `rows` (H, M) pools (X, per, D) whose rows[h] are head h's candidates, per each; qt
     (H, D, R); m (H, R); with `far`, runs of `group` candidates starting before E bounded by
     the query rotated back by the run's first start's shift."""
-    if far is not None:  # one compiled loop, where it is here
-        assert starts is not None
-        fused = cpu_kernels.far_bound(bmin, bmax, qt.swapaxes(-1, -2), m, starts, far, group,
-                                      remap._split_tables(far[0]), remap.SPLIT, rows)
-        if fused is not None:
-            return fused
+    if far is None:
+        return _plain_score(bmin, bmax, qt, m, rows)
+    assert starts is not None
+    fused = cpu_kernels.far_bound(bmin, bmax, qt.swapaxes(-1, -2), m, starts, far, group,
+                                  remap._split_tables(far[0]), remap.SPLIT, rows)
+    if fused is not None:  # one compiled loop, where it is here
+        return fused
     if rows is not None:
         h, d = rows.shape[0], bmax.shape[-1]
         bmin, bmax = (a[rows].reshape(h, -1, d) for a in (bmin, bmax))
-    if far is None:
-        bound = matmul(bmax, np.maximum(qt, 0))                           # (H, n, R)
-        bound += matmul(bmin, np.minimum(qt, 0))
+    h, d, r = qt.shape
+    n = bmax.shape[1]
+    g = -(-n // group)
+    if g * group > n:  # a last, partial run: zero rows, cut off below
+        bmax, bmin = (np.concatenate([a, np.zeros((h, g * group - n, d), a.dtype)], 1)
+                      for a in (bmax, bmin))
+    q = remap.rerotate(qt.swapaxes(-1, -2)[:, None],
+                       -far_shift(starts[:, ::group], far), far[0])  # (H, g, R, D)
+    q = np.broadcast_to(q, (h, g, r, d))
+    if group == 1:
+        bound = (np.maximum(q, 0) * bmax[:, :, None] +
+                 np.minimum(q, 0) * bmin[:, :, None]).sum(axis=-1)
     else:
-        assert starts is not None
-        h, d, r = qt.shape
-        n = bmax.shape[1]
-        g = -(-n // group)
-        if g * group > n:  # a last, partial run: zero rows, cut off below
-            bmax, bmin = (np.concatenate([a, np.zeros((h, g * group - n, d), a.dtype)], 1)
-                          for a in (bmax, bmin))
-        q = remap.rerotate(qt.swapaxes(-1, -2)[:, None],
-                              -far_shift(starts[:, ::group], far), far[0])  # (H, g, R, D)
-        q = np.broadcast_to(q, (h, g, r, d))
-        if group == 1:
-            bound = (np.maximum(q, 0) * bmax[:, :, None] +
-                     np.minimum(q, 0) * bmin[:, :, None]).sum(axis=-1)
-        else:
-            q = q.swapaxes(-1, -2)                                          # (H, g, D, R)
-            bound = (bmax.reshape(h, g, group, d) @ np.maximum(q, 0) +
-                     bmin.reshape(h, g, group, d) @ np.minimum(q, 0)).reshape(h, -1, r)[:, :n]
+        q = q.swapaxes(-1, -2)                                              # (H, g, D, R)
+        bound = (bmax.reshape(h, g, group, d) @ np.maximum(q, 0) +
+                 bmin.reshape(h, g, group, d) @ np.minimum(q, 0)).reshape(h, -1, r)[:, :n]
     return lse(bound - m[:, None, :], axis=-1)
+
+
+def _plain_score(bmin: np.ndarray, bmax: np.ndarray, qt: np.ndarray, m: np.ndarray,
+                 rows: np.ndarray | None) -> np.ndarray:
+    """`score` without `far`: the bound's two products and the logsumexp over the rows, a
+    piece of the candidates at a time, on the threads once the products pass SPLIT_MACS
+    (a question's 141 query rows over 1,400 candidates: its lse on one thread cost as much
+    as the products on two, and each piece's bound stays in the cache for it)."""
+    h, d, r = qt.shape
+    per = 1 if rows is None else bmax.shape[1]
+    c = bmax.shape[1] if rows is None else rows.shape[1]     # candidates, or pool rows
+    out = np.empty((h, c * per), np.float32)
+    qp, qn = np.maximum(qt, 0), np.minimum(qt, 0)
+
+    def part(a: int, b: int) -> None:
+        if rows is None:
+            lo_, hi_ = bmin[:, a:b], bmax[:, a:b]
+        else:
+            lo_, hi_ = (x[rows[:, a:b]].reshape(h, -1, d) for x in (bmin, bmax))
+        x = np.matmul(hi_, qp)                                              # (H, n, R)
+        x += np.matmul(lo_, qn)
+        x -= m[:, None, :]
+        out[:, a * per:b * per] = lse(x, axis=-1)
+
+    if THREADS < 2 or h * c * per * r * d < SPLIT_MACS:
+        part(0, c)
+    else:
+        cpu_kernels.share(c, part)
+    return out
 
 
 def _f32(a: np.ndarray) -> np.ndarray:
@@ -342,15 +350,67 @@ def rescore(q: np.ndarray, m0: np.ndarray, sc: np.ndarray, k_sel: int, m: int,
     if true is None:
         k = keys_of(at) if k is None else k                                 # (H, m, b, D)
         if far is None:
-            s = matmul(q, k.reshape(h, m * b, d).swapaxes(-1, -2)).reshape(h, r, m, b).max(-1)
+            true = _true_logits(q, k, m0)
         else:  # the query rotated back per block: fewer rows than the keys
             qr = remap.rerotate(q[:, None], -far_shift(at * b, far), far[0])  # (H, m, R, D)
             s = (qr @ k.swapaxes(-1, -2)).max(axis=-1).swapaxes(1, 2)       # (H, R, m)
-        true = lse(s - m0[:, :, None], axis=1)                              # (H, m)
+            true = lse(s - m0[:, :, None], axis=1)                          # (H, m)
     out = np.take_along_axis(sc, pre, axis=-1) == NINF
     true = np.where(out, NINF, true)
     pick = np.argpartition(-true, k_sel - 1, axis=-1)[:, :k_sel]
     return np.take_along_axis(at, pick, axis=-1)
+
+
+def _true_logits(q: np.ndarray, k: np.ndarray, m0: np.ndarray) -> np.ndarray:
+    """`rescore`'s true logits without `far`: per head and block (H, m), the logsumexp over
+    the rows of q (H, R, D) of the block's largest q.k (keys k (H, m, b, D)) minus the row's
+    running max m0 (H, R); a piece of the blocks at a time, on the threads past SPLIT_MACS
+    (as `_plain_score`)."""
+    h, r, d = q.shape
+    m, b = k.shape[1], k.shape[2]
+    out = np.empty((h, m), np.float32)
+
+    def part(lo: int, hi: int) -> None:
+        s = np.matmul(q, k[:, lo:hi].reshape(h, (hi - lo) * b, d).swapaxes(-1, -2))
+        # Each block's max as b strided maxima: numpy's max over a last axis of b (8) runs
+        # a reduction per block, several times slower.
+        y = s[..., 0::b].copy()                                             # (H, R, n)
+        for i in range(1, b):
+            np.maximum(y, s[..., i::b], out=y)
+        y -= m0[:, :, None]
+        out[:, lo:hi] = lse(y, axis=1)
+
+    if THREADS < 2 or h * m * b * r * d < SPLIT_MACS:
+        part(0, m)
+    else:
+        cpu_kernels.share(m, part)
+    return out
+
+
+def softmax_stats(s: np.ndarray, v: np.ndarray) -> Partial:
+    """The softmax partial (row max (H, R), row sum of exp (H, R), exp @ v (H, R, Dv)) of
+    logits s (H, R, T) over values v (H, T, Dv), float32; `s` is overwritten. A piece of the
+    rows at a time, on the threads past SPLIT_MACS: a question's 141 rows over ~2,000
+    chosen keys took 13 ms a layer on one thread, its exp @ v 8 of them."""
+    h, r, t = s.shape
+    m = np.empty((h, r), np.float32)
+    total = np.empty((h, r), np.float32)
+    out = np.empty((h, r, v.shape[-1]), np.float32)
+
+    def part(lo: int, hi: int) -> None:
+        x = s[:, lo:hi]
+        mx_ = x.max(axis=-1)
+        x -= mx_[..., None]
+        np.exp(x, out=x)
+        m[:, lo:hi] = mx_
+        total[:, lo:hi] = x.sum(axis=-1)
+        np.matmul(x, v, out=out[:, lo:hi])
+
+    if THREADS < 2 or h * r * t * v.shape[-1] < SPLIT_MACS:
+        part(0, r)
+    else:
+        cpu_kernels.share(r, part)
+    return m, total, out
 
 
 # Dense decode attention (`dense_partial`): at least this many keys, split over THREADS

@@ -332,3 +332,68 @@ def test_attention_sinks_merge_after_the_numpy_steps(monkeypatch: pytest.MonkeyP
     assert np.abs(outs[True, False] - outs[False, False]).max() < 1e-5
     assert np.abs(outs[True, True] - outs[True, False]).max() > 1e-3
     store.close()
+
+
+def test_a_question_s_bound_rescoring_and_softmax_in_pieces_equal_the_whole(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A question's chunk after a long context (141 query rows a KV head, 64 dimensions):
+    the plain bound over blocks and over pools of pages, the rescoring's true logits and the
+    attention's softmax partial are cut into pieces on the threads (`cpu_kernels.share`),
+    and each equals the same formula computed whole within 1e-5; the attention's partial
+    also equals MLX's (`attention._stats` with numpy off)."""
+    import mlx.core as mx
+
+    from engine.kv import cpu_kernels
+
+    monkeypatch.setattr(cpu_select, "THREADS", 2)
+    pieces: list[int] = []
+    real_share = cpu_kernels.share
+
+    def share(n: int, work: Any, least: int = 2) -> Any:
+        pieces.append(n)
+        return real_share(n, work, least)
+
+    monkeypatch.setattr(cpu_kernels, "share", share)  # the real one, observed
+    rng = np.random.default_rng(5)
+    h, r, d = 3, 141, 64
+
+    def arr(*shape: int, scale: float = 1.0) -> np.ndarray:
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    q, m = arr(h, r, d, scale=0.2), arr(h, r)
+    qt = q.swapaxes(-1, -2)
+
+    def whole(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        bound = hi @ np.maximum(qt, 0) + lo @ np.minimum(qt, 0)              # (H, n, R)
+        return cpu_select.lse(bound - m[:, None, :], axis=-1)
+
+    bmin = arr(h, 1019, d)
+    bmax = bmin + np.abs(arr(h, 1019, d))
+    got = cpu_select.score(bmin, bmax, qt, m)
+    assert got.shape == (h, 1019)
+    assert np.abs(got - whole(bmin, bmax)).max() < 1e-5
+    pmin = arr(264, 16, d)
+    pmax = pmin + np.abs(arr(264, 16, d))
+    rows = rng.permutation(264)[:h * 88].reshape(h, 88)
+    got = cpu_select.score(pmin, pmax, qt, m, rows=rows)
+    assert got.shape == (h, 88 * 16)
+    assert np.abs(got - whole(pmin[rows].reshape(h, -1, d), pmax[rows].reshape(h, -1, d))
+                  ).max() < 1e-5
+    k = arr(h, 256, 8, d)
+    s = (q @ k.reshape(h, 2048, d).swapaxes(-1, -2)).reshape(h, r, 256, 8).max(-1)
+    got = cpu_select._true_logits(q, k, m)
+    assert np.abs(got - cpu_select.lse(s - m[:, :, None], axis=1)).max() < 1e-5
+    logits, v = arr(h, r, 2100, scale=3.0), arr(h, 2100, d)
+    want_m = logits.max(-1)
+    e = np.exp(logits - want_m[..., None])
+    got_m, got_sum, got_o = cpu_select.softmax_stats(logits.copy(), v)
+    assert (got_m == want_m).all()
+    assert np.abs(got_sum - e.sum(-1)).max() < 1e-5 * float(e.sum(-1).max())
+    assert np.abs(got_o - e @ v).max() < 1e-5 * float(np.abs(e @ v).max())
+    assert pieces == [1019, 88, 256, r]  # each one cut, none computed whole
+    outs = {}
+    for np_min in (1, 0):  # numpy past one logit, or MLX's ops throughout
+        monkeypatch.setattr(attention, "NP_EXP_MIN", np_min)
+        part = attention._stats(mx.array(logits), mx.array(v))
+        outs[np_min] = np.array(part[2] / part[1][..., None])
+    assert np.abs(outs[1] - outs[0]).max() < 1e-5
