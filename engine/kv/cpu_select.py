@@ -83,6 +83,15 @@ _threads = cpu_kernels.threads
 SPLIT_MACS = 1 << 23
 
 
+def _in_pieces(n: int, macs: int, part: Callable[[int, int], None]) -> None:
+    """part(a, b) over [0, n): whole under SPLIT_MACS multiply-adds or on one thread, else
+    a piece at a time on the threads (`cpu_kernels.share`)."""
+    if THREADS < 2 or macs < SPLIT_MACS:
+        part(0, n)
+    else:
+        cpu_kernels.share(n, part)
+
+
 def lse(x: np.ndarray, axis: int) -> np.ndarray:
     """log(sum(exp(x))) along `axis`; -inf where every element is -inf (as mx.logsumexp)."""
     m = x.max(axis=axis, keepdims=True)
@@ -157,10 +166,7 @@ def _plain_score(bmin: np.ndarray, bmax: np.ndarray, qt: np.ndarray, m: np.ndarr
         x -= m[:, None, :]
         out[:, a * per:b * per] = lse(x, axis=-1)
 
-    if THREADS < 2 or h * c * per * r * d < SPLIT_MACS:
-        part(0, c)
-    else:
-        cpu_kernels.share(c, part)
+    _in_pieces(c, h * c * per * r * d, part)
     return out
 
 
@@ -380,10 +386,7 @@ def _true_logits(q: np.ndarray, k: np.ndarray, m0: np.ndarray) -> np.ndarray:
         y -= m0[:, :, None]
         out[:, lo:hi] = lse(y, axis=1)
 
-    if THREADS < 2 or h * m * b * r * d < SPLIT_MACS:
-        part(0, m)
-    else:
-        cpu_kernels.share(m, part)
+    _in_pieces(m, h * m * b * r * d, part)
     return out
 
 
@@ -406,10 +409,7 @@ def softmax_stats(s: np.ndarray, v: np.ndarray) -> Partial:
         total[:, lo:hi] = x.sum(axis=-1)
         np.matmul(x, v, out=out[:, lo:hi])
 
-    if THREADS < 2 or h * r * t * v.shape[-1] < SPLIT_MACS:
-        part(0, r)
-    else:
-        cpu_kernels.share(r, part)
+    _in_pieces(r, h * r * t * v.shape[-1], part)
     return m, total, out
 
 
