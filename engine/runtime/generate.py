@@ -57,6 +57,8 @@ from engine.runtime.fit import chosen_context
 from engine.runtime.model import (
     cache_module,
     ensure_mlx_lm,
+    head_on_last_row,
+    last_row_head,
     load_weights_into_model,
     model_identity,
     read_config,
@@ -207,6 +209,7 @@ class LoadedModel:
             # Past the trained length the chosen context extends RoPE (YaRN, engine.runtime.model).
             model, config = load_weights_into_model(
                 path, profile, context=chosen_context(read_config(path), path))
+        head_on_last_row(model, config)  # a prompt's last chunk: the head on one row
         lm = cls(model, config, tokenizer, manifest, profile, timeline)
         if warm_up:
             with timeline.phase("warm-up"):
@@ -482,7 +485,8 @@ def _generate(
             yield event("", None, 0, time.perf_counter(), 0.0, "cancelled")
             return
     if todo:
-        logits = _forward(lm, mx.array(todo)[None], cache, pc, repair)[:, -1, :]
+        with last_row_head():  # only the last position's logits are sampled from
+            logits = _forward(lm, mx.array(todo)[None], cache, pc, repair)[:, -1, :]
         pc.tokens.extend(todo)
     else:
         assert plan is not None and plan.logits is not None  # the whole prompt was stored

@@ -6,6 +6,9 @@ the model's trained length (max_position_embeddings) and no RoPE scaling of its 
 model is built with YaRN scaling by their ratio (`extend_rope`) and the returned config says
 so (so stored KV keyed by the config separates); inside the trained length, or for a config
 that scales already (Llama 3's llama3, YaRN, longrope, linear), the config is used as is.
+`head_on_last_row(model, config)` lets a prompt's last chunk compute its output head on the last
+position only, inside `last_row_head()`: the logits the reply samples from are the same, and
+the head's other rows (a fifth of a small model's prefill arithmetic) are never computed.
 Importing `mlx_lm` as a package pulls in transformers (about 0.65 s); we register a bare
 package module instead so that only `mlx_lm.models.*` load. If the real `mlx_lm` is
 already imported, it is used as is.
@@ -19,8 +22,9 @@ import importlib
 import importlib.util
 import json
 import sys
+import threading
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -304,3 +308,78 @@ def _dense_weight(mod: Any, dtype: Any) -> Any:
 
 def _unflatten(pairs: list[tuple[str, Any]]) -> Any:
     return tree_unflatten(pairs)
+
+
+# Architectures whose Model.__call__ applies the output head once, to the backbone's final
+# hidden states (`lm_head`, or the tied embedding's `as_linear`), with only elementwise
+# scaling or soft-capping after it, as read in mlx-lm 0.32's model files. Not every model is
+# so: gemma4_text also calls `as_linear` on its input embeddings.
+LAST_ROW_HEAD_TYPES = frozenset({
+    "llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
+    "gemma3_text", "phi", "phi3", "smollm3", "starcoder2", "mixtral", "olmo2", "granite",
+    "cohere", "gpt2", "deepseek_v2", "deepseek_v3"})
+
+_head_state = threading.local()  # per thread: a server's other threads keep every row
+
+
+@contextlib.contextmanager
+def last_row_head() -> Iterator[None]:
+    """On this thread, inside the block, a model prepared by `head_on_last_row` computes its
+    output head on the last position only: logits of shape (batch, 1, vocab)."""
+    before = getattr(_head_state, "on", False)
+    _head_state.on = True
+    try:
+        yield
+    finally:
+        _head_state.on = before
+
+
+def _head_input(x: Any) -> Any:
+    if getattr(_head_state, "on", False) and x.ndim == 3 and x.shape[1] > 1:
+        return x[:, -1:]
+    return x
+
+
+class _LastRowLinear:
+    def __call__(self, x: Any) -> Any:
+        return super().__call__(_head_input(x))  # type: ignore[misc]
+
+
+class _LastRowEmbedding:
+    def as_linear(self, x: Any) -> Any:
+        return super().as_linear(_head_input(x))  # type: ignore[misc]
+
+
+_head_classes: dict[tuple[type, type], type] = {}
+
+
+def _as_head(mod: Any, mixin: type) -> None:
+    # A subclass of the module's own class: its parameters, their names and isinstance
+    # checks stay as they were; only the head's input is cut inside `last_row_head`.
+    cls = type(mod)
+    if issubclass(cls, mixin):
+        return
+    key = (mixin, cls)
+    if key not in _head_classes:
+        _head_classes[key] = type(cls.__name__, (mixin, cls),
+                                  {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    mod.__class__ = _head_classes[key]
+
+
+def head_on_last_row(model: Any, config: Mapping[str, Any]) -> bool:
+    """Prepare `model`'s output head for `last_row_head` (its `lm_head`, and the embedding
+    a tied head multiplies by); False, and nothing changed, for an architecture not in
+    LAST_ROW_HEAD_TYPES or a model without those modules, whose head keeps every row."""
+    if config.get("model_type") not in LAST_ROW_HEAD_TYPES:
+        return False
+    inner = getattr(model, "model", None)
+    heads = [m for m in (getattr(model, "lm_head", None),) if isinstance(m, nn.Module)]
+    tied = [m for m in (getattr(inner, "embed_tokens", None), getattr(inner, "wte", None))
+            if isinstance(m, nn.Module) and hasattr(m, "as_linear")]
+    if not heads and not tied:
+        return False
+    for m in heads:
+        _as_head(m, _LastRowLinear)
+    for m in tied:
+        _as_head(m, _LastRowEmbedding)
+    return True

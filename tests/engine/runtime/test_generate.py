@@ -221,3 +221,36 @@ def test_a_step_computed_as_it_is_built_is_not_queued_before_the_token(
     # Token k (1-based) needs k - 1 steps; pipelined, one more is built by then.
     assert sum(s == k for k, s in enumerate(lazy[2:-1], 3)) >= 7, lazy
     assert eager[1:] == list(range(1, 12)), eager
+
+
+def test_a_prompt_s_last_chunk_computes_the_head_on_its_last_row_only(starter_lm: Any) -> None:
+    """Inside last_row_head the starter's tied head multiplies the last position alone: the
+    logits the reply samples from equal the full pass's last row; outside the block, and on
+    another thread inside it, every row is computed as before."""
+    import threading
+
+    import mlx.core as mx
+
+    from engine.runtime.model import head_on_last_row, last_row_head
+
+    ids = starter_lm.tokenizer.encode_chat(FRANCE)
+    x = mx.array(ids)[None]
+
+    def forward() -> Any:
+        return starter_lm.model(x, cache=starter_lm.new_cache().cache)
+
+    full = forward()
+    seen: list[Any] = []
+    with last_row_head():
+        last = forward()
+        other = threading.Thread(target=lambda: seen.append(forward().shape))
+        other.start()
+        other.join()
+    after = forward()
+    vocab = full.shape[-1]
+    assert full.shape == after.shape == (1, len(ids), vocab) and seen == [full.shape]
+    assert last.shape == (1, 1, vocab)
+    assert mx.allclose(last[0, -1], full[0, -1], atol=1e-5).item()
+    assert int(mx.argmax(last[0, -1]).item()) == int(mx.argmax(full[0, -1]).item())
+    # An architecture not read for it (gemma4_text also calls as_linear on its inputs).
+    assert not head_on_last_row(starter_lm.model, {"model_type": "gemma4_text"})
