@@ -108,6 +108,8 @@ class LoadedModel:
         self.release_pending = True
         self._geometry: KVGeometry | None = None
         self._noticed: str | None = None
+        # Whether `last_row_head` cuts this model's output head to the last position.
+        self.head_last_row = False
 
     @property
     def paged(self) -> bool:
@@ -209,8 +211,8 @@ class LoadedModel:
             # Past the trained length the chosen context extends RoPE (YaRN, engine.runtime.model).
             model, config = load_weights_into_model(
                 path, profile, context=chosen_context(read_config(path), path))
-        head_on_last_row(model, config)  # a prompt's last chunk: the head on one row
         lm = cls(model, config, tokenizer, manifest, profile, timeline)
+        lm.head_last_row = head_on_last_row(model, config)
         if warm_up:
             with timeline.phase("warm-up"):
                 lm.warm_up()
@@ -460,14 +462,21 @@ def _generate(
 
     t_prefill = time.perf_counter()
     snapshot()
+    sparse = lm.kv_settings is not None and lm.kv_settings.mode == "sparse"
+    # With the head on one row, the prompt's last chunk gives the logits itself, where mlx-lm
+    # prefills all but the last token and then runs it alone (one more pass over the
+    # weights). Sparse mode keeps that split short of SPARSE_PREFILL_PAST: its last chunk
+    # records the question's votes and the last token selects as a decode step does.
+    whole_last = lm.head_last_row and not (paged and sparse)
     while len(todo) > 1:
         step = PREFILL_STEP
-        sparse = lm.kv_settings is not None and lm.kv_settings.mode == "sparse"
         done = len(pc.tokens)
-        if paged and sparse and done > SPARSE_PREFILL_PAST:
+        far = paged and sparse and done > SPARSE_PREFILL_PAST
+        if far:
             step = SPARSE_CHUNK_L
-            if len(todo) <= step and (snap_at is None or not done < snap_at < done + len(todo)):
-                break  # one chunk left: it gives the logits (below)
+        if ((far or whole_last) and len(todo) <= step
+                and (snap_at is None or not done < snap_at < done + len(todo))):
+            break  # one chunk left: it gives the logits (below)
         n = min(step, len(todo) - 1)
         if paged and sparse and step == PREFILL_STEP and 0 < len(todo) - 1 - n < VOTE_QUERIES:
             # The question's votes come from the last chunk's VOTE_QUERIES queries (sparse

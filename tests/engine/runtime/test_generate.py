@@ -254,3 +254,38 @@ def test_a_prompt_s_last_chunk_computes_the_head_on_its_last_row_only(starter_lm
     assert int(mx.argmax(last[0, -1]).item()) == int(mx.argmax(full[0, -1]).item())
     # An architecture not read for it (gemma4_text also calls as_linear on its inputs).
     assert not head_on_last_row(starter_lm.model, {"model_type": "gemma4_text"})
+
+
+@pytest.mark.parametrize("kv_mode", ["mlx", "exact"])
+def test_a_short_prompt_is_one_pass_and_gives_the_split_passes_reply(
+        starter_lm: Any, kv_mode: str) -> None:
+    """With the head on one row, a prompt under a chunk is prefilled in one pass that gives
+    the first token (mlx-lm prefills all but the last token, then that one alone); the
+    reply is the split passes' token for token, in mlx-lm's cache and the paged one."""
+    from engine.kv import KVSettings
+    from engine.runtime import generate as gen
+
+    ids = starter_lm.tokenizer.encode_chat(FRANCE)
+    calls: list[int] = []
+    forward = gen._forward
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        calls.append(a[1].shape[1])
+        return forward(*a, **kw)
+
+    old, head = starter_lm.kv_settings, starter_lm.head_last_row
+    gen._forward = counted
+    try:
+        starter_lm.kv_settings = None if kv_mode == "mlx" else KVSettings(mode=kv_mode)
+        replies = {}
+        for whole in (True, False):
+            starter_lm.head_last_row = whole
+            calls.clear()
+            replies[whole] = _run(starter_lm, ids, max_tokens=12, prefix_cache=False,
+                                  drafter="off")[1]
+            assert calls[:2] == ([len(ids), 1] if whole else [len(ids) - 1, 1]), calls
+    finally:
+        gen._forward = forward
+        starter_lm.head_last_row = head
+        starter_lm.kv_settings = old
+    assert replies[True] == replies[False] and len(replies[True]) > 3
