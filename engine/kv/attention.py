@@ -25,7 +25,9 @@ to mlx-lm's function with the mask the model built.
 Quantized pages (KV bits 8 or 4) are decoded group by group as they are read, then attended
 with the same float matmuls (on CPU that beats mx.quantized_matmul, docs/benchmarks.md).
 On MLX's CPU backend a sparse decode step selects (and, over pages all in RAM, attends) in
-numpy instead (engine.kv.cpu_select: the same blocks, one synchronisation a layer).
+numpy instead (engine.kv.cpu_select: the same blocks, one synchronisation a layer), and a
+prompt chunk over keys in RAM that MLX's fused attention would take attends in numpy
+(`_chunk_np`: MLX's CPU exp made that most of a long prompt's prefill).
 """
 
 from __future__ import annotations
@@ -367,8 +369,13 @@ def dense_top(store: Any, layer: int, past: int) -> bool:
 
 
 def _fused_all(queries: Any, k: Any, v: Any, scale: float, sinks: Any = None) -> Any:
-    """MLX's fused attention of a chunk over keys and values (1, H, T, D) that end with it."""
-    mask = None if queries.shape[2] == 1 else "causal"  # aligned to the end, as mlx-lm's
+    """MLX's fused attention of a chunk over keys and values (1, H, T, D) that end with it
+    (on the CPU, a prompt chunk's in numpy: `_chunk_np`)."""
+    _, hq, L, _ = queries.shape
+    if sinks is None and L > 1 and cpu_select.chunk_enabled(hq // k.shape[1] * L, k.shape[2],
+                                                            queries.dtype):
+        return _chunk_np(queries, k, v, scale)
+    mask = None if L == 1 else "causal"  # aligned to the end, as mlx-lm's
     if sinks is None:
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
     return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask,
@@ -379,8 +386,9 @@ def _fused(queries: Any, keys: Any, values: Any, view: tuple[Any, Any], scale: f
            sinks: Any = None) -> Any:
     """A chunk over a short, all-resident past (keys, values: the tail and the chunk, (1, H,
     T, D)): one contiguous copy, then MLX's fused attention (for hundreds of queries faster
-    than page-wise online softmax; for a decode step over a page or two, fewer ops)."""
-    L = queries.shape[2]
+    than page-wise online softmax; for a decode step over a page or two, fewer ops; on the
+    CPU, a prompt chunk's in numpy: `_chunk_np`)."""
+    _, hq, L, _ = queries.shape
     _, h, _, d = keys.shape
     k, v = keys, values
     if view[0] is not None:
@@ -389,11 +397,24 @@ def _fused(queries: Any, keys: Any, values: Any, view: tuple[Any, Any], scale: f
         v = mx.concatenate([view[1].transpose(1, 0, 2, 3).reshape(1, h, n * p, -1), values],
                            2)
     t = k.shape[2]
+    if sinks is None and L > 1 and cpu_select.chunk_enabled(hq // h * L, t, queries.dtype):
+        return _chunk_np(queries, k, v, scale)
     mask = None if L == 1 else (mx.arange(L)[:, None] + (t - L)) >= mx.arange(t)[None, :]
     if sinks is None:
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
     return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask,
                                                 sinks=sinks.astype(queries.dtype))
+
+
+def _chunk_np(queries: Any, keys: Any, values: Any, scale: float) -> Any:
+    """A prompt chunk's attention over keys and values (1, H, T, D) that end with it, in
+    numpy (cpu_select.chunk_attention): what `_fused_all` computes, without MLX's CPU exp."""
+    _, hq, L, d = queries.shape
+    h = keys.shape[1]
+    q = cpu_select.to_np((queries * scale).reshape(h, -1, d))
+    mx.eval(keys, values)
+    out = cpu_select.chunk_attention(q, np.asarray(keys)[0], np.asarray(values)[0], L)
+    return mx.array(out.reshape(1, hq, L, -1))
 
 
 def _dense_np(queries: Any, keys: Any, values: Any, scale: float) -> Any:

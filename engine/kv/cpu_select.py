@@ -8,6 +8,7 @@ where they cannot: pages not all in RAM as float32, or no compiled loops for `ch
 on numpy arrays: queries (H, R, D) and running maxima (H, R) in float32, the layer's
 summaries and votes viewed without a copy, block indices as int64. `enabled(rows)` says
 whether attention takes this path: decode steps on the CPU, unless STRATA_NP_SELECT=0.
+`chunk_attention` is a prompt chunk's causal attention over keys in RAM (`chunk_enabled`).
 Importing this module holds numpy's bundled OpenBLAS to one thread (engine.platform).
 
 Why: a sparse decode step's selection and attention are ~60 MLX ops on arrays of 10^3 to
@@ -37,6 +38,12 @@ platform.numpy_blas_one_thread()
 
 NP_SELECT = (os.environ.get("STRATA_NP_SELECT") or "1") != "0"
 NP_DENSE = (os.environ.get("STRATA_NP_DENSE") or "1") != "0"
+# A prompt chunk's attention over keys in RAM: MLX's fused attention on the CPU spends most
+# of its time in its exp (about 0.1G elements/s here, numpy's 3.7G): a 512-token chunk over
+# 4,096 keys took 232 ms a layer, and a 4,096-token prompt 37.7 s to its first token, most of
+# it there (docs/benchmarks.md, prefill attention). Past this many logits a KV head, numpy.
+NP_CHUNK = (os.environ.get("STRATA_NP_CHUNK") or "1") != "0"
+CHUNK_MIN_LOGITS = 1 << 14
 # Query rows (the group's query heads x the step's tokens) up to which a step selects here:
 # decode steps, the question after 128k stored tokens (~120 rows) and the 64-token chunks of
 # a sparse prefill past 16k (192 rows for the starter). Both of those ran faster here than in
@@ -62,6 +69,14 @@ def dense_enabled(keys: int, rows: int, dtype: Any) -> bool:
     CPU, float32, at least DENSE_MIN_KEYS keys, unless STRATA_NP_DENSE=0."""
     return (NP_DENSE and rows <= MAX_DENSE_ROWS and keys >= DENSE_MIN_KEYS
             and dtype == mx.float32 and mx.default_device() == mx.cpu)
+
+
+def chunk_enabled(rows: int, keys: int, dtype: Any) -> bool:
+    """Whether a prompt chunk's attention (`rows` query rows a KV head over `keys` keys of
+    `dtype`) runs here (`chunk_attention`) rather than in MLX's fused attention: on the CPU,
+    float32, at least CHUNK_MIN_LOGITS logits a head, unless STRATA_NP_CHUNK=0."""
+    return (NP_CHUNK and rows * keys >= CHUNK_MIN_LOGITS and dtype == mx.float32
+            and mx.default_device() == mx.cpu)
 
 
 def to_np(a: Any) -> np.ndarray:
@@ -481,6 +496,38 @@ def dense_partial(q: np.ndarray, k: np.ndarray, v: np.ndarray, pages: bool,
             return part(*spans[0])
         return merge(list(_threads().map(lambda c: part(*c), spans)))
     return merge(cpu_kernels.share(n, part))
+
+
+def chunk_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal_rows: int
+                    ) -> np.ndarray:
+    """Softmax attention (H, R, Dv), normalized, of queries q (H, R, D) (scaled) over per-head
+    keys k, v (H, T, D) whose last `causal_rows` are the queries' own tokens (rows rep-major,
+    as `attend` reshapes them: row j sees those up to its own, j mod causal_rows). A piece of
+    the rows at a time on the threads: each piece's logits, mask, exp, sums and product while
+    they are in the cache, and no partials to merge."""
+    h, r, _ = q.shape
+    t, n = k.shape[1], causal_rows
+    kt = k.swapaxes(-1, -2)
+    out = np.empty((h, r, v.shape[-1]), np.float32)
+    # row i of the chunk may not see the chunk's tokens after its own: -inf added there
+    after = np.triu(np.full((n, n), NINF, np.float32), 1)
+
+    def part(a: int, b: int) -> None:
+        # rows of one query head see keys up to their last row's token: the rest not computed
+        end = t if a // n != (b - 1) // n else t - n + (b - 1) % n + 1
+        s = np.matmul(q[:, a:b], kt[:, :, :end])                       # (H, b - a, end)
+        if n > 1:
+            s[:, :, t - n:] += after[np.arange(a, b) % n, :end - (t - n)]
+        m = s.max(axis=-1, keepdims=True)
+        s -= m
+        np.exp(s, out=s)
+        total = s.sum(axis=-1, keepdims=True)
+        o = out[:, a:b]
+        np.matmul(s, v[:, :end], out=o)
+        o /= total
+
+    _in_pieces(r, h * r * t * k.shape[-1], part)
+    return out
 
 
 def dense_codes(q: np.ndarray, kparts: tuple[np.ndarray, ...], vparts: tuple[np.ndarray, ...],

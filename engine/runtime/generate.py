@@ -56,6 +56,7 @@ from engine.platform import (
 from engine.runtime.fit import chosen_context
 from engine.runtime.model import (
     cache_module,
+    cpu_swiglu,
     ensure_mlx_lm,
     head_on_last_row,
     last_row_head,
@@ -213,6 +214,7 @@ class LoadedModel:
                 path, profile, context=chosen_context(read_config(path), path))
         lm = cls(model, config, tokenizer, manifest, profile, timeline)
         lm.head_last_row = head_on_last_row(model, config)
+        cpu_swiglu(config)
         if warm_up:
             with timeline.phase("warm-up"):
                 lm.warm_up()

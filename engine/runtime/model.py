@@ -9,6 +9,8 @@ that scales already (Llama 3's llama3, YaRN, longrope, linear), the config is us
 `head_on_last_row(model, config)` lets a prompt's last chunk compute its output head on the last
 position only, inside `last_row_head()`: the logits the reply samples from are the same, and
 the head's other rows (a fifth of a small model's prefill arithmetic) are never computed.
+`cpu_swiglu(config)` gives mlx-lm's SwiGLU models, on MLX's CPU backend, an exp MLX computes
+faster there (`fast_swiglu`).
 Importing `mlx_lm` as a package pulls in transformers (about 0.65 s); we register a bare
 package module instead so that only `mlx_lm.models.*` load. If the real `mlx_lm` is
 already imported, it is used as is.
@@ -17,6 +19,7 @@ already imported, it is used as is.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -383,3 +386,32 @@ def head_on_last_row(model: Any, config: Mapping[str, Any]) -> bool:
     for m in tied:
         _as_head(m, _LastRowEmbedding)
     return True
+
+
+_LOG2E = 1.4426950408889634
+
+
+@functools.partial(mx.compile, shapeless=True)
+def fast_swiglu(gate: Any, x: Any) -> Any:
+    """silu(gate) * x, with exp(-g) taken as 2 ** (-g log2 e): MLX's CPU exp runs about
+    0.1G elements/s here and its power 0.3G, so a 512-token prompt chunk's activations took
+    10.5 ms a layer with mlx-lm's swiglu and 3.0 with this (docs/benchmarks.md, prefill).
+    Within a few float32 ulps of it; 0 where 2 ** 128 overflows, as silu's own limit."""
+    return gate / (1.0 + mx.power(2.0, gate * -_LOG2E)) * x
+
+
+def cpu_swiglu(config: Mapping[str, Any]) -> bool:
+    """On MLX's CPU backend, `fast_swiglu` for mlx-lm's `swiglu` in the model's module and
+    its stacked experts' (switch_layers): module globals, so every model of that
+    architecture in this process (the KV benchmarks' mlx-lm cache rows run on Strata's own
+    model; mlx-lm's own subject loads in its own process). False where nothing was changed:
+    another backend, or a module without mlx-lm's swiglu."""
+    if mx.default_device() != mx.cpu:
+        return False
+    ours = importlib.import_module("mlx_lm.models.activations").swiglu
+    changed = False
+    for mod in (model_module(config.get("model_type", "")), _switch_layers()):
+        if getattr(mod, "swiglu", None) is ours:
+            setattr(mod, "swiglu", fast_swiglu)  # noqa: B010  (a module global, by name)
+            changed = True
+    return changed
