@@ -30,10 +30,12 @@ def test_fast_swiglu_equals_mlx_lm_s_over_the_gate_s_range() -> None:
 
 
 def test_cpu_swiglu_gives_a_llama_the_same_logits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the CPU backend the llama module's swiglu becomes fast_swiglu (restored after the
-    test), and a small random-weight llama's logits over 40 tokens stay within 1e-5."""
+    """On the CPU backend the llama module's swiglu becomes fast_swiglu, and a small random-weight llama's logits over 40 tokens stay within 1e-5."""
     llama = rm.model_module("llama")
-    monkeypatch.setattr(llama, "swiglu", llama.swiglu)  # put back after the test
+    # mlx-lm's own to start with (a model loaded earlier in this process replaced it), put
+    # back after the test
+    reference = __import__("mlx_lm.models.activations", fromlist=["swiglu"]).swiglu
+    monkeypatch.setattr(llama, "swiglu", reference)
     config: dict[str, Any] = {
         "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
         "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
