@@ -30,7 +30,8 @@ def test_fast_swiglu_equals_mlx_lm_s_over_the_gate_s_range() -> None:
 
 
 def test_cpu_swiglu_gives_a_llama_the_same_logits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the CPU backend the llama module's swiglu becomes fast_swiglu, and a small random-weight llama's logits over 40 tokens stay within 1e-5."""
+    """On the CPU backend the llama module's swiglu becomes fast_swiglu, and a small
+    random-weight llama's logits over 40 tokens stay within 1e-5."""
     llama = rm.model_module("llama")
     # mlx-lm's own to start with (a model loaded earlier in this process replaced it), put
     # back after the test
