@@ -239,17 +239,41 @@ def _partial_gathered(qg: Any, k: Any, v: Any) -> _Partial:
 
 def _partial_flat(qg: Any, kk: Any, vv: Any) -> _Partial:
     """Over per-head keys and values kk, vv (H, T, D), no mask."""
+    if _np_chunk(qg, vv):
+        return _partial_np(qg, (kk,), vv, 0)
     return _stats(qg @ kk.swapaxes(-1, -2), vv)            # s: (H, R, T)
 
 
 def _partial_parts(qg: Any, ks: tuple[Any, ...], vv: Any) -> _Partial:
     """As `_partial_flat` over the keys `ks` (each (H, T_i, D)) taken in order, vv (H, sum
     T_i, D): the logits are joined, not the keys (a few thousand floats, not the keys)."""
+    if _np_chunk(qg, vv):
+        return _partial_np(qg, ks, vv, 0)
     return _stats(mx.concatenate([qg @ k.swapaxes(-1, -2) for k in ks], axis=-1), vv)
+
+
+def _np_chunk(qg: Any, vv: Any) -> bool:
+    """Whether a partial of a prompt chunk's rows qg (H, R, D) over vv (H, T, Dv) is taken in
+    numpy (`_partial_np`): more than SPARSE_CHUNK_L x 8 rows (a 512-token chunk's, not a
+    decode step's, a question's or a 64-token sparse chunk's, which the numpy steps take)."""
+    return qg.shape[1] > 8 * SPARSE_CHUNK_L and cpu_select.chunk_enabled(
+        qg.shape[1], vv.shape[1], qg.dtype)
+
+
+def _partial_np(qg: Any, ks: tuple[Any, ...], vv: Any, L: int) -> _Partial:
+    """`_partial_parts` (L 0) or `_partial_recent` (causal over the last L keys) in numpy
+    (cpu_select.chunk_partial): the logits a piece of the rows at a time, never the whole
+    chunk's (142 MB a layer for 512 tokens over 7,700 keys, then copied for the exp)."""
+    mx.eval(qg, *ks, vv)
+    k = np.asarray(ks[0]) if len(ks) == 1 else np.concatenate([np.asarray(a) for a in ks], 1)
+    m, total, out = cpu_select.chunk_partial(np.asarray(qg), k, np.asarray(vv), L)
+    return mx.array(m), mx.array(total), mx.array(out)
 
 
 def _partial_recent(qg: Any, k: Any, v: Any, L: int) -> _Partial:
     """Over the recent block k, v (H, T, D) whose last L tokens are the queries' own chunk."""
+    if _np_chunk(qg, v):
+        return _partial_np(qg, (k,), v, L)
     h, r, _ = qg.shape
     t = k.shape[1]
     s = qg @ k.swapaxes(-1, -2)                           # (H, rep*L, T)
@@ -319,7 +343,12 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
     # (A sparse decode step over at most its budget attends to everything anyway.)
     short = past <= FUSED_DECODE_PAST and (store.settings.mode != "sparse"
                                            or past <= store.settings.budget_tokens)
-    if spec is None and ((L > SPARSE_MAX_L and past <= FUSED_PAST_MAX) or short):
+    # An exact chunk at any depth where numpy takes it (`_chunk_np`: in MLX, past
+    # FUSED_PAST_MAX the page groups' ops cost more than one contiguous copy).
+    whole = L > SPARSE_MAX_L and (past <= FUSED_PAST_MAX or (
+        store.settings.mode != "sparse" and cpu_select.chunk_enabled(
+            hq // h * L, past + rk.shape[1], queries.dtype)))
+    if spec is None and (whole or short):
         view = store.resident_view(layer, n_pages) if n_pages else (None, None)
         if view is not None:
             return _fused(queries, both[0], both[1], view, scale, sinks)
@@ -578,7 +607,6 @@ def note_votes(store: Any, layer: int, queries: Any, scale: float, n_pages: int,
     q = (queries[0, :, L - lv:] * scale).reshape(h, -1, d)           # (H, R), rows rep-major
     r = q.shape[1]
     b = table.block_tokens
-    nb = store.P // b
     parts: list[tuple[Any, Any, Any]] = []                            # (max, sum, block sums)
     spec = remap.spec_for(store, n_pages * store.P + t) if FAR_ROTATE else None
     far = None if spec is None else (spec, n_pages * store.P + t - spec.trained,
@@ -593,20 +621,12 @@ def note_votes(store: Any, layer: int, queries: Any, scale: float, n_pages: int,
                 k = remap.rerotate(k.transpose(1, 0, 2, 3), mx.broadcast_to(
                     shift, (h, k.shape[0])), far[0]).transpose(1, 0, 2, 3)
             at += k.shape[0]
-            s = q[None] @ k.swapaxes(-1, -2)                          # (n, H, R, P)
-            m = s.max(axis=(0, 3))
-            e = mx.exp(s - m[None, :, :, None])
-            n = k.shape[0]
-            bs = e.reshape(n, h, r, nb, b).sum(axis=-1).transpose(1, 2, 0, 3).reshape(h, r, -1)
-            parts.append((m, e.sum(axis=(0, 3)), bs))
+            parts.append(_vote_part(q[None] @ k.swapaxes(-1, -2), b))  # (n, H, R, P)
     s = q @ rk.swapaxes(-1, -2)                                       # (H, R, T)
     rows = mx.arange(lv)[:, None] + (t - lv)
     s = mx.where(rows >= mx.arange(t)[None, :], s.reshape(h, -1, lv, t),
                  mx.array(-mx.inf, s.dtype)).reshape(h, r, t)
-    m = s.max(axis=-1)
-    e = mx.exp(s - m[..., None])
-    tf = t // b * b  # a partial last block is in the window: no vote
-    parts.append((m, e.sum(axis=-1), e[..., :tf].reshape(h, r, tf // b, b).sum(axis=-1)))
+    parts.append(_vote_part(s, b))
     top = parts[0][0]
     for p in parts[1:]:
         top = mx.maximum(top, p[0])
@@ -617,6 +637,40 @@ def note_votes(store: Any, layer: int, queries: Any, scale: float, n_pages: int,
     votes = votes.sum(axis=1).astype(mx.float32)                      # (H, blocks)
     mx.eval(votes)
     table.set_votes(votes, n_pages * store.P + t)
+
+
+def _vote_part(s: Any, b: int) -> tuple[Any, Any, Any]:
+    """Of logits s over pages (n, H, R, P) or over keys in order (H, R, T): each row's max,
+    its sum of exp against that max, and those exps summed per block of b keys (H, R,
+    blocks), in block order (over keys, a partial last block is in the window: no vote). On
+    the CPU, past NP_EXP_MIN float32 logits, in numpy: MLX's CPU exp made the votes 39 ms of
+    a 512-token chunk's layer at 8k."""
+    pages = s.ndim == 4
+    axes = (0, 3) if pages else (2,)
+    on_np = (NP_EXP_MIN and s.size >= NP_EXP_MIN and s.dtype == mx.float32
+             and mx.default_device() == mx.cpu)
+    e: Any
+    m: Any
+    if on_np:
+        mx.eval(s)
+        e = np.array(s)
+        m = e.max(axis=axes)
+        e -= m[None, :, :, None] if pages else m[..., None]
+        np.exp(e, out=e)
+    else:
+        m = s.max(axis=axes)
+        e = mx.exp(s - (m[None, :, :, None] if pages else m[..., None]))
+    if pages:
+        n, h, r, p = e.shape
+        bs = e.reshape(n, h, r, p // b, b).sum(axis=-1).transpose(1, 2, 0, 3).reshape(h, r, -1)
+    else:
+        h, r, t = e.shape
+        tf = t // b * b
+        bs = e[..., :tf].reshape(h, r, tf // b, b).sum(axis=-1)
+    total = e.sum(axis=axes)
+    if on_np:
+        return mx.array(m), mx.array(total), mx.array(np.ascontiguousarray(bs))
+    return m, total, bs
 
 
 def _note_or_clear_votes(store: Any, layer: int, queries: Any, scale: float, n_pages: int,

@@ -44,6 +44,9 @@ NP_DENSE = (os.environ.get("STRATA_NP_DENSE") or "1") != "0"
 # it there (docs/benchmarks.md, prefill attention). Past this many logits a KV head, numpy.
 NP_CHUNK = (os.environ.get("STRATA_NP_CHUNK") or "1") != "0"
 CHUNK_MIN_LOGITS = 1 << 14
+# A piece's logits at most this many floats (16 MB): at 16k keys, 85 rows a piece ran 10%
+# faster than 192, and at 128k keys 192 rows would hold 300 MB a thread.
+CHUNK_PIECE_LOGITS = 1 << 22
 # Query rows (the group's query heads x the step's tokens) up to which a step selects here:
 # decode steps, the question after 128k stored tokens (~120 rows) and the 64-token chunks of
 # a sparse prefill past 16k (192 rows for the starter). Both of those ran faster here than in
@@ -502,32 +505,54 @@ def chunk_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal_rows: in
                     ) -> np.ndarray:
     """Softmax attention (H, R, Dv), normalized, of queries q (H, R, D) (scaled) over per-head
     keys k, v (H, T, D) whose last `causal_rows` are the queries' own tokens (rows rep-major,
-    as `attend` reshapes them: row j sees those up to its own, j mod causal_rows). A piece of
-    the rows at a time on the threads: each piece's logits, mask, exp, sums and product while
-    they are in the cache, and no partials to merge."""
+    as `attend` reshapes them: row j sees those up to its own, j mod causal_rows)."""
+    return _chunk(q, k, v, causal_rows, True)[2]
+
+
+def chunk_partial(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal_rows: int = 0
+                  ) -> Partial:
+    """`chunk_attention`'s softmax partial (row max, row sum of exp, exp @ v), to be merged
+    with others (`merge`); causal_rows 0: every key seen by every row."""
+    return _chunk(q, k, v, causal_rows, False)
+
+
+def _chunk(q: np.ndarray, k: np.ndarray, v: np.ndarray, n: int, normalize: bool
+           ) -> Partial:
+    """A piece of the rows at a time on the threads: each piece's logits, mask, exp, sums and
+    product while they are in the cache (no logits of the whole chunk held at once)."""
     h, r, _ = q.shape
-    t, n = k.shape[1], causal_rows
+    t = k.shape[1]
     kt = k.swapaxes(-1, -2)
+    m = np.empty((h, r, 1), np.float32)
+    total = np.empty((h, r, 1), np.float32)
     out = np.empty((h, r, v.shape[-1]), np.float32)
     # row i of the chunk may not see the chunk's tokens after its own: -inf added there
     after = np.triu(np.full((n, n), NINF, np.float32), 1)
 
+    step = max(1, CHUNK_PIECE_LOGITS // (h * t))
+
     def part(a: int, b: int) -> None:
+        for c in range(a, b, step):
+            rows(c, min(c + step, b))
+
+    def rows(a: int, b: int) -> None:
         # rows of one query head see keys up to their last row's token: the rest not computed
-        end = t if a // n != (b - 1) // n else t - n + (b - 1) % n + 1
+        end = t if n < 1 or a // n != (b - 1) // n else t - n + (b - 1) % n + 1
         s = np.matmul(q[:, a:b], kt[:, :, :end])                       # (H, b - a, end)
         if n > 1:
             s[:, :, t - n:] += after[np.arange(a, b) % n, :end - (t - n)]
-        m = s.max(axis=-1, keepdims=True)
-        s -= m
+        top = s.max(axis=-1, keepdims=True)
+        s -= top
         np.exp(s, out=s)
-        total = s.sum(axis=-1, keepdims=True)
+        m[:, a:b] = top
+        total[:, a:b] = s.sum(axis=-1, keepdims=True)
         o = out[:, a:b]
         np.matmul(s, v[:, :end], out=o)
-        o /= total
+        if normalize:
+            o /= total[:, a:b]
 
     _in_pieces(r, h * r * t * k.shape[-1], part)
-    return out
+    return m[..., 0], total[..., 0], out
 
 
 def dense_codes(q: np.ndarray, kparts: tuple[np.ndarray, ...], vparts: tuple[np.ndarray, ...],

@@ -401,10 +401,10 @@ def test_a_question_s_bound_rescoring_and_softmax_in_pieces_equal_the_whole(
 
 def test_chunk_attention_in_pieces_equals_the_causal_softmax(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """cpu_select.chunk_attention, cut into pieces of rows on two threads and whole, against
-    the softmax written out: rows rep-major (each query head's L rows in turn), every key
-    before the chunk seen, the chunk's own keys up to each row's token; a mask off by one
-    row or one key fails it."""
+    """cpu_select.chunk_attention and chunk_partial, cut into pieces of rows on two threads
+    (and those into runs of 3 rows) and whole, against the softmax written out: rows
+    rep-major (each query head's L rows in turn), every key before the chunk seen, the
+    chunk's own keys up to each row's token; a mask off by one row or one key fails it."""
     rng = np.random.default_rng(5)
     h, rep, n, past, d = 2, 3, 40, 70, 16
     q = rng.standard_normal((h, rep * n, d), dtype=np.float32)
@@ -418,20 +418,29 @@ def test_chunk_attention_in_pieces_equals_the_causal_softmax(
         w = np.exp(s - s.max(axis=-1, keepdims=True))
         want[:, row] = np.einsum("ht,htd->hd", w / w.sum(axis=-1, keepdims=True), v)
     monkeypatch.setattr(cpu_select, "THREADS", 2)
-    for macs in (1, 1 << 40):  # pieces on the threads, then one piece
+    # pieces on the threads; the same, each cut in 3 rows at a time; one piece
+    for macs, rows in ((1, 1 << 22), (1, 3 * h * (past + n)), (1 << 40, 1 << 22)):
         monkeypatch.setattr(cpu_select, "SPLIT_MACS", macs)
+        monkeypatch.setattr(cpu_select, "CHUNK_PIECE_LOGITS", rows)
         got = cpu_select.chunk_attention(q, k, v, n)
         assert np.abs(got - want).max() < 1e-5
+        m, total, out = cpu_select.chunk_partial(q, k, v, n)
+        assert np.abs(out / total[..., None] - want).max() < 1e-5
 
 
-@pytest.mark.parametrize("buffered", [True, False])
+@pytest.mark.parametrize(("buffered", "fused_past"), [(True, 16384), (False, 16384),
+                                                     (False, 600)])
 def test_prompt_chunks_in_numpy_equal_mlx_s_fused_attention(
-        tmp_path: Path, buffered: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, buffered: bool, fused_past: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Prompt chunks (512, 300 and 64 tokens, then a decode step) over the layer's contiguous
     buffer (`buffered`) or its pages in RAM: attended in numpy (cpu_select.chunk_attention)
-    and by MLX's fused attention, within 1e-5; numpy ran for the chunks only, and only on."""
+    and by MLX's fused attention, within 1e-5; numpy ran for the chunks only, and only on.
+    With MLX's fused attention only up to 600 past tokens (FUSED_PAST_MAX), the chunks past
+    it are numpy's against MLX's page groups."""
     import mlx.core as mx
 
+    monkeypatch.setattr(attention, "FUSED_PAST_MAX", fused_past)
     ran: list[int] = []
     real = cpu_select.chunk_attention
 
@@ -497,3 +506,55 @@ def test_starter_prefill_in_numpy_chunks_answers_as_mlx_s_attention(
             close_caches(cache)
     assert runs[0][0] == runs[1][0]
     assert float(mx.abs(runs[0][1] - runs[1][1]).max()) < 1e-4
+
+
+def test_sparse_prompt_chunks_and_votes_in_numpy_equal_mlx_s(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sparse mode past a trained length of 256, 512-token prompt chunks then decode steps:
+    with the chunks' partials (`_partial_np`: the recent keys, causal, and the sinks, chosen
+    blocks and window) and the votes' exp in numpy, and with MLX's ops alone, every output
+    within 1e-5 and the question's votes within 1e-5 of their largest; numpy ran for the
+    chunks' partials only."""
+    import mlx.core as mx
+
+    monkeypatch.setattr(attention, "VOTE_SHARE", 0.5)
+    spec = remap.RopeSpec(D, False, 10000.0, 1.0, 256)
+    ran: list[int] = []
+    real = cpu_select.chunk_partial
+
+    def seen(*a: Any, **kw: Any) -> Any:
+        ran.append(a[0].shape[1])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(cpu_select, "chunk_partial", seen)  # the real one, observed
+    outs, votes = [], []
+    for flag in (True, False):
+        monkeypatch.setattr(cpu_select, "NP_CHUNK", flag)
+        monkeypatch.setattr(attention, "NP_EXP_MIN", 1 << 16 if flag else 0)
+        s = KVSettings(mode="sparse", page_tokens=P, ssd_dir=tmp_path / f"kv{flag}",
+                       sink_tokens=P, window_tokens=P, budget_tokens=2 * P + 6 * 8
+                       ).validate()
+        store = KVStore(s, n_layers=1, kv_heads=H, head_dim=D)
+        remap.attach(store, spec)
+        cache = PagedLayerCache(store, 0)
+        mx.random.seed(6)
+        got = []
+        try:
+            for n in [512, 512, 512, 1, 1]:
+                k = mx.random.normal((1, H, n, D)) * mx.linspace(0.2, 3.0, D)
+                v = mx.random.normal((1, H, n, D))
+                q = mx.random.normal((1, H * REP, n, D))
+                k2, v2 = cache.update_and_fetch(k, v)
+                got.append(attention.attend(cache, q, k2, v2, D ** -0.5))
+                mx.eval(got[-1])
+                if n > 1:
+                    votes.append(store.tables[0].votes)
+        finally:
+            store.close()
+        outs.append(got)
+    assert ran and set(ran) == {REP * 512} and len(ran) >= 3  # the chunks, numpy on
+    for a, b in zip(*outs, strict=True):
+        assert float(mx.abs(a - b).max()) < 1e-5
+    for a, b in zip(votes[:3], votes[3:], strict=True):
+        assert a is not None and b is not None
+        assert float(mx.abs(a - b).max()) <= 1e-5 * float(mx.abs(b).max())
