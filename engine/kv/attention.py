@@ -257,7 +257,7 @@ def _np_chunk(qg: Any, vv: Any) -> bool:
     numpy (`_partial_np`): more than SPARSE_CHUNK_L x 8 rows (a 512-token chunk's, not a
     decode step's, a question's or a 64-token sparse chunk's, which the numpy steps take)."""
     return qg.shape[1] > 8 * SPARSE_CHUNK_L and cpu_select.chunk_enabled(
-        qg.shape[1], vv.shape[1], qg.dtype)
+        qg.shape[1], vv.shape[1], qg.dtype, vv.dtype)
 
 
 def _partial_np(qg: Any, ks: tuple[Any, ...], vv: Any, L: int) -> _Partial:
@@ -347,7 +347,7 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
     # FUSED_PAST_MAX the page groups' ops cost more than one contiguous copy).
     whole = L > SPARSE_MAX_L and (past <= FUSED_PAST_MAX or (
         store.settings.mode != "sparse" and cpu_select.chunk_enabled(
-            hq // h * L, past + rk.shape[1], queries.dtype)))
+            hq // h * L, past + rk.shape[1], queries.dtype, rk.dtype)))
     if spec is None and (whole or short):
         view = store.resident_view(layer, n_pages) if n_pages else (None, None)
         if view is not None:
@@ -402,7 +402,7 @@ def _fused_all(queries: Any, k: Any, v: Any, scale: float, sinks: Any = None) ->
     (on the CPU, a prompt chunk's in numpy: `_chunk_np`)."""
     _, hq, L, _ = queries.shape
     if sinks is None and L > 1 and cpu_select.chunk_enabled(hq // k.shape[1] * L, k.shape[2],
-                                                            queries.dtype):
+                                                            queries.dtype, k.dtype):
         return _chunk_np(queries, k, v, scale)
     mask = None if L == 1 else "causal"  # aligned to the end, as mlx-lm's
     if sinks is None:
@@ -426,7 +426,8 @@ def _fused(queries: Any, keys: Any, values: Any, view: tuple[Any, Any], scale: f
         v = mx.concatenate([view[1].transpose(1, 0, 2, 3).reshape(1, h, n * p, -1), values],
                            2)
     t = k.shape[2]
-    if sinks is None and L > 1 and cpu_select.chunk_enabled(hq // h * L, t, queries.dtype):
+    if sinks is None and L > 1 and cpu_select.chunk_enabled(hq // h * L, t, queries.dtype,
+                                                            k.dtype):
         return _chunk_np(queries, k, v, scale)
     mask = None if L == 1 else (mx.arange(L)[:, None] + (t - L)) >= mx.arange(t)[None, :]
     if sinks is None:

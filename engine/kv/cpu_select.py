@@ -74,12 +74,13 @@ def dense_enabled(keys: int, rows: int, dtype: Any) -> bool:
             and dtype == mx.float32 and mx.default_device() == mx.cpu)
 
 
-def chunk_enabled(rows: int, keys: int, dtype: Any) -> bool:
-    """Whether a prompt chunk's attention (`rows` query rows a KV head over `keys` keys of
-    `dtype`) runs here (`chunk_attention`) rather than in MLX's fused attention: on the CPU,
-    float32, at least CHUNK_MIN_LOGITS logits a head, unless STRATA_NP_CHUNK=0."""
-    return (NP_CHUNK and rows * keys >= CHUNK_MIN_LOGITS and dtype == mx.float32
-            and mx.default_device() == mx.cpu)
+def chunk_enabled(rows: int, keys: int, *dtypes: Any) -> bool:
+    """Whether a prompt chunk's attention (`rows` query rows a KV head over `keys` keys; the
+    queries' and the keys' `dtypes`) runs here (`chunk_attention`) rather than in MLX's
+    fused attention: on the CPU, float32, at least CHUNK_MIN_LOGITS logits a head, unless
+    STRATA_NP_CHUNK=0."""
+    return (NP_CHUNK and rows * keys >= CHUNK_MIN_LOGITS
+            and all(d == mx.float32 for d in dtypes) and mx.default_device() == mx.cpu)
 
 
 def to_np(a: Any) -> np.ndarray:
