@@ -48,6 +48,7 @@ from engine.runtime.model import (
     apply_profile,
     build_model,
     cache_module,
+    cpu_swiglu,
     ensure_mlx_lm,
     model_identity,
     model_module,
@@ -173,6 +174,7 @@ def load_share(folder: Path, plan: SplitPlan, group: Any, profile: ComputeProfil
     del weights
     model.eval()
     apply_profile(model, profile)  # lazy: only what is kept below is ever computed
+    cpu_swiglu(config)  # the arithmetic of a one-process load (engine.runtime.model)
     if plan.mode == "tensor":
         model.shard(group)
     else:
