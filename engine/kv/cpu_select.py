@@ -435,9 +435,10 @@ def softmax_stats(s: np.ndarray, v: np.ndarray) -> Partial:
 # Dense decode attention (`dense_partial`): at least this many keys, split over THREADS
 # threads. MLX's fused attention on the CPU read 16k keys in 7.7-10.6 ms a layer, numpy on
 # two threads in 2.5-3.4 ms, the compiled loop (cpu_kernels.dense_pages, each key and value
-# read once) on two threads in ~1.6 (docs/benchmarks.md); below ~1k keys the
-# synchronisation costs more than it saves.
-DENSE_MIN_KEYS = 2048
+# read once) on two threads in ~1.6 (docs/benchmarks.md). A starter decode step took 50.0 ->
+# 46 ms at 512 keys this way, 53.9 -> 44.8 at 1,024, the same at 300, 1 ms more at 160 (the
+# synchronisation costs what it saves): from 384.
+DENSE_MIN_KEYS = 384
 MAX_DENSE_ROWS = 32  # decode steps: a group of up to 8 query heads, up to 4 tokens
 
 
@@ -499,7 +500,15 @@ def dense_partial(q: np.ndarray, k: np.ndarray, v: np.ndarray, pages: bool,
         if len(spans) == 1:
             return part(*spans[0])
         return merge(list(_threads().map(lambda c: part(*c), spans)))
-    return merge(cpu_kernels.share(n, part))
+    return merge(_in_order(n, part))
+
+
+def _in_order(n: int, part: Callable[[int, int], Any]) -> list[Any]:
+    """part(a, b) over [0, n) shared over the threads (`cpu_kernels.share`), the results in
+    the order of their ranges: merged in that order, a step's partials sum alike whatever
+    thread took which piece (the same logits from one run to the next)."""
+    got = cpu_kernels.share(n, lambda a, b: (a, part(a, b)))
+    return [p for _, p in sorted(got, key=lambda x: x[0])]
 
 
 def chunk_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal_rows: int
@@ -562,7 +571,7 @@ def dense_codes(q: np.ndarray, kparts: tuple[np.ndarray, ...], vparts: tuple[np.
     numpy), decoded a page at a time by the compiled loop (cpu_kernels.dense_pages_q), the
     pages shared over the threads; None where the loop cannot take them (the caller decodes in
     MLX)."""
-    parts = cpu_kernels.share(kparts[0].shape[0], lambda a, b: cpu_kernels.dense_pages_q(
+    parts = _in_order(kparts[0].shape[0], lambda a, b: cpu_kernels.dense_pages_q(
         q, kparts, vparts, bits, a, b))
     return None if any(p is None for p in parts) else merge(parts)  # type: ignore[arg-type]
 
