@@ -5,6 +5,7 @@ the SSD; and the starter model's logits alike either way."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -215,6 +216,46 @@ def test_a_step_reads_each_cold_page_once(tmp_path: Path, np_select: bool,
         store.close()
 
 
+def _layer_runs(tmp_path: Path, switch: Callable[[bool], None], sizes: list[int], seed: int,
+                buffered: bool = True, mode: str = "exact", spec: remap.RopeSpec | None = None
+                ) -> tuple[list[list[Any]], list[Any]]:
+    """Chunks of `sizes` random tokens (keys of uneven scale per dimension) through one layer
+    in `mode` (sparse: a budget of two pages and 6 blocks), over its contiguous buffer
+    (`buffered`) or its pages in RAM, after switch(True) and then after switch(False): each
+    run's outputs, and the layer's votes after each chunk of both runs."""
+    import mlx.core as mx
+
+    outs: list[list[Any]] = []
+    votes: list[Any] = []
+    for on in (True, False):
+        switch(on)
+        s = KVSettings(mode=mode, page_tokens=P, ssd_dir=tmp_path / f"kv{on}", sink_tokens=P,
+                       window_tokens=P, budget_tokens=2 * P + 6 * 8).validate()
+        store = KVStore(s, n_layers=1, kv_heads=H, head_dim=D)
+        if spec is not None:
+            remap.attach(store, spec)
+        cache = PagedLayerCache(store, 0)
+        if not buffered:
+            cache.contig_max = 0  # attention reads the pages
+        mx.random.seed(seed)
+        got = []
+        try:
+            for n in sizes:
+                k = mx.random.normal((1, H, n, D)) * mx.linspace(0.2, 3.0, D)
+                v = mx.random.normal((1, H, n, D))
+                q = mx.random.normal((1, H * REP, n, D))
+                k2, v2 = cache.update_and_fetch(k, v)
+                got.append(attention.attend(cache, q, k2, v2, D ** -0.5))
+                mx.eval(got[-1])
+                if n > 1:
+                    votes.append(store.tables[0].votes)
+            assert (cache.contig is not None) == buffered
+        finally:
+            store.close()
+        outs.append(got)
+    return outs, votes
+
+
 @pytest.mark.parametrize("buffered", [True, False])
 def test_dense_decode_in_numpy_equals_mlx(tmp_path: Path, buffered: bool,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
@@ -234,28 +275,8 @@ def test_dense_decode_in_numpy_equals_mlx(tmp_path: Path, buffered: bool,
         return real(*a, **kw)
 
     monkeypatch.setattr(cpu_select, "dense_partial", seen)  # the real one, observed
-    outs: list[list[Any]] = []
-    for flag in (True, False):
-        monkeypatch.setattr(cpu_select, "NP_DENSE", flag)
-        s = KVSettings(mode="exact", page_tokens=P, ssd_dir=tmp_path / f"kv{flag}").validate()
-        store = KVStore(s, n_layers=1, kv_heads=H, head_dim=D)
-        cache = PagedLayerCache(store, 0)
-        if not buffered:
-            cache.contig_max = 0  # attention reads the pages
-        mx.random.seed(3)
-        got = []
-        try:
-            for n in [512, 300, 1, 3, 1, 2, 1]:
-                k = mx.random.normal((1, H, n, D)) * mx.linspace(0.2, 3.0, D)
-                v = mx.random.normal((1, H, n, D))
-                q = mx.random.normal((1, H * REP, n, D))
-                k2, v2 = cache.update_and_fetch(k, v)
-                got.append(attention.attend(cache, q, k2, v2, D ** -0.5))
-                mx.eval(got[-1])
-            assert (cache.contig is not None) == buffered
-        finally:
-            store.close()
-        outs.append(got)
+    outs, _ = _layer_runs(tmp_path, lambda on: monkeypatch.setattr(cpu_select, "NP_DENSE", on),
+                          [512, 300, 1, 3, 1, 2, 1], 3, buffered)
     assert len(ran) == 5  # the five decode steps, numpy on
     for a, b in zip(*outs, strict=True):
         assert float(mx.abs(a - b).max()) < 1e-5
@@ -449,28 +470,8 @@ def test_prompt_chunks_in_numpy_equal_mlx_s_fused_attention(
         return real(*a, **kw)
 
     monkeypatch.setattr(cpu_select, "chunk_attention", seen)  # the real one, observed
-    outs: list[list[Any]] = []
-    for flag in (True, False):
-        monkeypatch.setattr(cpu_select, "NP_CHUNK", flag)
-        s = KVSettings(mode="exact", page_tokens=P, ssd_dir=tmp_path / f"kv{flag}").validate()
-        store = KVStore(s, n_layers=1, kv_heads=H, head_dim=D)
-        cache = PagedLayerCache(store, 0)
-        if not buffered:
-            cache.contig_max = 0  # attention reads the pages
-        mx.random.seed(4)
-        got = []
-        try:
-            for n in [512, 300, 64, 1]:
-                k = mx.random.normal((1, H, n, D)) * mx.linspace(0.2, 3.0, D)
-                v = mx.random.normal((1, H, n, D))
-                q = mx.random.normal((1, H * REP, n, D))
-                k2, v2 = cache.update_and_fetch(k, v)
-                got.append(attention.attend(cache, q, k2, v2, D ** -0.5))
-                mx.eval(got[-1])
-            assert (cache.contig is not None) == buffered
-        finally:
-            store.close()
-        outs.append(got)
+    outs, _ = _layer_runs(tmp_path, lambda on: monkeypatch.setattr(cpu_select, "NP_CHUNK", on),
+                          [512, 300, 64, 1], 4, buffered)
     assert ran == [512, 300, 64]  # the chunks, numpy on
     for a, b in zip(*outs, strict=True):
         assert float(mx.abs(a - b).max()) < 1e-5
@@ -527,31 +528,13 @@ def test_sparse_prompt_chunks_and_votes_in_numpy_equal_mlx_s(
         return real(*a, **kw)
 
     monkeypatch.setattr(cpu_select, "chunk_partial", seen)  # the real one, observed
-    outs, votes = [], []
-    for flag in (True, False):
-        monkeypatch.setattr(cpu_select, "NP_CHUNK", flag)
-        monkeypatch.setattr(attention, "NP_EXP_MIN", 1 << 16 if flag else 0)
-        s = KVSettings(mode="sparse", page_tokens=P, ssd_dir=tmp_path / f"kv{flag}",
-                       sink_tokens=P, window_tokens=P, budget_tokens=2 * P + 6 * 8
-                       ).validate()
-        store = KVStore(s, n_layers=1, kv_heads=H, head_dim=D)
-        remap.attach(store, spec)
-        cache = PagedLayerCache(store, 0)
-        mx.random.seed(6)
-        got = []
-        try:
-            for n in [512, 512, 512, 1, 1]:
-                k = mx.random.normal((1, H, n, D)) * mx.linspace(0.2, 3.0, D)
-                v = mx.random.normal((1, H, n, D))
-                q = mx.random.normal((1, H * REP, n, D))
-                k2, v2 = cache.update_and_fetch(k, v)
-                got.append(attention.attend(cache, q, k2, v2, D ** -0.5))
-                mx.eval(got[-1])
-                if n > 1:
-                    votes.append(store.tables[0].votes)
-        finally:
-            store.close()
-        outs.append(got)
+
+    def switch(on: bool) -> None:  # the chunks' partials, and the votes' exp past 65,536
+        monkeypatch.setattr(cpu_select, "NP_CHUNK", on)
+        monkeypatch.setattr(attention, "NP_EXP_MIN", 1 << 16 if on else 0)
+
+    outs, votes = _layer_runs(tmp_path, switch, [512, 512, 512, 1, 1], 6, buffered=False,
+                              mode="sparse", spec=spec)
     assert ran and set(ran) == {REP * 512} and len(ran) >= 3  # the chunks, numpy on
     for a, b in zip(*outs, strict=True):
         assert float(mx.abs(a - b).max()) < 1e-5
