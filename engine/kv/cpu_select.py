@@ -51,7 +51,8 @@ CHUNK_PIECE_LOGITS = 1 << 22
 # decode steps, the question after 128k stored tokens (~120 rows) and the 64-token chunks of
 # a sparse prefill past 16k (192 rows for the starter). Both of those ran faster here than in
 # MLX once numpy's BLAS kept to one thread and only the rows looked at were converted (a
-# 24k chunk 1.15x, docs/benchmarks.md). The 512-token chunks below 16k stay in MLX.
+# 24k chunk 1.15x, docs/benchmarks.md). The 512-token chunks below 16k select nothing: they
+# attend whole (`chunk_attention`).
 MAX_ROWS = 256
 
 Far = tuple[remap.RopeSpec, int, int]  # (spec, E, S): see attention._far_shift
