@@ -385,6 +385,42 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+# Seconds a SIGTERM'd server has to finish its shutdown (cancel streams, close the stores,
+# interpreter teardown) before it exits anyway: once, in CI, an exit took over 15 s after the
+# request traffic had ended, and a service manager's stop must not wait on a hang.
+STOP_GRACE_S = 10.0
+
+
+def exit_later(code: int, after: float) -> threading.Timer:
+    """A daemon timer that dumps every thread's stack to stderr (the cause of a hang) and
+    exits the process with `code` after `after` seconds, unless the process is gone by then.
+    The stores write pages atomically, so an exit mid-write loses only the pages in flight."""
+    def hard_exit() -> None:
+        import faulthandler
+        import os
+        import sys
+
+        print(f"strata: shutdown took over {after:g} s; exiting anyway", file=sys.stderr)
+        faulthandler.dump_traceback(all_threads=True)
+        sys.stderr.flush()
+        os._exit(code)
+
+    timer = threading.Timer(after, hard_exit)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _stop_within(grace: float) -> Callable[[int, Any], None]:
+    """A SIGTERM handler: stop as Ctrl-C stops (KeyboardInterrupt, exit status 130), and exit
+    130 after `grace` seconds whatever the shutdown is waiting for."""
+    def handler(signum: int, frame: Any) -> None:
+        exit_later(130, grace)
+        raise KeyboardInterrupt
+
+    return handler
+
+
 def serve(host: str = "127.0.0.1", port: int = DEFAULT_PORT, model: str = "starter",
           api_key: str | None = None, caches_per_model: int = 4,
           announce: Callable[[str], None] = print, max_batch: int = MAX_ROWS,
@@ -421,7 +457,7 @@ def serve(host: str = "127.0.0.1", port: int = DEFAULT_PORT, model: str = "start
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         announce(f"serving {name} at http://{shown}:{bound_port}/v1")
 
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    previous = signal.signal(signal.SIGTERM, _stop_within(STOP_GRACE_S))
     try:
         engine.run(preload=name, ready=ready)
     finally:

@@ -211,3 +211,27 @@ def test_usage_reports_drafted_tokens_in_openais_fields() -> None:
     assert u["completion_tokens_details"] == {"accepted_prediction_tokens": 11,
                                               "rejected_prediction_tokens": 3}
     assert u["prompt_tokens_details"] == {"cached_tokens": 32} and u["total_tokens"] == 60
+
+
+def test_a_stopped_server_whose_teardown_hangs_still_exits_130(tmp_path: Path) -> None:
+    """SIGTERM arms `exit_later`: a process whose exit waits on a thread that never ends (as
+    a hung teardown would) is ended with Ctrl-C's status after the grace period, and says
+    where it hung."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import threading\n"
+        "from engine.server.api import exit_later\n"
+        "def stuck_in_teardown():\n"
+        "    threading.Event().wait()\n"
+        "threading.Thread(target=stuck_in_teardown).start()  # not a daemon: exit waits\n"
+        "exit_later(130, 0.5)\n")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 130, done.stderr[-2000:]
+    assert time.monotonic() - start < 30
+    assert "shutdown took over 0.5 s" in done.stderr and "stuck_in_teardown" in done.stderr
