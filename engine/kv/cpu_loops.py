@@ -35,6 +35,8 @@ jit_inf = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "a
 # and the hardware prefetchers stop at every 4 KB page: asking for the pages AHEAD pages on
 # while one is attended made a starter step at 16k ~13% faster (docs/benchmarks.md).
 AHEAD = 2
+# The same for the sparse loops' blocks of 8 keys, each a random read (~0.9 us from DRAM).
+BLOCKS_AHEAD = 4
 
 
 @intrinsic
@@ -251,6 +253,9 @@ def rescore_head(q: Any, pk: Any, h: int, slots: Any, blk: Any, at: Any, b: int,
     ex = np.empty(n, np.float32)
     bits = np.empty(n, np.int32)
     for j in range(n):
+        if j + BLOCKS_AHEAD < n:  # a block's keys are a random 2 KB read: ask early
+            a = j + BLOCKS_AHEAD
+            prefetch_part(pk[slots[a], h, blk[a] * b:(blk[a] + 1) * b], 0, 1)
         # rotated back as in bound_head, written out again: a shared helper, even inlined,
         # made `choose` 0.1-0.3 ms a layer slower at 32k (alternated runs)
         st = at[j] * b
@@ -458,6 +463,10 @@ def attend_head(q: Any, pk: Any, pv: Any, h: int, slots: Any, blk: Any, delta: A
             qs = qr
         first = blk[j] * b
         slot = slots[j]
+        if j + BLOCKS_AHEAD < n:  # keys to come, and this block's values for the sums
+            a = j + BLOCKS_AHEAD
+            prefetch_part(pk[slots[a], h, blk[a] * b:(blk[a] + 1) * b], 0, 1)
+        prefetch_part(pv[slot, h, first:first + b], 0, 1)
         for t in range(b):
             kk = pk[slot, h, first + t]
             for r in range(rows):
