@@ -497,10 +497,11 @@ def attend_chosen(q: Any, pk: Any, pv: Any, chosen: Any, sink: int, hi: int, n_p
                   nb: int, b: int, turned: bool, reach: bool, end: int, trained: int,
                   slot_of: Any, identity: bool, split: int, cl: Any, sl: Any, ch: Any,
                   sh: Any, m_in: Any, l_in: Any, o_in: Any, m_out: Any, l_out: Any,
-                  o_out: Any) -> None:
+                  o_out: Any, h0: int) -> None:
     """cpu_kernels.attend_chosen: per head, the sink pages' blocks, the chosen blocks in
     position order and the window's, placed as remap.block_deltas places them when `turned`
-    (LAYOUT "reach" when `reach`, else "infllm"), attended by `attend_head`."""
+    (LAYOUT "reach" when `reach`, else "infllm"), attended by `attend_head`. Row h of q,
+    chosen and the partials is the pools' head h0 + h (a thread's share of the heads)."""
     heads, k = chosen.shape
     n_sink = sink * nb
     n = n_sink + k + (n_pages - hi) * nb
@@ -529,8 +530,8 @@ def attend_chosen(q: Any, pk: Any, pv: Any, chosen: Any, sink: int, hi: int, n_p
                 elif j < n_sink + k:
                     step = (j - n_sink) * b - top[j - n_sink] * b  # j b - s_j
                     delta[j] = max(step + E + S, 0) if near else step + W0 - K
-        attend_head(q[h], pk, pv, h, slots, blk, delta, b, split, cl, sl, ch, sh, m_in[h],
-                    l_in[h], o_in[h], m_out[h], l_out[h], o_out[h])
+        attend_head(q[h], pk, pv, h0 + h, slots, blk, delta, b, split, cl, sl, ch, sh,
+                    m_in[h], l_in[h], o_in[h], m_out[h], l_out[h], o_out[h])
 
 
 @jit  # logits are finite
