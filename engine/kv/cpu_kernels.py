@@ -249,30 +249,23 @@ def far_rescore(q: np.ndarray, keys: np.ndarray | tuple[np.ndarray, np.ndarray, 
     return out if ok else None
 
 
-# float16 bits -> float32 (the block summaries' dtype, which numba cannot read): 256 KB.
-_HALF = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(
-    np.float32)
-
-
 # The angle tables' stand-ins where nothing moves: the loops take four arrays and never look
 # them up then.
 _NO_TABLES = tuple(np.ones((1, 1), np.float32) for _ in range(4))
 
 
 def choose(pmin: np.ndarray, pmax: np.ndarray, bmin: np.ndarray, bmax: np.ndarray,
-           cache: tuple[np.ndarray, int, np.ndarray, np.ndarray], q: np.ndarray,
-           m0: np.ndarray, lo: int, c: int, n_first: int, page_run: int, nb: int, b: int,
-           far: tuple[Any, int, int] | None, tables: tuple[np.ndarray, ...] | None,
-           split: int, voted: np.ndarray | None, read_pages: int, m: int, k: int,
-           pk: np.ndarray, slot_of: np.ndarray | None) -> tuple[np.ndarray, int] | None:
+           q: np.ndarray, m0: np.ndarray, lo: int, c: int, n_first: int, page_run: int,
+           nb: int, b: int, far: tuple[Any, int, int] | None,
+           tables: tuple[np.ndarray, ...] | None, split: int, voted: np.ndarray | None,
+           read_pages: int, m: int, k: int, pk: np.ndarray, slot_of: np.ndarray | None
+           ) -> np.ndarray | None:
     """cpu_select's `bounded` and `rescore` in one loop: per KV head, the k blocks (H, k)
-    chosen among the blocks of pages [lo, lo + c), and the rows of the cache now used.
-    Past 2 n_first pages, each head's candidates are the blocks of its n_first pages of
-    highest page bound (page summaries pmin, pmax (N H, 1, D) float32: page p of head h is
-    row p H + h), else every page's. The candidates' block summaries (bmin, bmax (H, N nb,
-    D) float16) are converted once into `cache` (row of each (head, page) or -1 (H, N), rows
-    used, min and max rows (X, nb D) float32, room for H n_first more: cpu_select.page_rows'
-    cache). Then the voted blocks (H, v) are left out, only the read_pages best pages read,
+    chosen among the blocks of pages [lo, lo + c). Past 2 n_first pages, each head's
+    candidates are the blocks of its n_first pages of highest page bound (page summaries
+    pmin, pmax (N H, 1, D) float32: page p of head h is row p H + h), else every page's,
+    bounded by their block summaries (bmin, bmax (H, N nb, D) float16, read in place).
+    Then the voted blocks (H, v) are left out, only the read_pages best pages read,
     the m best by bound rescored by their true logits (queries q (H, R, D) against running
     maxima m0 (H, R); keys read in place from the RAM pool pk (slots, H, P, D) float32, page
     p in slot slot_of[p], or slot p when slot_of is None) and the k best kept. With `far`,
@@ -289,18 +282,15 @@ def choose(pmin: np.ndarray, pmax: np.ndarray, bmin: np.ndarray, bmax: np.ndarra
         if not _far_ok(q, tables, split, e, s0, lo * P):
             return None
     end = lo + c  # pages [lo, end) hold every candidate block
-    row_of, used, st_min, st_max = cache
     n_pick = n_first if c > 2 * n_first else c
     voted = np.zeros((h, 0), np.int64) if voted is None else voted
     slots = np.zeros(1, np.int64) if slot_of is None else slot_of[:end]
     if (q.dtype != np.float32 or pk.dtype != np.float32 or pmin.dtype != np.float32
             or pmax.dtype != np.float32 or pmin.shape != pmax.shape or pmin.shape[1:] != (1, d)
             or len(pmin) < end * h or bmin.dtype != np.float16 or bmax.shape != bmin.shape
-            or bmin.shape[0] != h or bmin.shape[1] < end * nb or bmin.shape[2] != d
-            or not (bmin.flags.c_contiguous and bmax.flags.c_contiguous)
-            or row_of.dtype != np.int64 or row_of.shape[0] != h or row_of.shape[1] < end
-            or st_min.shape != st_max.shape or st_min.shape[1] != nb * d
-            or used + h * n_pick > len(st_min) or pk.ndim != 4 or pk.shape[1] < h
+            or bmin.shape[0] != h or bmin.shape[1] < end * nb or bmin.shape[1] % nb
+            or bmin.shape[2] != d or not (bmin.flags.c_contiguous and bmax.flags.c_contiguous)
+            or pk.ndim != 4 or pk.shape[1] < h
             or pk.shape[2] != P or pk.shape[3] != d or voted.shape[0] != h
             or m0.shape != (h, r) or not 0 < k <= min(m, n_pick * nb) or c < 1
             or _loops() is None):
@@ -312,13 +302,11 @@ def choose(pmin: np.ndarray, pmax: np.ndarray, bmin: np.ndarray, bmax: np.ndarra
             len(slots) < end or slots[lo:].min() < 0 or slots[lo:].max() >= len(pk)):
         return None
     out = np.empty((h, k), np.int64)
-    now = np.array([used], np.int64)  # the loop adds the rows it converts
     ok = _run("choose", pmin, pmax, bmin.view(np.uint16).reshape(h, -1),
-              bmax.view(np.uint16).reshape(h, -1), _HALF, row_of, st_min, st_max, now, q,
-              _f32(m0), lo, c, n_first, page_run, nb, b, e, s0, split, *tables,
-              voted.astype(np.int64, copy=False), end * nb, read_pages, m, pk,
-              slots.astype(np.int64, copy=False), slot_of is None, out)
-    return (out, int(now[0])) if ok else None
+              bmax.view(np.uint16).reshape(h, -1), q, _f32(m0), lo, c, n_first, page_run, nb,
+              b, e, s0, split, *tables, voted.astype(np.int64, copy=False), end * nb,
+              read_pages, m, pk, slots.astype(np.int64, copy=False), slot_of is None, out)
+    return out if ok else None
 
 
 def _in_pool(pk: np.ndarray, slots: np.ndarray, blk: np.ndarray, b: int, h: int) -> bool:

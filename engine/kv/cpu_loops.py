@@ -18,7 +18,7 @@ import numpy as np
 from llvmlite import ir
 from numba.core import cgutils
 from numba.core import types as nbt
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 # LLVM's SLP vectorizer (numba leaves it off) packs runs of scalar accumulators into vector
 # registers (`weigh_values`); it must be on before the first compilation in the process.
@@ -67,6 +67,35 @@ def prefetch_part(a: Any, part: int, parts: int) -> None:
     per = (lines + parts - 1) // parts
     for j in range(part * per, min(lines, (part + 1) * per)):
         _prefetch(a, j * 64)  # type: ignore[call-arg]  # (numba supplies typingctx)
+
+
+@intrinsic
+def _half(typingctx: Any, bits: Any) -> Any:
+    """The float16 whose bits are the uint16 `bits`, as float32 (vcvtph2ps on x86-64)."""
+    sig = nbt.float32(nbt.uint16)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+def as_f32(x: Any) -> Any:
+    """x as float32: float16 bits (uint16) decoded, a float converted (compiled code only)."""
+    raise NotImplementedError("as_f32 runs in compiled loops only")
+
+
+@overload(as_f32)
+def _as_f32(x: Any) -> Any:
+    if x == nbt.uint16:
+        def decoded(x: Any) -> Any:
+            return _half(x)  # type: ignore[call-arg]  # (numba supplies typingctx)
+        return decoded
+    if isinstance(x, nbt.Float):
+        def converted(x: Any) -> Any:
+            return np.float32(x)
+        return converted
+    return None
 
 
 @jit
@@ -187,8 +216,9 @@ def far_bound(bmin: Any, bmax: Any, at: Any, q: Any, m: Any, starts: Any, e: int
 def bound_head(bmin: Any, bmax: Any, at: Any, q: Any, m: Any, starts: Any, e: int, s0: int,
                group: int, split: int, cl: Any, sl: Any, ch: Any, sh: Any, out: Any) -> None:
     """One head's far bound into out (n,): candidate j has the summaries bmin/bmax[at[j //
-    per], j % per]; q (R, D), m (R,), starts (n,); each run of `group` candidates scored with
-    q rotated back by its first start's far shift (none from E on)."""
+    per], j % per] (float32, or float16 as uint16 bits); q (R, D), m (R,), starts (n,); each
+    run of `group` candidates scored with q rotated back by its first start's far shift
+    (none from E on)."""
     n = out.shape[0]
     per, dim = bmax.shape[1], bmax.shape[2]
     rows = q.shape[0]
@@ -202,6 +232,8 @@ def bound_head(bmin: Any, bmax: Any, at: Any, q: Any, m: Any, starts: Any, e: in
     total = np.empty(n, np.float32)
     ex = np.empty(n, np.float32)
     bits = np.empty(n, np.int32)
+    hs = np.empty(dim, np.float32)  # a candidate's summaries as float32, read once
+    ls = np.empty(dim, np.float32)
     for j0 in range(0, n, group):
         st = starts[j0]
         if st < e:
@@ -217,10 +249,13 @@ def bound_head(bmin: Any, bmax: Any, at: Any, q: Any, m: Any, starts: Any, e: in
         for j in range(j0, min(n, j0 + group)):
             hi_ = bmax[at[j // per], j % per]
             lo_ = bmin[at[j // per], j % per]
+            for i in range(dim):
+                hs[i] = as_f32(hi_[i])
+                ls[i] = as_f32(lo_[i])
             for r in range(rows):
                 acc = np.float32(0.0)
                 for i in range(dim):
-                    acc += qp[r, i] * hi_[i] + qn[r, i] * lo_[i]
+                    acc += qp[r, i] * hs[i] + qn[r, i] * ls[i]
                 x[r, j] = acc - m[r]
     lse_cols(x, out, top, total, ex, bits)
 
@@ -302,17 +337,16 @@ def top_k(x: Any, k: int, idx: Any) -> None:
 
 
 @jit_inf
-def choose(pmin: Any, pmax: Any, bmin16: Any, bmax16: Any, lut: Any, row_of: Any,
-           st_min: Any, st_max: Any, used: Any, q: Any, m0: Any, lo: int, c: int,
+def choose(pmin: Any, pmax: Any, bmin16: Any, bmax16: Any, q: Any, m0: Any, lo: int, c: int,
            n_first: int, page_run: int, nb: int, b: int, e: int, s0: int, split: int,
            cl: Any, sl: Any, ch: Any, sh: Any, voted: Any, n_blocks: int, read_pages: int,
            m: int, pk: Any, slot_of: Any, identity: bool, out: Any) -> None:
-    """cpu_kernels.choose into out (H, k), used[0]: the rows of st_min/st_max in use. With
-    more than 2 n_first candidate pages, each head's n_first best by the page bound (pools
-    pmin/pmax (N H, 1, D): page p of head h is row p H + h; far runs of page_run pages),
-    else every page; their blocks' float16 summaries (bmin16/bmax16 (H, N nb D) as uint16,
-    decoded by `lut`) converted once into rows of st_min/st_max (X, nb D) as
-    cpu_select.page_rows keeps them (row_of (H, N)); then `choose_blocks`."""
+    """cpu_kernels.choose into out (H, k). With more than 2 n_first candidate pages, each
+    head's n_first best by the page bound (pools pmin/pmax (N H, 1, D): page p of head h is
+    row p H + h; far runs of page_run pages), else every page; then `choose_blocks` over
+    their blocks' float16 summaries (bmin16/bmax16 (H, N nb D) as uint16 bits), read where
+    they lie: a float32 copy of the rows read (the loop's cache before) doubled the bytes a
+    step reads and cost conversions whenever the candidates moved."""
     heads = q.shape[0]
     dim = q.shape[2]
     P = nb * b
@@ -333,22 +367,13 @@ def choose(pmin: Any, pmax: Any, bmin16: Any, bmax16: Any, lut: Any, row_of: Any
         for h in range(heads):
             for i in range(c):
                 first[h, i] = i
-    width = nb * dim
-    rows = np.empty((heads, n_pick), np.int64)
+    pages = bmin16.shape[1] // (nb * dim)
+    rows = np.empty((heads, n_pick), np.int64)  # head h's page p is row h N + p
     for h in range(heads):
         for i in range(n_pick):
-            page = first[h, i] + lo
-            if row_of[h, page] < 0:
-                at = page * width
-                u = used[0]
-                for x in range(width):
-                    st_min[u, x] = lut[bmin16[h, at + x]]
-                    st_max[u, x] = lut[bmax16[h, at + x]]
-                row_of[h, page] = u
-                used[0] = u + 1
-            rows[h, i] = row_of[h, page]
-    choose_blocks(st_min.reshape((st_min.shape[0], nb, dim)),
-                  st_max.reshape((st_max.shape[0], nb, dim)), rows, first, q, m0, lo, nb, b,
+            rows[h, i] = h * pages + first[h, i] + lo
+    choose_blocks(bmin16.reshape((heads * pages, nb, dim)),
+                  bmax16.reshape((heads * pages, nb, dim)), rows, first, q, m0, lo, nb, b,
                   e, s0, split, cl, sl, ch, sh, voted, n_blocks, read_pages, c, m, pk,
                   slot_of, identity, out)
 

@@ -290,19 +290,12 @@ def choose(store: Any, layer: int, q: np.ndarray, m0: np.ndarray, n_pages: int, 
         return None
     b = table.block_tokens
     nb = table.page_tokens // b
-    h, _, d = q.shape
-    c = hi - lo
     pmin, pmax = page_pools(table)
-    st = row_cache(table, h, nb, d, h * (n_first if c > 2 * n_first else c))
     bmin, bmax = (np.asarray(a) for a in table.block_summaries)
-    got = cpu_kernels.choose(
-        pmin, pmax, bmin, bmax, (st[0], st[1], st[2], st[3]), q, m0, lo, c, n_first,
-        page_run, nb, b, far, None if far is None else remap._split_tables(far[0]),
-        remap.SPLIT, voted, read_pages, m, k, pk, None if table.identity else table.slot_of)
-    if got is None:
-        return None
-    st[1] = got[1]
-    return got[0]
+    return cpu_kernels.choose(
+        pmin, pmax, bmin, bmax, q, m0, lo, hi - lo, n_first, page_run, nb, b, far,
+        None if far is None else remap._split_tables(far[0]), remap.SPLIT, voted, read_pages,
+        m, k, pk, None if table.identity else table.slot_of)
 
 
 def bounded(table: Any, q: np.ndarray, m0: np.ndarray, n_pages: int, lo: int, hi: int,

@@ -210,24 +210,15 @@ def test_choose_equals_bounded_then_rescore(n_first: int, moved: bool,
 
     want = cpu_select.rescore(q, m0, sc, k, m, cand, lo, nb, b, far, keys_of, pool_of)
     pmin, pmax = (a.reshape(-1, 1, d) for a in (table.kmin, table.kmax))
-    table.np_rows = None  # the block summaries converted afresh, in the loop
 
-    def run(slots: np.ndarray) -> tuple[np.ndarray, int] | None:
-        st = cpu_select.row_cache(table, h, nb, d, h * min(hi - lo, n_first))
-        return cpu_kernels.choose(pmin, pmax, *table.block_summaries, tuple(st), q, m0, lo,
-                                  hi - lo, n_first, 4, nb, b, far, remap._split_tables(SPEC),
+    def run(slots: np.ndarray) -> np.ndarray | None:
+        return cpu_kernels.choose(pmin, pmax, *table.block_summaries, q, m0, lo, hi - lo,
+                                  n_first, 4, nb, b, far, remap._split_tables(SPEC),
                                   remap.SPLIT, voted, read_pages, m, k, pk, slots)
 
-    got, used = run(slot_of) or (None, 0)
+    got = run(slot_of)
     assert got is not None and got.shape == (h, k)
     np.testing.assert_array_equal(np.sort(got, axis=1), np.sort(want, axis=1))
-    # each (head, page) looked at converted once, as page_rows converts it
-    row_of = table.np_rows[0]
-    assert used == (row_of >= 0).sum() == h * min(hi - lo, n_first)
-    for i, page in zip(*np.nonzero(row_of >= 0), strict=True):
-        np.testing.assert_array_equal(
-            table.np_rows[2][row_of[i, page]],
-            table.block_summaries[0][i, page * nb:(page + 1) * nb].astype(np.float32).ravel())
     if voted is not None:
         assert not any(np.isin(voted[i], got[i]).any() for i in range(h))
     # a slot past the pool is never read: the loop steps aside
