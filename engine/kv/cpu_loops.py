@@ -477,14 +477,18 @@ def attend_head(q: Any, pk: Any, pv: Any, h: int, slots: Any, blk: Any, delta: A
     qq = np.empty((rows, dim), np.float32)  # local: LLVM sees the logits' stores miss it
     qr = np.empty((rows, dim), np.float32)
     qq[:] = q
+    turned = 0  # the shift qr holds the rows turned by (0: none yet)
     for j in range(n):  # logits
         d = delta[j]
         qs = qq
         if d != 0:
-            # q . R(d) k = R(-d) q . k: the rows rotated back, not the block's b keys
-            angles(-d, split, cl, sl, ch, sh, c, s)
-            for r in range(rows):
-                turn(qq[r], c, s, qr[r])
+            # q . R(d) k = R(-d) q . k: the rows rotated back, not the block's b keys; the
+            # sinks share one shift, and so do neighbouring chosen blocks (turned once)
+            if d != turned:
+                angles(-d, split, cl, sl, ch, sh, c, s)
+                for r in range(rows):
+                    turn(qq[r], c, s, qr[r])
+                turned = d
             qs = qr
         first = blk[j] * b
         slot = slots[j]
