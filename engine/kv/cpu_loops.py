@@ -492,10 +492,9 @@ def attend_head(q: Any, pk: Any, pv: Any, h: int, slots: Any, blk: Any, delta: A
             qs = qr
         first = blk[j] * b
         slot = slots[j]
-        if j + BLOCKS_AHEAD < n:  # keys to come, and this block's values for the sums
+        if j + BLOCKS_AHEAD < n:  # keys to come
             a = j + BLOCKS_AHEAD
             prefetch_part(pk[slots[a], h, blk[a] * b:(blk[a] + 1) * b], 0, 1)
-        prefetch_part(pv[slot, h, first:first + b], 0, 1)
         for t in range(b):
             kk = pk[slot, h, first + t]
             for r in range(rows):
@@ -517,6 +516,9 @@ def attend_head(q: Any, pk: Any, pv: Any, h: int, slots: Any, blk: Any, delta: A
             o[r, i] = o_in[r, i] * was
     for j in range(n):  # weights x values, a block at a time read in place
         first = blk[j] * b
+        if j + BLOCKS_AHEAD < n:  # values to come (asked for with the keys, 10-16% slower)
+            a = j + BLOCKS_AHEAD
+            prefetch_part(pv[slots[a], h, blk[a] * b:(blk[a] + 1) * b], 0, 1)
         weigh_values(p[:, j * b:(j + 1) * b], pv[slots[j], h, first:first + b], 0, dv, o, 0)
     o_out[:] = o
 
