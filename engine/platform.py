@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine import matvec
 from engine.errors import StrataError
 
 if TYPE_CHECKING:
@@ -37,8 +38,9 @@ def preload_blas() -> str | None:
     """Load the system OpenBLAS globally on Linux so MLX's CPU matmuls use it.
 
     MLX's Linux wheel links a slow reference BLAS; symbols already loaded with RTLD_GLOBAL
-    win over it (about 30x on float32 matmul here). Returns the library loaded, or None.
-    Set STRATA_NO_BLAS_SHIM=1 to measure without it.
+    win over it (about 30x on float32 matmul here). Ahead of it goes engine.matvec's
+    cblas_sgemm, which sends one-row products to sgemv (where a C compiler built it).
+    Returns the library loaded, or None. Set STRATA_NO_BLAS_SHIM=1 to measure without both.
     """
     global _blas_path
     if _blas_path is not None or not sys.platform.startswith("linux"):
@@ -50,9 +52,12 @@ def preload_blas() -> str | None:
         return None
     for candidate in _BLAS_CANDIDATES:
         try:
-            ctypes.CDLL(candidate, mode=os.RTLD_GLOBAL)
+            local = ctypes.CDLL(candidate)  # RTLD_LOCAL: its own sgemm, for the shim below
         except OSError:
             continue
+        # First in the global scope, so MLX's one-row products reach it (engine.matvec).
+        matvec.load(default_cache(), local)
+        ctypes.CDLL(candidate, mode=os.RTLD_GLOBAL)
         _blas_path = candidate
         return candidate
     return None
@@ -175,10 +180,15 @@ def numpy_blas_one_thread() -> bool:
 
 
 def blas_status() -> str:
-    """Which BLAS MLX's CPU path uses: 'openblas (path)', 'reference' or 'accelerate'."""
+    """Which BLAS MLX's CPU path uses: 'openblas (path), one-row products as sgemv' (or
+    with why not: engine.matvec), 'reference' or 'accelerate'."""
     if sys.platform == "darwin":
         return "accelerate"
-    return f"openblas ({_blas_path})" if _blas_path else "reference"
+    if not _blas_path:
+        return "reference"
+    gemv = matvec.status()
+    return f"openblas ({_blas_path}), " + (
+        "one-row products as sgemv" if gemv == "on" else f"sgemv shim {gemv}")
 
 
 def select_device() -> None:

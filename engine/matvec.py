@@ -1,0 +1,94 @@
+"""One-row matrix products as matrix-vector products, for MLX on Linux CPU with OpenBLAS.
+
+Contract: `load(cache, openblas)` compiles matvec.c (beside this file) once per machine and
+source into `cache/native/`, with the C compiler `cc` (or $CC), loads it with RTLD_GLOBAL
+and hands it OpenBLAS's sgemm and sgemv; it must run before OpenBLAS is loaded globally and
+before the first `import mlx.core`, so that MLX's matmul finds its `cblas_sgemm` first
+(engine.platform.preload_blas calls it so). A row-major product with one row (each
+projection of a decode step) then runs as one sgemv, every other as before.
+Where no compiler or no OpenBLAS is found nothing is loaded and MLX runs on OpenBLAS's
+sgemm as before: slower decode, the same products up to float rounding. `status()` says
+which; `forwarded()` counts the products sent to sgemv (the tests check MLX's path).
+STRATA_NO_MATVEC=1 leaves it out (to measure without it).
+
+Why: OpenBLAS 0.3.21 (Debian 12) packs B for every sgemm, one row of A included (later
+versions forward those to gemv). A starter decode step at depth 0 took 44 ms with it and
+25 ms with sgemv (docs/benchmarks.md). Nothing here imports mlx.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+SOURCE = Path(__file__).with_name("matvec.c")
+COMPILE_TIMEOUT_S = 60
+_state: dict[str, Any] = {"lib": None, "why": "not loaded"}
+
+
+def _built(cache: Path) -> Path:
+    """The shared library for this source and machine, compiled into `cache/native/` unless
+    there already (written under a temporary name and renamed: processes starting at once
+    each compile, and each rename is whole). Raises OSError or SubprocessError."""
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:16]
+    out = cache / "native" / f"libstrata-matvec-{key}.so"
+    if out.exists():
+        return out
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise OSError("no C compiler (cc) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE)],
+                       check=True, capture_output=True, timeout=COMPILE_TIMEOUT_S)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def load(cache: Path, openblas: Any) -> bool:
+    """Compile (once) and load the library globally, pointed at `openblas`'s cblas_sgemm and
+    cblas_sgemv (a ctypes handle loaded locally: its own symbols, where the global scope's
+    cblas_sgemm is ours from here on). False, with the reason in `status()`, where it
+    cannot be (no compiler, a failed compile, STRATA_NO_MATVEC=1): nothing is loaded then."""
+    if _state["lib"] is not None:
+        return True
+    if os.environ.get("STRATA_NO_MATVEC") == "1":
+        _state["why"] = "off (STRATA_NO_MATVEC=1)"
+        return False
+    try:
+        # Both looked up first: loaded globally and not attached, the library's cblas_sgemm
+        # would jump to NULL.
+        gemm = ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p)
+        gemv = ctypes.cast(openblas.cblas_sgemv, ctypes.c_void_p)
+        path = _built(cache)
+        lib = ctypes.CDLL(str(path), mode=os.RTLD_GLOBAL)
+    except (OSError, AttributeError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        _state["why"] = f"not built ({e}{': ' + detail.decode()[:200] if detail else ''})"
+        return False
+    lib.strata_matvec_attach(gemm, gemv)
+    lib.strata_matvec_count.restype = ctypes.c_ulonglong
+    _state["lib"] = lib
+    _state["why"] = "on"
+    return True
+
+
+def status() -> str:
+    """'on', or why not ('off (...)', 'not built (...)', 'not loaded')."""
+    return str(_state["why"])
+
+
+def forwarded() -> int:
+    """One-row products sent to sgemv so far in this process (0 when not on)."""
+    lib = _state["lib"]
+    return int(lib.strata_matvec_count()) if lib is not None and status() == "on" else 0
