@@ -5,7 +5,8 @@
 set -e
 [ "$(uname -s)" = "Linux" ] || exit 0
 command -v apt-get >/dev/null 2>&1 || { echo "system-deps: not Debian; install OpenBLAS and Qt's libraries yourself" >&2; exit 0; }
-# g++ and cmake build llama-cpp-python (the tests' GGUF reference; scripts/llama-cpp.sh).
+# g++ and cmake build llama-cpp-python (the tests' GGUF reference; scripts/llama-cpp.sh); the
+# C compiler g++ brings builds engine/matvec.c (MLX's one-row products as sgemv) on first use.
 PKGS="libopenblas0-pthread libgl1 libegl1 libxkbcommon0 libfontconfig1 libdbus-1-3 libglib2.0-0 g++ cmake"
 # Qt's xcb platform plugin (a desktop window): what `ldd` on PySide6's plugins/platforms/
 # libqxcb.so and lib/libQt6XcbQpa.so.6 needs beyond the above (Qt 6.5+ requires xcb-cursor).
