@@ -71,7 +71,11 @@ def load(cache: Path, openblas: Any) -> bool:
         gemm = ctypes.cast(openblas.cblas_sgemm, ctypes.c_void_p)
         gemv = ctypes.cast(openblas.cblas_sgemv, ctypes.c_void_p)
         path = _built(cache)
-        lib = ctypes.CDLL(str(path), mode=os.RTLD_GLOBAL)
+        try:
+            lib = ctypes.CDLL(str(path), mode=os.RTLD_GLOBAL)
+        except OSError:  # a damaged file in the cache (renames are whole): built again
+            path.unlink(missing_ok=True)
+            lib = ctypes.CDLL(str(_built(cache)), mode=os.RTLD_GLOBAL)
     except (OSError, AttributeError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
         _state["why"] = f"not built ({e}{': ' + detail.decode()[:200] if detail else ''})"

@@ -85,6 +85,10 @@ def test_a_fresh_cache_builds_the_shim_once_and_no_compiler_leaves_it_out(
     assert again.returncode == 0 and json.loads(again.stdout)["status"] == "on"
     assert built.stat().st_mtime_ns == stamp
     assert [p.name for p in built.parent.iterdir()] == [built.name]  # no temporary left
+    built.write_bytes(b"not a shared library")  # damaged in the cache: built again
+    mended = _python(_PROBE, tmp_path / "a")
+    assert mended.returncode == 0 and json.loads(mended.stdout)["status"] == "on"
+    assert built.read_bytes()[:4] == b"\x7fELF"
 
     # No compiler on PATH and nothing cached: MLX runs on OpenBLAS's sgemm, as before.
     bare = tmp_path / "bin"
