@@ -285,9 +285,34 @@ def _partial_recent(qg: Any, k: Any, v: Any, L: int) -> _Partial:
     return _stats(s, v)
 
 
+def _recent(qg: Any, k: Any, v: Any, L: int) -> _Partial:
+    """`_partial_recent`; for a decode step on the CPU that the numpy steps take (float32),
+    in numpy, as numpy arrays: MLX's seven small ops took ~100 us a layer, numpy ~15
+    (docs/benchmarks.md). Whoever attends in MLX after it converts it (`_as_mx`)."""
+    if not (L <= SPARSE_MAX_L and qg.dtype == k.dtype == v.dtype == mx.float32
+            and cpu_select.enabled(qg.shape[1])):
+        return _partial_recent(qg, k, v, L)
+    mx.eval(qg, k, v)
+    return cpu_select.recent_partial(cpu_select.to_np(qg), np.asarray(k), np.asarray(v), L)
+
+
+def _as_mx(acc: _Partial | None) -> _Partial | None:
+    """A partial as MLX arrays (`_recent`'s numpy one, where MLX attends next)."""
+    if acc is None or not isinstance(acc[0], np.ndarray):
+        return acc
+    return mx.array(acc[0]), mx.array(acc[1]), mx.array(acc[2])
+
+
+def _lazy(acc: _Partial | None) -> tuple[Any, ...]:
+    """The MLX arrays of a partial, to evaluate (none of a numpy one)."""
+    return () if acc is None else tuple(a for a in acc if isinstance(a, mx.array))
+
+
 def _merge(a: _Partial | None, b: _Partial) -> _Partial:
     if a is None:
         return b
+    a = _as_mx(a)
+    assert a is not None
     m = mx.maximum(a[0], b[0])
     ea, eb = mx.exp(a[0] - m), mx.exp(b[0] - m)
     return m, a[1] * ea + b[1] * eb, a[2] * ea[..., None] + b[2] * eb[..., None]
@@ -355,7 +380,7 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
     r = (hq // h) * L
     dv = values.shape[-1]
     qg = (queries * scale).reshape(h, r, d)
-    recent = _partial_recent(qg, rk, rv, L)
+    recent = _recent(qg, rk, rv, L)
     acc: _Partial | None = recent
     if n_pages:
         settings = store.settings
@@ -471,7 +496,7 @@ def _exact(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial | None) 
         # A decode step over pages all in RAM: compiled loops (or numpy), on the CPU's cores
         # at once; quantized pages decoded a page at a time into L1 (without the loops, MLX
         # decodes them below: no wait on MLX for nothing).
-        mx.eval(view, qg, *(() if acc is None else acc))
+        mx.eval(view, qg, *_lazy(acc))
         q = cpu_select.to_np(qg)
         if codec.quantized:
             part = cpu_select.dense_codes(q, tuple(np.asarray(a) for a in view[0]),
@@ -936,7 +961,7 @@ def _select_np(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial, sta
     lo = sink
     # One synchronisation for the query and the whole recent partial (attend_blocks reads
     # all three next): one each cost two more waits on MLX's stream a layer.
-    mx.eval(qg, *acc)
+    mx.eval(qg, *_lazy(acc))
     q, m0 = cpu_select.to_np(qg), cpu_select.to_np(acc[0])
     if held is not None and acc[1] is not None and acc[2] is not None:
         held.np_in = (q, (m0, cpu_select.to_np(acc[1]), cpu_select.to_np(acc[2])))

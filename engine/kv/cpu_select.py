@@ -86,7 +86,9 @@ def chunk_enabled(rows: int, keys: int, *dtypes: Any) -> bool:
 
 def to_np(a: Any) -> np.ndarray:
     """A float32 (or integer) numpy array of MLX array `a`, evaluated; no copy when `a` is
-    float32 and contiguous already."""
+    float32 and contiguous already (a numpy array as it is)."""
+    if isinstance(a, np.ndarray):
+        return a
     if a.dtype in (mx.float16, mx.bfloat16):
         a = a.astype(mx.float32)
     return np.asarray(a)
@@ -453,6 +455,18 @@ def _flat_part(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | N
     s -= m[..., None]
     np.exp(s, out=s)
     return m, s.sum(axis=-1), s @ v
+
+
+def recent_partial(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal_rows: int) -> Partial:
+    """The softmax partial of a decode step's queries q (H, R, D) (scaled) over the recent
+    keys k, v (H, T, D) whose last `causal_rows` are the step's own tokens (rows rep-major:
+    causal among those), on this thread (a few hundred keys: the threads' handoff would
+    cost more)."""
+    mask = None
+    if causal_rows > 1:
+        t = causal_rows
+        mask = np.tile(np.triu(np.ones((t, t), np.bool_), 1), (q.shape[1] // t, 1))
+    return _flat_part(q, k, v, mask)
 
 
 def merge(parts: list[Partial]) -> Partial:
