@@ -308,6 +308,39 @@ def bound_head(bmin: Any, bmax: Any, at: Any, q: Any, m: Any, starts: Any, e: in
     lse_cols(x, out, top, total, ex, bits)
 
 
+@jit
+def key_logits(q: Any, r: int, pk: Any, slot: int, h: int, t0: int, b: int, out: Any,
+               row: int, col: int) -> None:
+    """Row r of q (R, D) dotted with each of the b keys pk[slot, h, t0:t0 + b] into
+    out[row, col:col + b]: four keys' sums at once (they share each load of the row, where
+    one sum a key waited on its own reduction), each key indexed in place (a view a key
+    cost more than its sums)."""
+    dim = q.shape[1]
+    t = 0
+    while t + 4 <= b:
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        a3 = np.float32(0.0)
+        for i in range(dim):
+            qv = q[r, i]
+            a0 += qv * pk[slot, h, t0 + t, i]
+            a1 += qv * pk[slot, h, t0 + t + 1, i]
+            a2 += qv * pk[slot, h, t0 + t + 2, i]
+            a3 += qv * pk[slot, h, t0 + t + 3, i]
+        out[row, col + t] = a0
+        out[row, col + t + 1] = a1
+        out[row, col + t + 2] = a2
+        out[row, col + t + 3] = a3
+        t += 4
+    while t < b:
+        acc = np.float32(0.0)
+        for i in range(dim):
+            acc += q[r, i] * pk[slot, h, t0 + t, i]
+        out[row, col + t] = acc
+        t += 1
+
+
 @jit_inf
 def far_rescore(q: Any, pk: Any, slots: Any, blk: Any, at: Any, b: int, m0: Any, e: int,
                 s0: int, split: int, cl: Any, sl: Any, ch: Any, sh: Any, out: Any) -> None:
@@ -335,6 +368,7 @@ def rescore_head(q: Any, pk: Any, h: int, slots: Any, blk: Any, at: Any, b: int,
     total = np.empty(n, np.float32)
     ex = np.empty(n, np.float32)
     bits = np.empty(n, np.int32)
+    lg = np.empty((1, b), np.float32)
     for j in range(n):
         if j + BLOCKS_AHEAD < n:  # a block's keys are a random 2 KB read: ask early
             a = j + BLOCKS_AHEAD
@@ -347,30 +381,11 @@ def rescore_head(q: Any, pk: Any, h: int, slots: Any, blk: Any, at: Any, b: int,
             turn_rows(q, c, s, qq)
         else:
             qq[:] = q
-        slot = slots[j]
-        t0 = blk[j] * b
         for r in range(rows):
-            best = np.float32(-np.inf)
-            t = 0
-            while t + 4 <= b:  # four keys' sums at once, each key indexed in place
-                a0 = np.float32(0.0)
-                a1 = np.float32(0.0)
-                a2 = np.float32(0.0)
-                a3 = np.float32(0.0)
-                for i in range(dim):
-                    qv = qq[r, i]
-                    a0 += qv * pk[slot, h, t0 + t, i]
-                    a1 += qv * pk[slot, h, t0 + t + 1, i]
-                    a2 += qv * pk[slot, h, t0 + t + 2, i]
-                    a3 += qv * pk[slot, h, t0 + t + 3, i]
-                best = max(best, max(max(a0, a1), max(a2, a3)))
-                t += 4
-            while t < b:
-                acc = np.float32(0.0)
-                for i in range(dim):
-                    acc += qq[r, i] * pk[slot, h, t0 + t, i]
-                best = max(best, acc)
-                t += 1
+            key_logits(qq, r, pk, slots[j], h, blk[j] * b, b, lg, 0, 0)
+            best = lg[0, 0]
+            for t in range(1, b):
+                best = max(best, lg[0, t])
             x[r, j] = best - m0[r]
     lse_cols(x, out, top, total, ex, bits)
 
@@ -551,35 +566,11 @@ def attend_head(q: Any, pk: Any, pv: Any, h: int, slots: Any, blk: Any, delta: A
                 turn_rows(qq, c, s, qr)
                 turned = d
             qs = qr
-        first = blk[j] * b
-        slot = slots[j]
         if j + BLOCKS_AHEAD < n:  # keys to come
             a = j + BLOCKS_AHEAD
             prefetch_block(pk, slots[a], h, blk[a] * b, b)
         for r in range(rows):
-            t = 0
-            while t + 4 <= b:  # four keys' logits at once, as rescore_head
-                a0 = np.float32(0.0)
-                a1 = np.float32(0.0)
-                a2 = np.float32(0.0)
-                a3 = np.float32(0.0)
-                for i in range(dim):
-                    qv = qs[r, i]
-                    a0 += qv * pk[slot, h, first + t, i]
-                    a1 += qv * pk[slot, h, first + t + 1, i]
-                    a2 += qv * pk[slot, h, first + t + 2, i]
-                    a3 += qv * pk[slot, h, first + t + 3, i]
-                p[r, j * b + t] = a0
-                p[r, j * b + t + 1] = a1
-                p[r, j * b + t + 2] = a2
-                p[r, j * b + t + 3] = a3
-                t += 4
-            while t < b:
-                acc = np.float32(0.0)
-                for i in range(dim):
-                    acc += qs[r, i] * pk[slot, h, first + t, i]
-                p[r, j * b + t] = acc
-                t += 1
+            key_logits(qs, r, pk, slots[j], h, blk[j] * b, b, p, r, j * b)
     for r in range(rows):  # softmax partial: max, exp, sum, merged with the given one
         big = max(row_max(p, r), m_in[r])
         top[:] = big
