@@ -64,8 +64,10 @@ def rope_fields(model: Any) -> dict[str, Any]:
         return {}
     layers = getattr(model, "layers", None) or []
     attn = getattr(layers[0], "self_attn", None) if len(layers) else None
-    rope = getattr(attn, "rope", None)
-    if type(rope) is not nn.RoPE:  # YaRN, llama3, SuScaled...: their own scaling stays
+    rope: Any = getattr(attn, "rope", None)
+    # YaRN, llama3, SuScaled...: their own scaling stays (`plain_class`: the class before
+    # engine.runtime.model gave it a compiled one-position path)
+    if getattr(type(rope), "plain_class", type(rope)) is not nn.RoPE:
         return {}
     return {"rope_dims": int(rope.dims), "rope_traditional": bool(rope.traditional),
             "rope_base": float(rope.base), "rope_scale": float(rope.scale),

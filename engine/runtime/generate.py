@@ -56,6 +56,7 @@ from engine.platform import (
 from engine.runtime.fit import chosen_context
 from engine.runtime.model import (
     cache_module,
+    compile_one_row_ops,
     cpu_swiglu,
     ensure_mlx_lm,
     head_on_last_row,
@@ -215,6 +216,7 @@ class LoadedModel:
         lm = cls(model, config, tokenizer, manifest, profile, timeline)
         lm.head_last_row = head_on_last_row(model, config)
         cpu_swiglu(config)
+        compile_one_row_ops(model)
         if warm_up:
             with timeline.phase("warm-up"):
                 lm.warm_up()

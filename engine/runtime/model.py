@@ -10,7 +10,9 @@ that scales already (Llama 3's llama3, YaRN, longrope, linear), the config is us
 position only, inside `last_row_head()`: the logits the reply samples from are the same, and
 the head's other rows (a fifth of a small model's prefill arithmetic) are never computed.
 `cpu_swiglu(config)` gives mlx-lm's SwiGLU models, on MLX's CPU backend, an exp MLX computes
-faster there (`fast_swiglu`).
+faster there (`fast_swiglu`). `compile_one_row_ops(model)` gives its RoPE and RMSNorm modules,
+on MLX's CPU backend, one compiled graph for a decode step's single position (the same
+numbers; mx.fast's ops are a dozen plain ops there).
 Importing `mlx_lm` as a package pulls in transformers (about 0.65 s); we register a bare
 package module instead so that only `mlx_lm.models.*` load. If the real `mlx_lm` is
 already imported, it is used as is.
@@ -358,14 +360,16 @@ _head_classes: dict[tuple[type, type], type] = {}
 
 def _as_head(mod: Any, mixin: type) -> None:
     # A subclass of the module's own class: its parameters, their names and isinstance
-    # checks stay as they were; only the head's input is cut inside `last_row_head`.
+    # checks stay as they were; only what the mixin's __call__ does first changes
+    # (`plain_class` gives back the class it was).
     cls = type(mod)
     if issubclass(cls, mixin):
         return
     key = (mixin, cls)
     if key not in _head_classes:
         _head_classes[key] = type(cls.__name__, (mixin, cls),
-                                  {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+                                  {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                   "plain_class": cls})
     mod.__class__ = _head_classes[key]
 
 
@@ -414,4 +418,71 @@ def cpu_swiglu(config: Mapping[str, Any]) -> bool:
         if getattr(mod, "swiglu", None) is ours:
             setattr(mod, "swiglu", fast_swiglu)  # noqa: B010  (a module global, by name)
             changed = True
+    return changed
+
+
+# A decode step's RoPE and RMSNorm (one position) through one compiled graph each, on MLX's
+# CPU backend: there mx.fast.rope and mx.fast.rms_norm are built of MLX's plain ops (about a
+# dozen for the rotation), each dispatched on its own. In a chain of 100 on the starter's
+# shapes a rotation took 50 us and a norm 18.5; compiled, 22 and 8.8, with bit-equal results
+# (docs/benchmarks.md). A decode layer runs two of each: ~2.5 ms of a 30-layer step. Prompt
+# chunks (more rows) keep the plain ops: one graph each is no saving there, and every new
+# chunk length would be traced again.
+ONE_ROW_MAX = 16  # rows (positions x heads of a norm's input) still counted as a decode step
+
+
+class _OneRowRoPE:
+    def __call__(self, x: Any, offset: Any = 0, *args: Any, **kwargs: Any) -> Any:
+        # An int offset (one sequence; a batch's offsets are an array) and one position.
+        if args or kwargs or type(offset) is not int or x.ndim < 2 or x.shape[-2] != 1:
+            return super().__call__(x, offset, *args, **kwargs)  # type: ignore[misc]
+        fn = self.__dict__.get("_one_row")
+        if fn is None:
+            plain: Any = super().__call__  # type: ignore[misc]
+            # The offset as an array input: one trace serves every position.
+            fn = mx.compile(lambda x, off: plain(x, off))  # type: ignore[misc]
+            object.__setattr__(self, "_one_row", fn)
+        return fn(x, mx.array(offset, dtype=mx.int32))
+
+
+@functools.cache
+def _compiled_rms_norm(eps: float) -> Any:
+    return mx.compile(lambda x, w: mx.fast.rms_norm(x, w, eps))
+
+
+class _OneRowRMSNorm:
+    def __call__(self, x: Any) -> Any:
+        if x.ndim < 1 or x.size > ONE_ROW_MAX * x.shape[-1]:
+            return super().__call__(x)  # type: ignore[misc]
+        eps = float(self.eps)  # type: ignore[attr-defined]
+        return _compiled_rms_norm(eps)(x, self["weight"])  # type: ignore[index]
+
+
+def _rope_classes() -> tuple[type, ...]:
+    """MLX's RoPE and mlx-lm's own scaled ones whose __call__ is one mx.fast.rope of the
+    offset (not DynamicNTKScalingRoPE: it computes with the offset in Python)."""
+    utils = importlib.import_module("mlx_lm.models.rope_utils")
+    names = ("Llama3RoPE", "SuScaledRoPE", "YarnRoPE", "ProportionalRoPE")
+    return (nn.RoPE, *(c for n in names if isinstance(c := getattr(utils, n, None), type)))
+
+
+def compile_one_row_ops(model: Any) -> int:
+    """On MLX's CPU backend, give `model`'s RoPE modules (`_rope_classes`, exactly those
+    classes) and nn.RMSNorm modules a compiled path for one position (`_OneRowRoPE`,
+    `_OneRowRMSNorm`): the same numbers, fewer dispatched ops. Their classes become
+    subclasses of their own (parameters and isinstance unchanged; `plain_class` names the
+    class it was). Returns how many modules changed; 0 on another backend."""
+    if mx.default_device() != mx.cpu:
+        return 0
+    ropes = _rope_classes()
+    changed = 0
+    for _, mod in model.named_modules():
+        cls = getattr(type(mod), "plain_class", type(mod))
+        if cls in ropes:
+            _as_head(mod, _OneRowRoPE)
+        elif cls is nn.RMSNorm:
+            _as_head(mod, _OneRowRMSNorm)
+        else:
+            continue
+        changed += 1
     return changed
