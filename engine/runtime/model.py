@@ -26,6 +26,7 @@ import hashlib
 import importlib
 import importlib.util
 import json
+import os
 import sys
 import threading
 import types
@@ -428,7 +429,9 @@ def cpu_swiglu(config: Mapping[str, Any]) -> bool:
 # (docs/benchmarks.md). A decode layer runs two of each: ~2.5 ms of a 30-layer step. Prompt
 # chunks (more rows) keep the plain ops: one graph each is no saving there, and every new
 # chunk length would be traced again.
+# STRATA_ONE_ROW_COMPILE=0 turns it off.
 ONE_ROW_MAX = 16  # rows (positions x heads of a norm's input) still counted as a decode step
+ONE_ROW_COMPILE = (os.environ.get("STRATA_ONE_ROW_COMPILE") or "1") != "0"
 
 
 class _OneRowRoPE:
@@ -471,8 +474,9 @@ def compile_one_row_ops(model: Any) -> int:
     classes) and nn.RMSNorm modules a compiled path for one position (`_OneRowRoPE`,
     `_OneRowRMSNorm`): the same numbers, fewer dispatched ops. Their classes become
     subclasses of their own (parameters and isinstance unchanged; `plain_class` names the
-    class it was). Returns how many modules changed; 0 on another backend."""
-    if mx.default_device() != mx.cpu:
+    class it was). Returns how many modules changed; 0 on another backend or with
+    STRATA_ONE_ROW_COMPILE=0."""
+    if mx.default_device() != mx.cpu or not ONE_ROW_COMPILE:
         return 0
     ropes = _rope_classes()
     changed = 0
