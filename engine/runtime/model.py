@@ -422,11 +422,12 @@ def cpu_swiglu(config: Mapping[str, Any]) -> bool:
     return changed
 
 
-# A decode step's RoPE and RMSNorm (one position) through one compiled graph each, on MLX's
-# CPU backend: there mx.fast.rope and mx.fast.rms_norm are built of MLX's plain ops (about a
+# A decode step's RoPE and norms (one position) through one compiled graph each, on MLX's
+# CPU backend: there mx.fast.rope, rms_norm and layer_norm are built of MLX's plain ops (about a
 # dozen for the rotation), each dispatched on its own. In a chain of 100 on the starter's
-# shapes a rotation took 50 us and a norm 18.5; compiled, 22 and 8.8, with bit-equal results
-# (docs/benchmarks.md). A decode layer runs two of each: ~2.5 ms of a 30-layer step. Prompt
+# shapes a rotation took 50 us and a norm 18.5; compiled, 22 and 8.8, with bit-equal results.
+# In the starter's decode step, alternated in one process: 25.9 -> 22.0 ms at depth 0, a
+# sparse step at 32k 59.5 -> 54.3, an exact one at 16k 56.1 -> 53.5 (docs/benchmarks.md). Prompt
 # chunks (more rows) keep the plain ops: one graph each is no saving there, and every new
 # chunk length would be traced again.
 # STRATA_ONE_ROW_COMPILE=0 turns it off.
@@ -461,6 +462,25 @@ class _OneRowRMSNorm:
         return _compiled_rms_norm(eps)(x, self["weight"])  # type: ignore[index]
 
 
+@functools.cache
+def _compiled_layer_norm(eps: float, weight: bool, bias: bool) -> Any:
+    def norm(x: Any, *wb: Any) -> Any:
+        w = wb[0] if weight else None
+        b = wb[-1] if bias else None
+        return mx.fast.layer_norm(x, w, b, eps)
+    return mx.compile(norm)
+
+
+class _OneRowLayerNorm:
+    def __call__(self, x: Any) -> Any:
+        if x.ndim < 1 or x.size > ONE_ROW_MAX * x.shape[-1]:
+            return super().__call__(x)  # type: ignore[misc]
+        wb = [self[k] for k in ("weight", "bias") if k in self]  # type: ignore[operator, index]
+        eps = float(self.eps)  # type: ignore[attr-defined]
+        fn = _compiled_layer_norm(eps, "weight" in self, "bias" in self)  # type: ignore[operator]
+        return fn(x, *wb)
+
+
 def _rope_classes() -> tuple[type, ...]:
     """MLX's RoPE and mlx-lm's own scaled ones whose __call__ is one mx.fast.rope of the
     offset (not DynamicNTKScalingRoPE: it computes with the offset in Python)."""
@@ -471,11 +491,11 @@ def _rope_classes() -> tuple[type, ...]:
 
 def compile_one_row_ops(model: Any) -> int:
     """On MLX's CPU backend, give `model`'s RoPE modules (`_rope_classes`, exactly those
-    classes) and nn.RMSNorm modules a compiled path for one position (`_OneRowRoPE`,
-    `_OneRowRMSNorm`): the same numbers, fewer dispatched ops. Their classes become
-    subclasses of their own (parameters and isinstance unchanged; `plain_class` names the
-    class it was). Returns how many modules changed; 0 on another backend or with
-    STRATA_ONE_ROW_COMPILE=0."""
+    classes), nn.RMSNorm and nn.LayerNorm modules a compiled path for one position
+    (`_OneRowRoPE`, `_OneRowRMSNorm`, `_OneRowLayerNorm`): the same numbers, fewer
+    dispatched ops. Their classes become subclasses of their own (parameters and
+    isinstance unchanged; `plain_class` names the class it was). Returns how many
+    modules changed; 0 on another backend or with STRATA_ONE_ROW_COMPILE=0."""
     if mx.default_device() != mx.cpu or not ONE_ROW_COMPILE:
         return 0
     ropes = _rope_classes()
@@ -486,6 +506,8 @@ def compile_one_row_ops(model: Any) -> int:
             _as_head(mod, _OneRowRoPE)
         elif cls is nn.RMSNorm:
             _as_head(mod, _OneRowRMSNorm)
+        elif cls is nn.LayerNorm:
+            _as_head(mod, _OneRowLayerNorm)
         else:
             continue
         changed += 1

@@ -1,11 +1,12 @@
-"""A decode step's RoPE and RMSNorm through compiled graphs (engine.runtime.model.
+"""A decode step's RoPE and norms through compiled graphs (engine.runtime.model.
 compile_one_row_ops).
 
 The plain modules (mlx.nn's and mlx-lm's own classes) are the reference: every RoPE class it
 changes gives bit-equal rotations for one position at offsets from 0 to past a million, the
-norm bit-equal rows, prompt-shaped and batched calls take the plain path, and the real starter
-model decodes the same logits, bit for bit, with and without it. The KV layer still sees the
-starter's RoPE as MLX's plain one (its sparse remapping depends on that).
+norms (RMS and layer) bit-equal rows, prompt-shaped and batched calls take the plain path,
+and the real starter model decodes the same logits, bit for bit, with and without it. The KV
+layer still sees the starter's RoPE as MLX's plain one (its sparse remapping depends on
+that).
 """
 
 from __future__ import annotations
@@ -100,15 +101,28 @@ def test_a_compiled_norm_equals_the_plain_one_bit_for_bit() -> None:
     assert type(norm).__mro__[2] is nn.RMSNorm
 
 
+@pytest.mark.parametrize("affine,bias", [(True, True), (True, False), (False, False)])
+def test_a_compiled_layer_norm_equals_the_plain_one_bit_for_bit(affine: bool, bias: bool
+                                                                ) -> None:
+    mx.random.seed(3)
+    norm = nn.LayerNorm(256, eps=1e-5, affine=affine, bias=bias)
+    if affine:
+        norm.weight = mx.random.normal((256,))
+    if bias:
+        norm.bias = mx.random.normal((256,))
+    assert rm.compile_one_row_ops(_Holder(norm=norm)) == 1
+    for shape in ((1, 1, 256), (2, 1, 256), (1, 33, 256)):
+        x = mx.random.normal(shape) * 2 + 1
+        assert np.array_equal(np.array(norm(x)), np.array(nn.LayerNorm.__call__(norm, x)))
+
+
 def _plain(model: Any) -> list[tuple[Any, type]]:
     """Give every changed module its plain class back; the list to restore them."""
     changed = []
     for _, mod in model.named_modules():
-        plain = getattr(type(mod), "plain_class", None)
-        if plain is not None and type(mod).__name__ == plain.__name__ and (
-                issubclass(type(mod), (rm._OneRowRoPE, rm._OneRowRMSNorm))):
+        if isinstance(mod, (rm._OneRowRoPE, rm._OneRowRMSNorm, rm._OneRowLayerNorm)):
             changed.append((mod, type(mod)))
-            mod.__class__ = plain
+            mod.__class__ = type(mod).plain_class
     return changed
 
 
