@@ -36,6 +36,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_map, tree_unflatten
 
 from engine.errors import LoadFailed
@@ -446,7 +447,54 @@ class _OneRowRoPE:
             # The offset as an array input: one trace serves every position.
             fn = mx.compile(lambda x, off: plain(x, off))  # type: ignore[misc]
             object.__setattr__(self, "_one_row", fn)
-        return fn(x, mx.array(offset, dtype=mx.int32))
+        key = self.__dict__.get("_table_key")
+        if key is None:
+            key = _table_key(self)
+            object.__setattr__(self, "_table_key", key)
+        if not key or x.shape[-1] < key[1]:
+            return fn(x, mx.array(offset, dtype=mx.int32))
+        # Every layer rotates by the same angles at a step's position: the first rotation
+        # of a unit vector gives them (cos, sin), the rest reuse them (`_rotate`).
+        got = _tables.get(key)
+        if got is None or got[0] != offset or got[1] != x.dtype:
+            half = key[1] // 2
+            unit = mx.concatenate([mx.ones((half,), x.dtype), mx.zeros((half,), x.dtype)])
+            cs = fn(unit.reshape(1, 1, 1, 2 * half), mx.array(offset, dtype=mx.int32))
+            got = (offset, x.dtype, cs[..., :half], cs[..., half:])
+            _tables[key] = got
+        return _rotate(x, got[2], got[3])
+
+
+# (class, dims, base, scale, freqs) of a RoPE whose rotation `_rotate` applies from a table ->
+# (offset, dtype, cos, sin) of the last position asked for.
+_tables: dict[tuple[Any, ...], tuple[int, Any, Any, Any]] = {}
+
+
+def _table_key(rope: Any) -> tuple[Any, ...]:
+    """The key under which `rope`'s one-position angles are shared, or () where `_rotate`
+    does not give what its own call gives: a rotation mx.fast.rope computes alone (no scaling
+    of x before it, as SuScaledRoPE and YarnRoPE's mscale do), halves layout (not
+    traditional)."""
+    cls = type(rope).plain_class
+    if getattr(rope, "traditional", True) or cls.__name__ not in (
+            "RoPE", "Llama3RoPE", "ProportionalRoPE"):
+        return ()
+    freqs = rope.get("_freqs")  # an array attribute lives in the module's dict
+    tag = None if freqs is None else hashlib.sha1(np.array(freqs).tobytes()).hexdigest()
+    return (cls, int(rope.dims), getattr(rope, "base", None), getattr(rope, "scale", None), tag)
+
+
+@mx.compile
+def _rotate(x: Any, c: Any, s: Any) -> Any:
+    """x rotated as mx.fast.rope's graph on the CPU rotates it (the same ops in the same
+    order, so the same bits): halves x1, x2 of the first 2 len(c) dims, the rest kept."""
+    half = c.shape[-1]
+    x1 = x[..., :half]
+    x2 = x[..., half:2 * half]
+    outs = [x1 * c - x2 * s, x1 * s + x2 * c]
+    if 2 * half < x.shape[-1]:
+        outs.append(x[..., 2 * half:])
+    return mx.concatenate(outs, axis=-1)
 
 
 @functools.cache

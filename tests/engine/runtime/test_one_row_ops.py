@@ -75,6 +75,25 @@ def test_a_compiled_rotation_equals_the_plain_one_bit_for_bit(name: str) -> None
                           np.array(plain.__call__(rope, xb, offs)))
 
 
+def test_ropes_that_differ_never_share_angles() -> None:
+    """Two llama3 scalings and two bases of the same dims, called at the same position in
+    turn: each rotates as its own plain class does."""
+    utils = __import__("mlx_lm.models.rope_utils", fromlist=["Llama3RoPE"])
+
+    def llama3(factor: float) -> Any:
+        return utils.Llama3RoPE(
+            64, max_position_embeddings=131072, traditional=False, base=500000.0,
+            scaling_config={"factor": factor, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    mods = [llama3(8.0), llama3(32.0), nn.RoPE(64, base=10000.0), nn.RoPE(64, base=500000.0)]
+    plain = [type(m) for m in mods]
+    assert rm.compile_one_row_ops(_Holder(mods=mods)) == 4
+    x = mx.random.normal((1, 4, 1, 64))
+    for off in (9000, 9000, 120000):
+        for m, cls in zip(mods, plain, strict=True):
+            assert np.array_equal(np.array(m(x, offset=off)), np.array(cls.__call__(m, x, off)))
+
+
 def test_dynamic_ntk_rope_is_left_alone() -> None:
     """It computes its base from the offset in Python: an array offset would not trace."""
     utils = __import__("mlx_lm.models.rope_utils", fromlist=["DynamicNTKScalingRoPE"])
