@@ -402,7 +402,7 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
             acc = _exact(store, layer, qg, n_pages, acc)
     assert acc is not None
     if isinstance(acc[2], np.ndarray):
-        # The numpy steps' partial (`_sparse` over pages all in RAM): divided here and
+        # The numpy steps' partial (`_sparse`, `_exact` over pages all in RAM): divided here and
         # converted once, where three conversions and MLX's division cost ~0.1 ms a layer.
         if sinks is None:
             out = mx.array((acc[2] / acc[1][..., None]).reshape(1, hq, L, dv))
@@ -508,7 +508,8 @@ def _exact(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial | None) 
             if acc is not None:
                 part = cpu_select.merge([part, (np.asarray(acc[0]), np.asarray(acc[1]),
                                                 np.asarray(acc[2]))])
-            return mx.array(part[0]), mx.array(part[1]), mx.array(part[2])
+            # As numpy: `attend` divides and converts it once, as a sparse step's.
+            return part
     if view is not None:
         kp, vp = view
         for i in range(0, n_pages, group):
