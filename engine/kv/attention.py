@@ -354,7 +354,7 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
     if both is None or both[0].shape[2] != L + (0 if tail_k is None else tail_k.shape[2]):
         both = ((keys, values) if tail_k is None else
                 (mx.concatenate([tail_k, keys], axis=2), mx.concatenate([tail_v, values], axis=2)))
-    rk, rv = both[0][0], both[1][0]
+    rk, rv = both[0].squeeze(0), both[1].squeeze(0)  # a view: indexing was a gather (a copy)
     note_blocks(store, layer, n_pages, rk)
     past = n_pages * store.P
     if L >= WARM_CHUNK and past + rk.shape[1] >= cpu_select.DENSE_MIN_KEYS and \
