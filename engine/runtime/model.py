@@ -10,9 +10,10 @@ that scales already (Llama 3's llama3, YaRN, longrope, linear), the config is us
 position only, inside `last_row_head()`: the logits the reply samples from are the same, and
 the head's other rows (a fifth of a small model's prefill arithmetic) are never computed.
 `cpu_swiglu(config)` gives mlx-lm's SwiGLU models, on MLX's CPU backend, an exp MLX computes
-faster there (`fast_swiglu`). `compile_one_row_ops(model)` gives its RoPE and RMSNorm modules,
-on MLX's CPU backend, one compiled graph for a decode step's single position (the same
-numbers; mx.fast's ops are a dozen plain ops there).
+faster there (`fast_swiglu`). `compile_one_row_ops(model)` gives its RoPE, RMSNorm and LayerNorm
+modules, on MLX's CPU backend, one compiled graph for a decode step's single position, the
+rotation's angles computed once a step for every layer (the same numbers; mx.fast's ops are
+a dozen plain ops there).
 Importing `mlx_lm` as a package pulls in transformers (about 0.65 s); we register a bare
 package module instead so that only `mlx_lm.models.*` load. If the real `mlx_lm` is
 already imported, it is used as is.
@@ -360,7 +361,7 @@ class _LastRowEmbedding:
 _head_classes: dict[tuple[type, type], type] = {}
 
 
-def _as_head(mod: Any, mixin: type) -> None:
+def _subclass_with(mod: Any, mixin: type) -> None:
     # A subclass of the module's own class: its parameters, their names and isinstance
     # checks stay as they were; only what the mixin's __call__ does first changes
     # (`plain_class` gives back the class it was).
@@ -388,9 +389,9 @@ def head_on_last_row(model: Any, config: Mapping[str, Any]) -> bool:
     if not heads and not tied:
         return False
     for m in heads:
-        _as_head(m, _LastRowLinear)
+        _subclass_with(m, _LastRowLinear)
     for m in tied:
-        _as_head(m, _LastRowEmbedding)
+        _subclass_with(m, _LastRowEmbedding)
     return True
 
 
@@ -551,11 +552,11 @@ def compile_one_row_ops(model: Any) -> int:
     for _, mod in model.named_modules():
         cls = getattr(type(mod), "plain_class", type(mod))
         if cls in ropes:
-            _as_head(mod, _OneRowRoPE)
+            _subclass_with(mod, _OneRowRoPE)
         elif cls is nn.RMSNorm:
-            _as_head(mod, _OneRowRMSNorm)
+            _subclass_with(mod, _OneRowRMSNorm)
         elif cls is nn.LayerNorm:
-            _as_head(mod, _OneRowLayerNorm)
+            _subclass_with(mod, _OneRowLayerNorm)
         else:
             continue
         changed += 1
