@@ -31,6 +31,7 @@ from typing import Any
 
 from engine.errors import ImportFailed, LoadFailed, StrataError
 from engine.importers.gguf import import_gguf, model_config, read_metadata
+from engine.importers.gguf_types import PLANS, Plan
 from engine.importers.hf import (
     DEFAULT_RECIPE,
     TOKENIZER_FILES,
@@ -158,21 +159,23 @@ class Source:
     def _sizes(self) -> WeightSizes:
         if self.kind == "gguf":
             reader, _ = read_metadata(self.path)
-            qp = qb = fp = 0
+            qp = qb = fp = kept = 0
             for t in reader.tensors:
                 n = math.prod(int(x) for x in t.shape)
-                if getattr(t.tensor_type, "name", str(t.tensor_type)) in GGUF_FLOATS:
+                qtype = getattr(t.tensor_type, "name", str(t.tensor_type))
+                if qtype in GGUF_FLOATS:
                     fp += n
                 else:
                     qp, qb = qp + n, qb + int(t.n_bytes)
-            return WeightSizes(qp, qb, fp)
+                    kept += _packable(n, PLANS.get(qtype))
+            return WeightSizes(qp, qb, fp, 0, kept)
         items = _safetensors_items(self.path)
         if self.kind != "hf":
             return WeightSizes.from_items(self.config, items)
         # The importer's default: 2-D weights at its bits (embeddings and head at the higher
         # ones) with a float16 scale and bias per group, everything else in float16.
         r = DEFAULT_RECIPE
-        qp = qb = fp = 0
+        qp = qb = fp = kept = 0
         for key, (n, _, _) in items.items():
             if key.endswith("rotary_emb.inv_freq"):
                 continue  # an old checkpoint's RoPE buffer: mlx-lm's sanitize drops it
@@ -180,9 +183,10 @@ class Source:
             if quantizable and not key.endswith("norm.weight"):
                 bits = r["high_bits"] if ("embed" in key or "lm_head" in key) else r["bits"]
                 qp, qb = qp + n, qb + int(n * (bits + 32 / r["group_size"]) / 8)
+                kept += _packable(n, Plan("affine", bits, r["group_size"], "requantize"))
             else:
                 fp += n
-        return WeightSizes(qp, qb, fp)
+        return WeightSizes(qp, qb, fp, 0, kept)
 
     def preflight(self, profile: ComputeProfile, context: int | None = None, *,
                   stored_bytes: int | None = None, kv_bits: int = 16,
@@ -277,3 +281,12 @@ def _arrays(model: Any) -> dict[str, Any]:
 def reopen(job: Mapping[str, Any]) -> Source:
     """The source `Source.to_job` described, in a child process (no weight is read)."""
     return Source(str(job["kind"]), Path(job["path"]), dict(job["config"]), str(job["label"]))
+
+
+def _packable(n: int, plan: Plan | None) -> int:
+    """What n weights stored as `plan` keep beside their float32 copy where decode steps read
+    the codes (engine.runtime.fit.WeightSizes.packable_bytes): 4- and 8-bit affine codes, a
+    float32 scale and bias per group."""
+    if plan is None or plan.mode != "affine" or plan.bits not in (4, 8) or plan.group % 32:
+        return 0
+    return n * plan.bits // 8 + n // plan.group * 8

@@ -38,6 +38,7 @@ import psutil
 
 from engine.errors import LoadFailed
 from engine.platform import ComputeProfile
+from engine.runtime import packed
 
 DEFAULT_CONTEXT = 4096  # a config that names no trained context
 CONTEXT_STEP = 256  # offered contexts are rounded down to it (mlx-lm's KVCache grows by it)
@@ -60,18 +61,28 @@ class WeightSizes:
     quant_bytes: int = 0
     float_params: int = 0
     other_bytes: int = 0
+    # What packed products keep beside the float32 copy (engine.runtime.packed): the 4- and
+    # 8-bit affine codes as stored, their scales and biases as float32. None: not known
+    # (sizes from elsewhere than headers), the quantized bytes stand in for it.
+    packable_bytes: int | None = None
 
     @property
     def params(self) -> int:
         return self.quant_params + self.float_params
 
     def held_bytes(self, profile: ComputeProfile, stored_bytes: int | None = None) -> int:
-        """Bytes once loaded in `profile`: dequantized, every parameter in its dtype; else the
+        """Bytes once loaded in `profile`: dequantized, every parameter in its dtype (and the
+        codes that decode steps read, `packed.applies`); else the
         quantized tensors as stored and floats in the dtype. `stored_bytes` (an import
         option's size on disk, for weights about to be requantized) replaces the latter."""
         width = dtype_width(profile.dtype)
         if profile.dequantize:
-            return self.params * width + self.other_bytes
+            # plus, where decode steps read them (engine.runtime.packed), the codes as stored
+            # (their scales and biases are held as float32: a little more where stored 16-bit)
+            kept = 0
+            if packed.applies(profile.dtype):
+                kept = self.quant_bytes if self.packable_bytes is None else self.packable_bytes
+            return self.params * width + self.other_bytes + kept
         if stored_bytes is not None:
             return int(stored_bytes)
         return self.quant_bytes + self.float_params * width + self.other_bytes
@@ -90,20 +101,24 @@ class WeightSizes:
                    items: Mapping[str, tuple[int, int, str]]) -> WeightSizes:
         """From name -> (elements, bytes, dtype name) as a safetensors header gives them."""
         quant = config.get("quantization") or {}
-        qp = qb = fp = other = 0
+        qp = qb = fp = other = kept = 0
         for key, (size, nbytes, dtype) in items.items():
             module, _, leaf = key.rpartition(".")
             if f"{module}.scales" in items:
+                q = quant.get(module)
+                q = q if isinstance(q, dict) else quant
+                bits, group = int(q.get("bits", 4)), int(q.get("group_size", 64))
                 if leaf == "weight":
-                    q = quant.get(module)
-                    bits = int(q["bits"]) if isinstance(q, dict) else int(quant.get("bits", 4))
                     qp += size * 32 // bits
                 qb += nbytes  # codes, scales and biases
+                if (bits in (4, 8) and group % 32 == 0 and f"{module}.biases" in items
+                        and q.get("mode", "affine") == "affine"):
+                    kept += nbytes if leaf == "weight" else size * 4
             elif dtype in _FLOAT_DTYPES:
                 fp += size
             else:
                 other += nbytes
-        return cls(qp, qb, fp, other)
+        return cls(qp, qb, fp, other, kept)
 
 
 # -- the KV cache --------------------------------------------------------------------------

@@ -66,6 +66,7 @@ from engine.runtime.model import (
     read_config,
     weight_files,
 )
+from engine.runtime.packed import PackedWeights, pack_weights, tie
 from engine.runtime.readahead import read_ahead
 from engine.runtime.sampling import LogitsProcessor, Sampler, SamplingParams
 from engine.runtime.speculative import Drafter, Speculator, for_reply
@@ -112,6 +113,7 @@ class LoadedModel:
         self._noticed: str | None = None
         # Whether `last_row_head` cuts this model's output head to the last position.
         self.head_last_row = False
+        self.packed = PackedWeights()  # weights whose codes decode steps read (load fills it)
 
     @property
     def paged(self) -> bool:
@@ -217,6 +219,9 @@ class LoadedModel:
         lm.head_last_row = head_on_last_row(model, config)
         cpu_swiglu(config)
         compile_one_row_ops(model)
+        # A decode step's products read the quantized codes (engine.runtime.packed).
+        lm.packed = pack_weights(model)
+        tie(lm, lm.packed)
         if warm_up:
             with timeline.phase("warm-up"):
                 lm.warm_up()

@@ -42,6 +42,7 @@ from mlx.utils import tree_map, tree_unflatten
 
 from engine.errors import LoadFailed
 from engine.platform import ComputeProfile, check_versions
+from engine.runtime import packed
 from engine.runtime.fit import check_memory
 
 _versions_checked = False
@@ -270,6 +271,12 @@ def apply_profile(model: Any, profile: ComputeProfile) -> None:
             if "bias" in mod:
                 new.bias = mod.bias.astype(dtype)
             new.weight = w
+            if (dtype == mx.float32 and w.ndim == 2 and getattr(mod, "mode", "affine") == "affine"
+                    and getattr(mod, "biases", None) is not None):
+                # the codes a decode step's products can read instead (engine.runtime.packed)
+                packed.remember(new, packed.PackSource(
+                    mod.weight, mod.scales.astype(mx.float32), mod.biases.astype(mx.float32),
+                    mod.bits, mod.group_size))
             replacements.append((path, new))
         if replacements:
             model.update_modules(_unflatten(replacements))

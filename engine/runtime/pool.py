@@ -188,7 +188,7 @@ class ModelPool:
         lm = LoadedModel.load(source, library=self.library, timeline=timeline)
         self._apply(lm)
         self.lm = lm
-        self.weights_bytes = parameter_bytes(lm.model)
+        self.weights_bytes = parameter_bytes(lm.model) + lm.packed.nbytes  # codes too
         if self.on_loaded is not None:
             self.on_loaded({"name": manifest["name"], "path": manifest["path"],
                             "weights_bytes": self.weights_bytes, "profile": lm.profile.name,

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -104,3 +105,113 @@ def test_a_fresh_cache_builds_the_shim_once_and_no_compiler_leaves_it_out(
 
     off = _python(_PROBE, tmp_path / "a", STRATA_NO_MATVEC="1")
     assert json.loads(off.stdout)["status"] == "off (STRATA_NO_MATVEC=1)"
+
+
+def _quantized(rows: int, cols: int, bits: int, group: int, seed: int = 0) -> tuple[Any, ...]:
+    """A float32 weight dequantized from MLX's affine codes, and those codes as numpy: the
+    weight (an MLX array and its buffer), codes as bytes, float32 scales and biases."""
+    import mlx.core as mx
+
+    rng = np.random.default_rng(seed)
+    dense = mx.array(rng.standard_normal((rows, cols), dtype=np.float32) * 0.05)
+    codes, scales, biases = mx.quantize(dense, group_size=group, bits=bits)
+    w = mx.dequantize(codes, scales, biases, group_size=group, bits=bits, dtype=mx.float32)
+    mx.eval(w, codes, scales, biases)
+    return (w, np.asarray(w), np.asarray(codes).view(np.uint8).reshape(rows, -1),
+            np.asarray(scales), np.asarray(biases))
+
+
+def _packed_products(bits: int, group: int) -> dict[str, Any]:
+    """Register a weight, run one-row products over it through MLX; what was served how."""
+    import mlx.core as mx
+
+    w, w_np, codes, scales, biases = _quantized(384, 640, bits, group)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, 640), dtype=np.float32)
+    c = rng.standard_normal((1, 384), dtype=np.float32)
+    want = x.astype(np.float64) @ w_np.T.astype(np.float64)
+    out: dict[str, Any] = {"registered": matvec.pack(w_np, codes, scales, biases, bits, group)}
+    before = matvec.packed()
+    y = mx.array(x) @ w.T
+    y2 = mx.addmm(mx.array(c), mx.array(x), w.T, alpha=2.0, beta=0.5)
+    two = mx.array(np.concatenate([x, x])) @ w.T  # a prompt chunk's product: sgemm's
+    mx.eval(y, y2, two)
+    out["served"] = matvec.packed() - before
+    scale = np.abs(want).max()
+    out["err"] = float(np.abs(np.asarray(y, np.float64) - want).max() / scale)
+    out["err_addmm"] = float(np.abs(np.asarray(y2, np.float64) - (2 * want + 0.5 * c)).max()
+                             / scale)
+    out["err_two"] = float(np.abs(np.asarray(two, np.float64) - want).max() / scale)
+    matvec.unpack(w_np)
+    before = matvec.packed()
+    mx.eval(mx.array(x) @ w.T)
+    out["served_after_unpack"] = matvec.packed() - before
+    return out
+
+
+@pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 64), (8, 32), (8, 128)])
+def test_packed_weights_serve_one_row_products_and_agree(bits: int, group: int) -> None:
+    assert matvec.packs(bits), "the suite's machines are x86-64 with AVX2"
+    got = _packed_products(bits, group)
+    assert got["registered"] and got["served"] == 2, got  # x @ w.T and addmm; not two rows
+    assert got["err"] < 1e-5 and got["err_addmm"] < 1e-5 and got["err_two"] < 1e-5, got
+    assert got["served_after_unpack"] == 0
+
+
+_KERNEL = """
+import json, engine, engine.matvec as m
+from tests.engine.test_matvec import _packed_products
+print(json.dumps({"packs": [m.packs(4), m.packs(8)],
+                  "runs": [_packed_products(b, g) for b, g in ((4, 32), (8, 64))]}))
+"""
+
+
+def test_the_avx2_kernels_agree_and_no_kernel_leaves_sgemv(tmp_path: Path) -> None:
+    avx2 = _python(_KERNEL, tmp_path, STRATA_MATVEC_ISA="avx2")
+    assert avx2.returncode == 0, avx2.stderr
+    got = json.loads(avx2.stdout)
+    assert got["packs"] == [True, True]
+    for run in got["runs"]:
+        assert run["registered"] and run["served"] == 2 and run["err"] < 1e-5, run
+        assert run["err_addmm"] < 1e-5
+    none = _python(_KERNEL, tmp_path, STRATA_MATVEC_ISA="none")
+    assert none.returncode == 0, none.stderr
+    got = json.loads(none.stdout)
+    assert got["packs"] == [False, False]
+    for run in got["runs"]:
+        assert not run["registered"] and run["served"] == 0 and run["err"] < 1e-5, run
+
+
+def test_a_weight_is_packed_only_as_it_dequantizes_and_while_it_is_unchanged() -> None:
+    import ctypes
+
+    w, w_np, codes, scales, biases = _quantized(64, 256, 4, 32, seed=3)
+    off = w_np.copy()
+    off[0, 5] = np.nextafter(off[0, 5], np.float32(1))  # one ulp from the codes' value
+    assert not matvec.pack(off, codes, scales, biases, 4, 32)
+    assert not matvec.pack(w_np, codes, scales, biases, 4, 16)  # groups of 16: no kernel
+    assert not matvec.pack(w_np, codes, scales[:, :4], biases, 4, 32)  # shapes disagree
+    # MLX's own buffers never change; a buffer of ours can, as a freed weight's memory
+    # reused by another array would: once its checked values differ it is sgemv's again.
+    mine = w_np.copy()
+    assert matvec.pack(mine, codes, scales, biases, 4, 32)
+    lib = ctypes.CDLL(None)  # the global scope: the shim's cblas_sgemm
+    x = np.random.default_rng(4).standard_normal(256, dtype=np.float32)
+    y = np.empty(64, np.float32)
+    f, p = ctypes.c_float, ctypes.c_void_p
+
+    def product() -> np.ndarray:
+        lib.cblas_sgemm(101, 111, 112, 1, 64, 256, f(1.0), p(x.ctypes.data), 256,
+                        p(mine.ctypes.data), 256, f(0.0), p(y.ctypes.data), 64)
+        return y.copy()
+
+    try:
+        before = matvec.packed()
+        assert np.abs(product() - mine @ x).max() < 1e-4
+        assert matvec.packed() - before == 1
+        mine[-1, -1] += 1.0
+        assert np.abs(product() - mine @ x).max() < 1e-4
+        assert matvec.packed() - before == 1  # served by sgemv
+    finally:
+        matvec.unpack(mine)
+    del w
