@@ -635,8 +635,8 @@ class Engine(QObject):
         return self.worker.profile
 
     def fits(self, manifests: list[dict[str, Any]]) -> dict[str, Fit]:
-        """Each library model's fit at its chosen context, from its config.json and manifest
-        (params, bytes): file reads and psutil only. The loaded model's weights count as
+        """Each library model's fit at its chosen context, from its config.json and its
+        weights' headers (else the manifest's params and bytes): file reads and psutil only. The loaded model's weights count as
         free (a load replaces it). Empty until the profile is known."""
         profile = self.profile
         if profile is None:
@@ -651,9 +651,14 @@ class Engine(QObject):
                 continue  # no figure rather than a wrong one
             params, size = int(m.get("params") or 0), int(m.get("bytes") or 0)
             try:
-                out[str(m["name"])] = estimate(
-                    config, WeightSizes(quant_params=params, quant_bytes=size), profile,
-                    chosen_context(config, folder), **kv)
+                # the headers say which weights are quantized how (and so what a load keeps
+                # for its decode steps); the manifest's two figures where they cannot
+                sizes = WeightSizes.from_folder(config, folder)
+            except (StrataError, OSError, ValueError):
+                sizes = WeightSizes(quant_params=params, quant_bytes=size)
+            try:
+                out[str(m["name"])] = estimate(config, sizes, profile,
+                                               chosen_context(config, folder), **kv)
             except StrataError:
                 continue  # a bad STRATA_CONTEXT or memory cap: the load will say so
         return out

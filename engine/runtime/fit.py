@@ -77,15 +77,17 @@ class WeightSizes:
         option's size on disk, for weights about to be requantized) replaces the latter."""
         width = dtype_width(profile.dtype)
         if profile.dequantize:
-            # plus, where decode steps read them (engine.runtime.packed), the codes as stored
-            # (their scales and biases are held as float32: a little more where stored 16-bit)
-            kept = 0
-            if packed.applies(profile.dtype):
-                kept = self.quant_bytes if self.packable_bytes is None else self.packable_bytes
-            return self.params * width + self.other_bytes + kept
+            return self.params * width + self.other_bytes + self.kept_bytes(profile)
         if stored_bytes is not None:
             return int(stored_bytes)
         return self.quant_bytes + self.float_params * width + self.other_bytes
+
+    def kept_bytes(self, profile: ComputeProfile) -> int:
+        """The codes a load in `profile` keeps beside the dequantized weights, where decode
+        steps read them (engine.runtime.packed); 0 elsewhere."""
+        if not (profile.dequantize and packed.applies(profile.dtype)):
+            return 0
+        return self.quant_bytes if self.packable_bytes is None else self.packable_bytes
 
     @classmethod
     def from_arrays(cls, config: Mapping[str, Any], weights: Mapping[str, Any]) -> WeightSizes:
@@ -95,6 +97,15 @@ class WeightSizes:
         items = {k: (int(a.size), int(a.nbytes), str(a.dtype).removeprefix("mlx.core."))
                  for k, a in weights.items()}
         return cls.from_items(config, items)
+
+    @classmethod
+    def from_folder(cls, config: Mapping[str, Any], folder: Path) -> WeightSizes:
+        """From a model folder's *.safetensors headers (no tensor is read); ImportFailed for a
+        file without one."""
+        from engine.library.found import safetensors_headers
+
+        heads = safetensors_headers(sorted(folder.glob("*.safetensors")))
+        return cls.from_items(config, {k: (h.size, h.nbytes, h.dtype) for k, h in heads.items()})
 
     @classmethod
     def from_items(cls, config: Mapping[str, Any],
@@ -313,6 +324,7 @@ class Fit:
     kv_bits: int = 16
     kv_group: int | None = None
     kv_ram_limit: int | None = None  # a paged KV cache's RAM budget (the rest on the SSD)
+    packed_bytes: int = 0  # of weights_bytes, the codes decode steps read (WeightSizes.kept_bytes)
 
     @property
     def kv_bytes(self) -> int:
@@ -409,7 +421,8 @@ def estimate(config: Mapping[str, Any], weights: WeightSizes, profile: ComputePr
     available, limit = memory_limit()
     return Fit(weights.held_bytes(profile, stored_bytes), chosen_context(config, context=context),
                trained_context(config), available + max(0, freed_bytes), limit, profile.dtype,
-               tuple(kv_layers(config)), kv_bits, kv_group, kv_ram_limit)
+               tuple(kv_layers(config)), kv_bits, kv_group, kv_ram_limit,
+               weights.kept_bytes(profile))
 
 
 def memory_needed(config: dict[str, Any], weights: dict[str, Any], profile: ComputeProfile
@@ -499,8 +512,10 @@ def cluster_fit(one: Fit, config: Mapping[str, Any], available: list[tuple[str, 
             per_layer = hidden * hd * (2 * heads + 2 * kvh) + 3 * hidden * inter
         emb = heads_out * vocab * hidden
         replicated_fraction = emb / max(1, emb + total_layers * per_layer)
-    whole = int(one.weights_bytes * replicated_fraction)
-    layers_bytes = one.weights_bytes - whole
+    # A rank's split weights are not packed (engine.runtime.packed serves whole weights).
+    held = one.weights_bytes - one.packed_bytes
+    whole = int(held * replicated_fraction)
+    layers_bytes = held - whole
     kv_all = one.kv_bytes
     ranks = []
     for r, (name, avail) in enumerate(available):

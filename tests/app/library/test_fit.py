@@ -4,8 +4,9 @@ refused with the numbers and the largest context that would fit offered instead.
 
 Real parts: Qt offscreen, the engine thread, the starter model (its GGUF file and its library
 folder), the `strata` command in a subprocess; STRATA_MAX_MEMORY_MB makes the machine small.
-The starter in float32 (Linux CPU) holds 0.54 GB of weights and 46,080 bytes of KV per token:
-0.92 GB at its 8,192 tokens, so under a 700 MB cap it fits up to 4,096 tokens.
+The starter in float32 (Linux CPU) holds 0.54 GB of weights, 0.12 GB of codes its decode steps
+read (engine.runtime.packed) and 46,080 bytes of KV per token: 1.03 GB at its 8,192 tokens, so
+under an 810 MiB cap it fits up to 4,096 tokens.
 """
 
 from __future__ import annotations
@@ -21,17 +22,19 @@ from tests.app.conftest import REPLY_TIMEOUT_MS, WindowFactory
 from tests.app.library.test_library import _drop, _library_state
 from tests.helpers import run_strata
 
-CAP_MB = "700"  # the weights fit, the full 8,192-token context does not
+CAP_MB = "810"  # the weights fit, the full 8,192-token context does not
 OFFER = 4096
 
 
 def _float32() -> bool:
     from engine.platform import compute_profile
+    from engine.runtime import packed
 
-    return compute_profile().dtype == "float32"
+    return compute_profile().dtype == "float32" and packed.applies("float32")
 
 
-pytestmark = pytest.mark.skipif(not _float32(), reason="the numbers are the float32 profile's")
+pytestmark = pytest.mark.skipif(not _float32(), reason="the numbers are the float32 profile's "
+                                "with packed codes (x86-64 with AVX2)")
 
 
 def test_import_dialog_refuses_what_does_not_fit_and_imports_at_the_offered_context(
@@ -51,7 +54,7 @@ def test_import_dialog_refuses_what_does_not_fit_and_imports_at_the_offered_cont
     fit = dialog.option_fit()
     assert fit is not None and not fit.fits and fit.max_context == OFFER
     assert dialog.fit_label.text().startswith(
-        "<b>does not fit: weights 0.54 GB + KV 0.38 GB at 8,192 tokens = 0.92 GB of 0.73 GB "
+        "<b>does not fit: weights 0.65 GB + KV 0.38 GB at 8,192 tokens = 1.03 GB of 0.85 GB "
         "available (STRATA_MAX_MEMORY_MB)</b>")
     message = dialog.message.text()
     assert "does not fit in memory at 8,192 tokens" in message
@@ -68,13 +71,13 @@ def test_import_dialog_refuses_what_does_not_fit_and_imports_at_the_offered_cont
     with qtbot.waitSignal(window.library.import_done, timeout=REPLY_TIMEOUT_MS) as refused:
         window.library.engine.import_path(dropped)
     _job, ok, reason = refused.args
-    assert not ok and reason.startswith("Big One.gguf: needs about 0.92 GB")
+    assert not ok and reason.startswith("Big One.gguf: needs about 1.03 GB")
     assert f"up to {OFFER:,} tokens" in reason and "\n" not in reason
     assert not (home / "models").exists() or _library_state(home) == []
 
     dialog.offer_button.click()  # take the offer
     assert dialog.context_box.value() == OFFER
-    assert dialog.fit_label.text().startswith("fits: weights 0.54 GB + KV 0.19 GB at 4,096")
+    assert dialog.fit_label.text().startswith("fits: weights 0.65 GB + KV 0.19 GB at 4,096")
     assert dialog.import_button.isEnabled() and not dialog.offer_button.isVisibleTo(dialog)
     with qtbot.waitSignal(window.library.import_done, timeout=REPLY_TIMEOUT_MS) as done:
         dialog.import_button.click()
@@ -95,7 +98,7 @@ def test_the_library_shows_each_models_fit(make_window: WindowFactory, starter: 
     assert COLUMNS[MEMORY] == "Memory"
     row = library.model.names().index(name)
     cell = library.model.index(row, MEMORY)
-    assert cell.data() == "fits (0.92 GB)"
+    assert cell.data() == "fits (1.03 GB)"
 
     monkeypatch.setenv("STRATA_MAX_MEMORY_MB", CAP_MB)
     library.refresh()
@@ -103,7 +106,7 @@ def test_the_library_shows_each_models_fit(make_window: WindowFactory, starter: 
     cell = library.model.index(row, MEMORY)
     assert cell.data() == f"up to {OFFER:,} tokens"
     tip = cell.data(Qt.ItemDataRole.ToolTipRole)
-    assert tip.startswith("does not fit: weights 0.54 GB + KV 0.38 GB at 8,192 tokens")
+    assert tip.startswith("does not fit: weights 0.65 GB + KV 0.38 GB at 8,192 tokens")
     assert f"it would fit with a context of up to {OFFER:,} tokens" in tip
     details = library.view.details.text()
     assert "memory: <b>does not fit" in details and f"up to {OFFER:,} tokens would fit" in details
@@ -123,7 +126,7 @@ def test_the_command_refuses_an_import_and_a_load_in_one_line(
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith(f"strata: error: {starter_gguf().name}: needs about 0.92 GB")
+    assert lines[0].startswith(f"strata: error: {starter_gguf().name}: needs about 1.03 GB")
     assert lines[0].endswith(f"up to {OFFER:,} tokens (STRATA_CONTEXT={OFFER})")
     assert not (home / "models").exists() or not any((home / "models").iterdir())
     # The offer taken: imported at that context, and it loads there without STRATA_CONTEXT.
