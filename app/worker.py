@@ -636,8 +636,9 @@ class Engine(QObject):
 
     def fits(self, manifests: list[dict[str, Any]]) -> dict[str, Fit]:
         """Each library model's fit at its chosen context, from its config.json and its
-        weights' headers (else the manifest's params and bytes): file reads and psutil only. The loaded model's weights count as
-        free (a load replaces it). Empty until the profile is known."""
+        weights' headers (else the manifest's params and bytes): file reads and psutil only.
+        The loaded model's weights count as free (a load replaces it). Empty until the
+        profile is known."""
         profile = self.profile
         if profile is None:
             return {}

@@ -346,7 +346,8 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
             # a reply that grows past it selects as one restored from the page store does.
             _note_or_clear_votes(store, layer, queries, scale, 0, contig[0][0], 0)
         if sinks is None and cpu_select.dense_enabled(contig[0].shape[2], hq // h * L,
-                                                      queries.dtype):
+                                                      queries.dtype,
+                                                      cpu_select.CONTIG_DENSE_MIN_KEYS):
             return _dense_np(queries, contig[0], contig[1], scale)
         return _fused_all(queries, contig[0], contig[1], scale, sinks)
     # The tail plus the chunk (1, H, T, D): the cache built it as it committed the pages.

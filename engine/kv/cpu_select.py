@@ -67,11 +67,13 @@ def enabled(rows: int = 1) -> bool:
     return NP_SELECT and rows <= MAX_ROWS and mx.default_device() == mx.cpu
 
 
-def dense_enabled(keys: int, rows: int, dtype: Any) -> bool:
+def dense_enabled(keys: int, rows: int, dtype: Any, least: int | None = None) -> bool:
     """Whether an exact decode step (`rows` query rows a KV head, at most MAX_DENSE_ROWS) over
     `keys` keys of `dtype` attends here (`dense_partial`) rather than through MLX: on the
-    CPU, float32, at least DENSE_MIN_KEYS keys, unless STRATA_NP_DENSE=0."""
-    return (NP_DENSE and rows <= MAX_DENSE_ROWS and keys >= DENSE_MIN_KEYS
+    CPU, float32, at least `least` keys (DENSE_MIN_KEYS; CONTIG_DENSE_MIN_KEYS where MLX's
+    alternative is one fused call), unless STRATA_NP_DENSE=0."""
+    least = DENSE_MIN_KEYS if least is None else least
+    return (NP_DENSE and rows <= MAX_DENSE_ROWS and keys >= least
             and dtype == mx.float32 and mx.default_device() == mx.cpu)
 
 
@@ -435,6 +437,13 @@ def softmax_stats(s: np.ndarray, v: np.ndarray) -> Partial:
 # 46 ms at 512 keys this way, 53.9 -> 44.8 at 1,024, the same at 300, 1 ms more at 160 (the
 # synchronisation costs what it saves): from 384.
 DENSE_MIN_KEYS = 384
+# Over a layer's contiguous buffer (attention.attend's `contig`: MLX's alternative is one fused
+# call, no wait on MLX a layer) from more keys: once decode steps' products read packed codes
+# (engine.runtime.packed) the per-layer wait cost more than numpy saved below ~1,000 keys
+# (`strata bench quick --kv-modes exact`, STRATA_NP_DENSE=1 against 0, 2026-12-07: 46.9
+# against 51.6 tok/s at depth 512, 41.5 against 43.7 at 1,024, 38.7/37.4 against 35.5/33.7
+# at 2,048, 30.8 against 24.1-25.8 at 4,096).
+CONTIG_DENSE_MIN_KEYS = 1024
 MAX_DENSE_ROWS = 32  # decode steps: a group of up to 8 query heads, up to 4 tokens
 
 

@@ -266,6 +266,7 @@ def test_dense_decode_in_numpy_equals_mlx(tmp_path: Path, buffered: bool,
     import mlx.core as mx
 
     monkeypatch.setattr(cpu_select, "DENSE_MIN_KEYS", 256)
+    monkeypatch.setattr(cpu_select, "CONTIG_DENSE_MIN_KEYS", 256)
     monkeypatch.setattr(cpu_select, "THREADS", 2)
     ran: list[int] = []
     real = cpu_select.dense_partial
@@ -293,6 +294,7 @@ def test_starter_logits_alike_with_numpy_dense_decode(starter_lm: Any, tmp_path:
     from engine.kv import close_caches, make_paged_cache
 
     monkeypatch.setattr(cpu_select, "DENSE_MIN_KEYS", 256)
+    monkeypatch.setattr(cpu_select, "CONTIG_DENSE_MIN_KEYS", 256)
     ran: list[int] = []
     real = cpu_select.dense_partial
 

@@ -215,6 +215,7 @@ def test_a_step_computed_as_it_is_built_is_not_queued_before_the_token(
         # The same store, its decode steps through the numpy pass from the first token.
         monkeypatch.setattr(attention, "FUSED_DECODE_PAST", -1)
         monkeypatch.setattr(cpu_select, "DENSE_MIN_KEYS", 0)
+        monkeypatch.setattr(cpu_select, "CONTIG_DENSE_MIN_KEYS", 0)
         eager = _steps_at_each_token(starter_lm, ids, 12)
     finally:
         starter_lm.kv_settings = old

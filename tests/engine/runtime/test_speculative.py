@@ -310,6 +310,7 @@ def test_the_decode_loop_times_its_unqueued_plain_steps_for_the_speculator(
         timed.clear()
         monkeypatch.setattr(attention, "FUSED_DECODE_PAST", -1)
         monkeypatch.setattr(cpu_select, "DENSE_MIN_KEYS", 0)
+        monkeypatch.setattr(cpu_select, "CONTIG_DENSE_MIN_KEYS", 0)
         toks, last = run(starter_lm, ids, "auto", 12)
     finally:
         starter_lm.kv_settings = old
