@@ -151,6 +151,14 @@ void strata_matvec_unpack(const float *w) {
     pthread_rwlock_unlock(&lock);
 }
 
+/* Weights registered now. */
+int strata_matvec_packed_live(void) {
+    pthread_rwlock_rdlock(&lock);
+    int n = live;
+    pthread_rwlock_unlock(&lock);
+    return n;
+}
+
 unsigned long long strata_matvec_packed_count(void) {
     return __atomic_load_n(&as_packed, __ATOMIC_RELAXED);
 }

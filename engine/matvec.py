@@ -13,7 +13,7 @@ STRATA_NO_MATVEC=1 leaves it out (to measure without it).
 `pack(weight, codes, scales, biases, bits, group)` registers a float32 weight dequantized
 from 4- or 8-bit affine codes: its one-row products then read the codes (x86-64 with AVX2 or
 AVX-512); the caller keeps all four arrays alive until `unpack(weight)`. `packed()` counts
-the products served so.
+the products served so, `registered()` the weights registered now.
 
 Why: OpenBLAS 0.3.21 (Debian 12) packs B for every sgemm, one row of A included (later
 versions forward those to gemv). A starter decode step at depth 0 took 44 ms with it and
@@ -148,3 +148,9 @@ def packed() -> int:
     """One-row products served from packed codes so far in this process."""
     lib = _state["lib"]
     return int(lib.strata_matvec_packed_count()) if lib is not None else 0
+
+
+def registered() -> int:
+    """Weights registered now (see `pack`)."""
+    lib = _state["lib"]
+    return int(lib.strata_matvec_packed_live()) if lib is not None else 0

@@ -66,7 +66,7 @@ from engine.runtime.model import (
     read_config,
     weight_files,
 )
-from engine.runtime.packed import PackedWeights, pack_weights, tie
+from engine.runtime.packed import PackedWeights, pack_weights
 from engine.runtime.readahead import read_ahead
 from engine.runtime.sampling import LogitsProcessor, Sampler, SamplingParams
 from engine.runtime.speculative import Drafter, Speculator, for_reply
@@ -215,13 +215,13 @@ class LoadedModel:
             # Past the trained length the chosen context extends RoPE (YaRN, engine.runtime.model).
             model, config = load_weights_into_model(
                 path, profile, context=chosen_context(read_config(path), path))
+            # A decode step's products read the quantized codes (engine.runtime.packed).
+            packed_weights = pack_weights(model)
         lm = cls(model, config, tokenizer, manifest, profile, timeline)
+        lm.packed = packed_weights
         lm.head_last_row = head_on_last_row(model, config)
         cpu_swiglu(config)
         compile_one_row_ops(model)
-        # A decode step's products read the quantized codes (engine.runtime.packed).
-        lm.packed = pack_weights(model)
-        tie(lm, lm.packed)
         if warm_up:
             with timeline.phase("warm-up"):
                 lm.warm_up()

@@ -4,7 +4,7 @@ Contract: on Linux CPU's float32 profile, `apply_profile` (engine.runtime.model)
 each affine-quantized Linear and Embedding and records where it came from (`PackSource`, via
 `remember`). `pack_weights(model)` then registers every such float32 weight with engine.matvec
 together with its codes (4 or 8 bits), scales and biases, and returns a `PackedWeights`
-whose `close()` forgets them; the LoadedModel that owns it closes it when collected. A
+whose `close()`, or its collection (with the LoadedModel that holds it), forgets them. A
 one-row product (every projection of a decode step, and the output head) over a registered
 weight then reads the codes: the same products up to float rounding (summed per group as
 scale * sum(q x) + bias * sum(x)). Products of more rows (prompt chunks) keep OpenBLAS's sgemm
@@ -59,12 +59,20 @@ def remember(module: Any, source: PackSource) -> None:
         setattr(module, SOURCE_ATTR, source)
 
 
+def _forget(held: list[tuple[np.ndarray, ...]]) -> None:
+    for weight, *_ in held:
+        matvec.unpack(weight)
+    held.clear()  # the arrays go after their registrations
+
+
 class PackedWeights:
-    """One model's registered weights (see the module docstring)."""
+    """One model's registered weights (see the module docstring); forgotten by `close()` or
+    when the object is collected, whichever comes first."""
 
     def __init__(self) -> None:
         self._held: list[tuple[np.ndarray, ...]] = []
         self.nbytes = 0
+        weakref.finalize(self, _forget, self._held)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -79,9 +87,8 @@ class PackedWeights:
 
     def close(self) -> None:
         """Forget every registration (idempotent); the codes are released after it."""
-        held, self._held, self.nbytes = self._held, [], 0
-        for weight, *_ in held:
-            matvec.unpack(weight)
+        _forget(self._held)
+        self.nbytes = 0
 
 
 def pack_weights(model: Any) -> PackedWeights:
@@ -104,8 +111,3 @@ def pack_weights(model: Any) -> PackedWeights:
         packed.add(np.asarray(w), codes.view(np.uint8).reshape(codes.shape[0], -1),
                    np.asarray(src.scales), np.asarray(src.biases), src.bits, src.group)
     return packed
-
-
-def tie(owner: object, packed: PackedWeights) -> None:
-    """Close `packed` when `owner` is collected (its weights with it)."""
-    weakref.finalize(owner, packed.close)

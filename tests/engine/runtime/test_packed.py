@@ -81,3 +81,18 @@ def test_the_codes_are_counted_and_closing_puts_products_back_on_sgemv(
     tokens, _, served = _decode(lm, "Paris is")
     assert served == 0
     assert tokens == _decode(plain, "Paris is")[0]
+
+
+def test_a_collected_model_leaves_nothing_registered(starter: dict[str, Any]) -> None:
+    import gc
+
+    from engine.runtime.generate import LoadedModel
+
+    before = matvec.registered()
+    lm = LoadedModel.load(starter["path"], warm_up=False)
+    if not packed.applies(lm.profile.dtype):
+        pytest.skip("no packed products here")
+    assert matvec.registered() == before + len(lm.packed) > before
+    del lm
+    gc.collect()
+    assert matvec.registered() == before
