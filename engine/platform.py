@@ -181,14 +181,17 @@ def numpy_blas_one_thread() -> bool:
 
 def blas_status() -> str:
     """Which BLAS MLX's CPU path uses: 'openblas (path), one-row products as sgemv' (or
-    with why not: engine.matvec), 'reference' or 'accelerate'."""
+    with why not: engine.matvec; and how many weights are packed now, engine.runtime.packed),
+    'reference' or 'accelerate'."""
     if sys.platform == "darwin":
         return "accelerate"
     if not _blas_path:
         return "reference"
     gemv = matvec.status()
+    packed = matvec.registered()
     return f"openblas ({_blas_path}), " + (
-        "one-row products as sgemv" if gemv == "on" else f"sgemv shim {gemv}")
+        "one-row products as sgemv" if gemv == "on" else f"sgemv shim {gemv}") + (
+        f", {packed} weights' one-row products from their codes" if packed else "")
 
 
 def select_device() -> None:

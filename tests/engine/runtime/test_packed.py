@@ -57,6 +57,9 @@ def test_the_starter_decodes_from_its_codes_as_from_its_float32_weights(
     layers = starter_lm.config["num_hidden_layers"]
     assert len(starter_lm.packed) == 7 * layers + 1  # q, k, v, o, gate, up, down; the head
     assert len(plain.packed) == 0
+    from engine.platform import blas_status
+
+    assert "weights' one-row products from their codes" in blas_status()  # in bench reports
     prompt = "The history of the Roman Empire is long and"
     got, got_logits, served = _decode(starter_lm, prompt)
     want, want_logits, none = _decode(plain, prompt)
