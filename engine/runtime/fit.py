@@ -37,6 +37,7 @@ from typing import Any
 import psutil
 
 from engine.errors import LoadFailed
+from engine.library.found import safetensors_headers
 from engine.platform import ComputeProfile
 from engine.runtime import packed
 
@@ -102,8 +103,6 @@ class WeightSizes:
     def from_folder(cls, config: Mapping[str, Any], folder: Path) -> WeightSizes:
         """From a model folder's *.safetensors headers (no tensor is read); ImportFailed for a
         file without one."""
-        from engine.library.found import safetensors_headers
-
         heads = safetensors_headers(sorted(folder.glob("*.safetensors")))
         return cls.from_items(config, {k: (h.size, h.nbytes, h.dtype) for k, h in heads.items()})
 
