@@ -10,10 +10,11 @@
  *
  * Packed weights: a float32 weight that was dequantized from 4- or 8-bit affine codes
  * (w = scale * q + bias per group of `group` along a row) can be registered with those codes
- * (strata_matvec_pack). A one-row product whose B is that weight, stored n x k, then reads
- * the codes (an eighth or a quarter of the bytes) and computes
- * sum_g scale_g (sum q x) + bias_g (sum x) on x86-64 with AVX2/FMA or AVX-512: the same
- * products up to float rounding. Why: a decode step reads every weight once, and float32
+ * (strata_matvec_pack). A product of up to M_MAX rows whose B is that weight, stored n x k
+ * (a decode step's, a speculative verify pass's, a small batch's), then reads the codes (an
+ * eighth or a quarter of the bytes) and computes sum_g scale_g (sum q x) + bias_g (sum x) on
+ * x86-64 with AVX2/FMA or AVX-512: the same products up to float rounding, each row's bit
+ * for bit the same whatever rows are beside it. Why: a decode step reads every weight once, and float32
  * weights made it memory-bound (docs/benchmarks.md). Each call checks B at fixed spots
  * against the values seen at registration, so a freed weight whose memory another array
  * reuses is never read as packed; the registry is read-locked while a product runs.
@@ -54,7 +55,9 @@ unsigned long long strata_matvec_count(void) {
 
 /* ---- packed weights ---------------------------------------------------------------- */
 
-enum { CAP = 4096, PROBES = 4, MAX_K = 32768 };
+/* M_MAX: past 8 rows OpenBLAS's sgemm over the float32 weights was faster (the starter's
+ * 211 products: 48.5 against 54.4 ms at 8 rows, 85.9 against 45.2 at 16) */
+enum { CAP = 4096, PROBES = 4, MAX_K = 32768, M_MAX = 8 };
 
 typedef struct {
     const float *w;  /* the key: B as MLX passes it (NULL: empty; TOMB: removed) */
@@ -64,8 +67,10 @@ typedef struct {
     float probe[PROBES];
 } packed_t;
 
-typedef void (*row_fn)(const packed_t *, int, int, const float *, const float *, float *,
-                       float, float);
+/* rows r0..r1 of the product of m rows of x (as `run_packed` lays them out) into y (m rows
+ * of ldy): y = alpha (w x) + beta y */
+typedef void (*rows_fn)(const packed_t *, int, int, int, const float *, const float *, float *,
+                        int, float, float);
 
 static const float TOMB_VALUE = 0.0f;
 #define TOMB (&TOMB_VALUE)
@@ -73,7 +78,7 @@ static packed_t table[CAP];
 static int live;
 static pthread_rwlock_t lock = PTHREAD_RWLOCK_INITIALIZER;
 static unsigned long long as_packed;
-static row_fn rows4, rows8;
+static rows_fn kernel;  /* NULL: no kernel for this CPU */
 
 static size_t slot_of(const float *w) {
     uintptr_t h = (uintptr_t)w;
@@ -111,7 +116,7 @@ static int unpacked_equal(const packed_t *e, int row) {
  * it does not take, a full registry, or rows that do not dequantize to w exactly). */
 int strata_matvec_pack(const float *w, int n, int k, const void *codes, const float *scales,
                        const float *biases, int bits, int group) {
-    if ((bits == 4 ? rows4 : bits == 8 ? rows8 : NULL) == NULL || n <= 0 || k <= 0 ||
+    if (kernel == NULL || (bits != 4 && bits != 8) || n <= 0 || k <= 0 ||
         k > MAX_K || group <= 0 || group % 32 != 0 || k % group != 0 || w == NULL)
         return 0;
     packed_t e = {w, n, k, bits, group, (const uint8_t *)codes, scales, biases, {0}};
@@ -165,7 +170,7 @@ unsigned long long strata_matvec_packed_count(void) {
 
 /* 1 where this machine has a kernel for `bits`. */
 int strata_matvec_packs(int bits) {
-    return (bits == 4 ? rows4 : bits == 8 ? rows8 : NULL) != NULL;
+    return kernel != NULL && (bits == 4 || bits == 8);
 }
 
 static const packed_t *find(const float *w, int n, int k, int ldb) {
@@ -185,136 +190,179 @@ static const packed_t *find(const float *w, int n, int k, int ldb) {
 }
 
 #ifdef STRATA_X86
-/* x as the kernels read it: for 4 bits, each run of 32 split into its 16 even and 16 odd
- * elements (a code byte holds elements 2i and 2i + 1 in its low and high nibble); for 8
- * bits as it is. xs: the sum of each group. */
-static __thread float x_split[MAX_K], x_sums[MAX_K / 32];
+/* Rows of x as the kernels read them, one after another (k floats each): for 4 bits each run
+ * of 32 split into its 16 even and 16 odd elements (a code byte holds elements 2i and 2i + 1
+ * in its low and high nibble); for 8 bits as they are. Then each row's group sums. */
+static __thread float *x_buf;
+static __thread size_t x_cap;
 
-__attribute__((target("avx2,fma")))
-static float sum8(__m256 a) {
+/* One weight row r against m (1..MROWS, a constant where inlined) rows of x: out[i] =
+ * sum_g scale_g (sum q x_i) + bias_g (sum x_i). Each x row's result is computed in the same
+ * order whatever m is, so a verify step's rows equal single decode steps' bit for bit. */
+#define MROWS 4
+
+__attribute__((target("avx512f,avx512bw"), always_inline))
+static inline void row_avx512(const packed_t *e, int r, int m, int bits, const float *x,
+                              const float *xs, float *out) {
+    const int k = e->k, G = k / e->group, per = bits == 4 ? 32 : 16, runs = e->group / per;
+    const int ldxs = k / e->group;
+    const uint8_t *c = e->codes + (size_t)r * k * bits / 8;
+    const float *s = e->scales + (size_t)r * G, *b = e->biases + (size_t)r * G;
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    __m512 acc[MROWS];
+    float bias[MROWS];
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < m; i++) {
+        acc[i] = _mm512_setzero_ps();
+        bias[i] = 0.0f;
+    }
+    for (int g = 0; g < G; g++) {
+        __m512 t[MROWS];
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < m; i++)
+            t[i] = _mm512_setzero_ps();
+        for (int u = 0; u < runs; u++) {
+            int at = g * runs + u;
+            __m128i by = _mm_loadu_si128((const __m128i *)(c + at * 16));
+            if (bits == 4) {
+                __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(by, m4)));
+                __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                    _mm_and_si128(_mm_srli_epi16(by, 4), m4)));
+                _Pragma("GCC unroll 4")
+                for (int i = 0; i < m; i++) {
+                    const float *xi = x + (size_t)i * k + at * 32;
+                    t[i] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xi), t[i]);
+                    t[i] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xi + 16), t[i]);
+                }
+            } else {
+                __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(by));
+                _Pragma("GCC unroll 4")
+                for (int i = 0; i < m; i++)
+                    t[i] = _mm512_fmadd_ps(q, _mm512_loadu_ps(x + (size_t)i * k + at * 16),
+                                           t[i]);
+            }
+        }
+        __m512 sv = _mm512_set1_ps(s[g]);
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < m; i++) {
+            acc[i] = _mm512_fmadd_ps(t[i], sv, acc[i]);
+            bias[i] = __builtin_fmaf(b[g], xs[i * ldxs + g], bias[i]);  /* fused in every m */
+        }
+    }
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < m; i++)
+        out[i] = _mm512_reduce_add_ps(acc[i]) + bias[i];
+}
+
+__attribute__((target("avx2,fma"), always_inline))
+static inline float sum8(__m256 a) {
     __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     v = _mm_add_ps(v, _mm_movehl_ps(v, v));
     v = _mm_add_ss(v, _mm_movehdup_ps(v));
     return _mm_cvtss_f32(v);
 }
 
-__attribute__((target("avx2,fma")))
-static void rows4_avx2(const packed_t *e, int r0, int r1, const float *xe, const float *xs,
-                       float *y, float alpha, float beta) {
-    const int k = e->k, G = k / e->group, runs = e->group / 32;
+__attribute__((target("avx2,fma"), always_inline))
+static inline __m256 widen8(__m128i bytes) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+}
+
+__attribute__((target("avx2,fma"), always_inline))
+static inline void row_avx2(const packed_t *e, int r, int m, int bits, const float *x,
+                            const float *xs, float *out) {
+    const int k = e->k, G = k / e->group, per = bits == 4 ? 32 : 16, runs = e->group / per;
+    const int ldxs = k / e->group;
+    const uint8_t *c = e->codes + (size_t)r * k * bits / 8;
+    const float *s = e->scales + (size_t)r * G, *b = e->biases + (size_t)r * G;
     const __m128i m4 = _mm_set1_epi8(0x0F);
-    for (int r = r0; r < r1; r++) {
-        const uint8_t *c = e->codes + (size_t)r * (k / 2);
-        const float *s = e->scales + (size_t)r * G, *b = e->biases + (size_t)r * G;
-        __m256 acc = _mm256_setzero_ps();
-        float bias = 0.0f;
-        for (int g = 0; g < G; g++) {
-            __m256 t = _mm256_setzero_ps();
-            for (int u = 0; u < runs; u++) {
-                int at = g * runs + u;
-                __m128i by = _mm_loadu_si128((const __m128i *)(c + at * 16));
+    __m256 acc[MROWS];
+    float bias[MROWS];
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < m; i++) {
+        acc[i] = _mm256_setzero_ps();
+        bias[i] = 0.0f;
+    }
+    for (int g = 0; g < G; g++) {
+        __m256 t[MROWS];
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < m; i++)
+            t[i] = _mm256_setzero_ps();
+        for (int u = 0; u < runs; u++) {
+            int at = g * runs + u;
+            __m128i by = _mm_loadu_si128((const __m128i *)(c + at * 16));
+            __m256 q[4];
+            int parts;
+            if (bits == 4) {
                 __m128i lo = _mm_and_si128(by, m4);
                 __m128i hi = _mm_and_si128(_mm_srli_epi16(by, 4), m4);
-                const float *x = xe + at * 32;
-                t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
-                                    _mm256_loadu_ps(x), t);
-                t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                        _mm_srli_si128(lo, 8))), _mm256_loadu_ps(x + 8), t);
-                t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
-                                    _mm256_loadu_ps(x + 16), t);
-                t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                        _mm_srli_si128(hi, 8))), _mm256_loadu_ps(x + 24), t);
+                q[0] = widen8(lo);
+                q[1] = widen8(_mm_srli_si128(lo, 8));
+                q[2] = widen8(hi);
+                q[3] = widen8(_mm_srli_si128(hi, 8));
+                parts = 4;
+            } else {
+                q[0] = widen8(by);
+                q[1] = widen8(_mm_srli_si128(by, 8));
+                parts = 2;
             }
-            acc = _mm256_fmadd_ps(t, _mm256_set1_ps(s[g]), acc);
-            bias += b[g] * xs[g];
+            _Pragma("GCC unroll 4")
+            for (int i = 0; i < m; i++) {
+                const float *xi = x + (size_t)i * k + at * per;
+                _Pragma("GCC unroll 4")
+                for (int j = 0; j < parts; j++)
+                    t[i] = _mm256_fmadd_ps(q[j], _mm256_loadu_ps(xi + 8 * j), t[i]);
+            }
         }
-        float v = alpha * (sum8(acc) + bias);
-        y[r] = beta == 0.0f ? v : v + beta * y[r];
+        __m256 sv = _mm256_set1_ps(s[g]);
+        _Pragma("GCC unroll 4")
+        for (int i = 0; i < m; i++) {
+            acc[i] = _mm256_fmadd_ps(t[i], sv, acc[i]);
+            bias[i] = __builtin_fmaf(b[g], xs[i * ldxs + g], bias[i]);  /* fused in every m */
+        }
     }
+    _Pragma("GCC unroll 4")
+    for (int i = 0; i < m; i++)
+        out[i] = sum8(acc[i]) + bias[i];
 }
 
-__attribute__((target("avx2,fma")))
-static void rows8_avx2(const packed_t *e, int r0, int r1, const float *x, const float *xs,
-                       float *y, float alpha, float beta) {
-    const int k = e->k, G = k / e->group, runs = e->group / 16;
-    for (int r = r0; r < r1; r++) {
-        const uint8_t *c = e->codes + (size_t)r * k;
-        const float *s = e->scales + (size_t)r * G, *b = e->biases + (size_t)r * G;
-        __m256 acc = _mm256_setzero_ps();
-        float bias = 0.0f;
-        for (int g = 0; g < G; g++) {
-            __m256 t = _mm256_setzero_ps();
-            for (int u = 0; u < runs; u++) {
-                int at = (g * runs + u) * 16;
-                __m128i by = _mm_loadu_si128((const __m128i *)(c + at));
-                t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(by)),
-                                    _mm256_loadu_ps(x + at), t);
-                t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                        _mm_srli_si128(by, 8))), _mm256_loadu_ps(x + at + 8), t);
-            }
-            acc = _mm256_fmadd_ps(t, _mm256_set1_ps(s[g]), acc);
-            bias += b[g] * xs[g];
-        }
-        float v = alpha * (sum8(acc) + bias);
-        y[r] = beta == 0.0f ? v : v + beta * y[r];
+/* The kernels: for each weight row, the x rows MROWS at a time (the row's codes stay in L1
+ * between them); `m` and `bits` constants in each call below, so that each combination is
+ * compiled on its own. */
+#define ROWS_KERNEL(name, row, isa)                                                        \
+    __attribute__((target(isa)))                                                           \
+    static void name(const packed_t *e, int r0, int r1, int m, const float *x,             \
+                     const float *xs, float *y, int ldy, float alpha, float beta) {        \
+        const int k = e->k, G = k / e->group;                                             \
+        float out[MROWS];                                                                  \
+        for (int r = r0; r < r1; r++)                                                      \
+            for (int i0 = 0; i0 < m; i0 += MROWS) {                                        \
+                const float *xi = x + (size_t)i0 * k, *si = xs + (size_t)i0 * G;           \
+                int mm = m - i0 < MROWS ? m - i0 : MROWS;                                  \
+                if (e->bits == 4) {                                                        \
+                    switch (mm) {                                                          \
+                    case 1: row(e, r, 1, 4, xi, si, out); break;                           \
+                    case 2: row(e, r, 2, 4, xi, si, out); break;                           \
+                    case 3: row(e, r, 3, 4, xi, si, out); break;                           \
+                    default: row(e, r, 4, 4, xi, si, out); break;                          \
+                    }                                                                      \
+                } else {                                                                   \
+                    switch (mm) {                                                          \
+                    case 1: row(e, r, 1, 8, xi, si, out); break;                           \
+                    case 2: row(e, r, 2, 8, xi, si, out); break;                           \
+                    case 3: row(e, r, 3, 8, xi, si, out); break;                           \
+                    default: row(e, r, 4, 8, xi, si, out); break;                          \
+                    }                                                                      \
+                }                                                                          \
+                for (int i = 0; i < mm; i++) {                                             \
+                    float *yi = y + (size_t)(i0 + i) * ldy + r;                            \
+                    float v = alpha * out[i];                                              \
+                    *yi = beta == 0.0f ? v : v + beta * *yi;                               \
+                }                                                                          \
+            }                                                                              \
     }
-}
 
-__attribute__((target("avx512f,avx512bw")))
-static void rows4_avx512(const packed_t *e, int r0, int r1, const float *xe,
-                         const float *xs, float *y, float alpha, float beta) {
-    const int k = e->k, G = k / e->group, runs = e->group / 32;
-    const __m128i m4 = _mm_set1_epi8(0x0F);
-    for (int r = r0; r < r1; r++) {
-        const uint8_t *c = e->codes + (size_t)r * (k / 2);
-        const float *s = e->scales + (size_t)r * G, *b = e->biases + (size_t)r * G;
-        __m512 acc = _mm512_setzero_ps();
-        float bias = 0.0f;
-        for (int g = 0; g < G; g++) {
-            __m512 t = _mm512_setzero_ps();
-            for (int u = 0; u < runs; u++) {
-                int at = g * runs + u;
-                __m128i by = _mm_loadu_si128((const __m128i *)(c + at * 16));
-                __m128i lo = _mm_and_si128(by, m4);
-                __m128i hi = _mm_and_si128(_mm_srli_epi16(by, 4), m4);
-                const float *x = xe + at * 32;
-                t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)),
-                                    _mm512_loadu_ps(x), t);
-                t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)),
-                                    _mm512_loadu_ps(x + 16), t);
-            }
-            acc = _mm512_fmadd_ps(t, _mm512_set1_ps(s[g]), acc);
-            bias += b[g] * xs[g];
-        }
-        float v = alpha * (_mm512_reduce_add_ps(acc) + bias);
-        y[r] = beta == 0.0f ? v : v + beta * y[r];
-    }
-}
-
-__attribute__((target("avx512f,avx512bw")))
-static void rows8_avx512(const packed_t *e, int r0, int r1, const float *x, const float *xs,
-                         float *y, float alpha, float beta) {
-    const int k = e->k, G = k / e->group, runs = e->group / 16;
-    for (int r = r0; r < r1; r++) {
-        const uint8_t *c = e->codes + (size_t)r * k;
-        const float *s = e->scales + (size_t)r * G, *b = e->biases + (size_t)r * G;
-        __m512 acc = _mm512_setzero_ps();
-        float bias = 0.0f;
-        for (int g = 0; g < G; g++) {
-            __m512 t = _mm512_setzero_ps();
-            for (int u = 0; u < runs; u++) {
-                int at = (g * runs + u) * 16;
-                t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                        _mm_loadu_si128((const __m128i *)(c + at)))),
-                                    _mm512_loadu_ps(x + at), t);
-            }
-            acc = _mm512_fmadd_ps(t, _mm512_set1_ps(s[g]), acc);
-            bias += b[g] * xs[g];
-        }
-        float v = alpha * (_mm512_reduce_add_ps(acc) + bias);
-        y[r] = beta == 0.0f ? v : v + beta * y[r];
-    }
-}
+ROWS_KERNEL(rows_avx512, row_avx512, "avx512f,avx512bw")
+ROWS_KERNEL(rows_avx2, row_avx2, "avx2,fma")
 
 static void choose_kernels(void) {
     /* STRATA_MATVEC_ISA=avx2 or =none narrows the choice (the tests run each kernel) */
@@ -323,67 +371,84 @@ static void choose_kernels(void) {
     if (isa != NULL && strcmp(isa, "none") == 0)
         return;
     __builtin_cpu_init();
-    if (wide && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) {
-        rows4 = rows4_avx512;
-        rows8 = rows8_avx512;
-    } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-        rows4 = rows4_avx2;
-        rows8 = rows8_avx2;
-    }
+    if (wide && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+        kernel = rows_avx512;
+    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        kernel = rows_avx2;
 }
 
-static void run_packed(const packed_t *e, const float *a, int inc_a, float alpha, float beta,
-                       float *c) {
-    const int k = e->k;
-    const float *x = a;
-    if (e->bits == 4 || inc_a != 1) {
+/* C (m rows of ldc) = alpha A B^T + beta C for m <= M_MAX rows of A (row i, element j at
+ * a[i * row_step + j * elem_step]) and a packed B. */
+static void run_packed(const packed_t *e, int m, const float *a, size_t row_step,
+                       size_t elem_step, float alpha, float beta, float *c, int ldc) {
+    const int k = e->k, G = k / e->group;
+    size_t need = (size_t)m * (k + G);
+    if (need > x_cap) {
+        float *grown = realloc(x_buf, need * sizeof(float));
+        if (grown == NULL) {  /* out of memory: sgemm's job after all */
+            real_sgemm(ROW_MAJOR, elem_step == 1 ? NO_TRANS : TRANS, TRANS, m, e->n, k, alpha,
+                       a, (int)(elem_step == 1 ? row_step : elem_step), e->w, k, beta, c, ldc);
+            return;
+        }
+        x_buf = grown;
+        x_cap = need;
+    }
+    float *xs = x_buf + (size_t)m * k;
+    for (int i = 0; i < m; i++) {
+        const float *ai = a + i * row_step;
+        float *xi = x_buf + (size_t)i * k;
         for (int run = 0; run < k / 32; run++)
-            for (int i = 0; i < 16; i++) {
-                float ev = a[(size_t)(run * 32 + 2 * i) * inc_a];
-                float od = a[(size_t)(run * 32 + 2 * i + 1) * inc_a];
+            for (int j = 0; j < 16; j++) {
+                float ev = ai[(size_t)(run * 32 + 2 * j) * elem_step];
+                float od = ai[(size_t)(run * 32 + 2 * j + 1) * elem_step];
                 if (e->bits == 4) {
-                    x_split[run * 32 + i] = ev;
-                    x_split[run * 32 + 16 + i] = od;
+                    xi[run * 32 + j] = ev;
+                    xi[run * 32 + 16 + j] = od;
                 } else {
-                    x_split[run * 32 + 2 * i] = ev;
-                    x_split[run * 32 + 2 * i + 1] = od;
+                    xi[run * 32 + 2 * j] = ev;
+                    xi[run * 32 + 2 * j + 1] = od;
                 }
             }
-        x = x_split;
+        for (int g = 0; g < G; g++) {
+            float sum = 0.0f;
+            for (int j = 0; j < e->group; j++)
+                sum += xi[g * e->group + j];  /* a group's elements in any order: a sum */
+            xs[(size_t)i * G + g] = sum;
+        }
     }
-    for (int g = 0; g < k / e->group; g++) {
-        float sum = 0.0f;
-        for (int i = 0; i < e->group; i++)
-            sum += x[g * e->group + i];  /* a group's elements in any order: it is a sum */
-        x_sums[g] = sum;
-    }
-    (e->bits == 4 ? rows4 : rows8)(e, 0, e->n, x, x_sums, c, alpha, beta);
+    kernel(e, 0, e->n, m, x_buf, xs, c, ldc, alpha, beta);
 }
 #else
 static void choose_kernels(void) {}
-static void run_packed(const packed_t *e, const float *a, int inc_a, float alpha, float beta,
-                       float *c) {
-    (void)e; (void)a; (void)inc_a; (void)alpha; (void)beta; (void)c;
+static void run_packed(const packed_t *e, int m, const float *a, size_t row_step,
+                       size_t elem_step, float alpha, float beta, float *c, int ldc) {
+    (void)e; (void)m; (void)a; (void)row_step; (void)elem_step; (void)alpha; (void)beta;
+    (void)c; (void)ldc;
 }
 #endif
 
 void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
                  const float *a, int lda, const float *b, int ldb, float beta, float *c,
                  int ldc) {
+    if (order == ROW_MAJOR && trans_b == TRANS && m >= 1 && m <= M_MAX && n > 0 && k > 0 &&
+        ldc >= n) {
+        /* nn.Linear's x @ w.T for a decode step (m = 1), a verify step or a small batch:
+         * w may be a packed weight */
+        pthread_rwlock_rdlock(&lock);
+        const packed_t *e = live ? find(b, n, k, ldb) : NULL;
+        if (e != NULL) {
+            int plain = trans_a == NO_TRANS;
+            run_packed(e, m, a, plain ? (size_t)lda : 1, plain ? 1 : (size_t)lda, alpha, beta,
+                       c, ldc);
+            pthread_rwlock_unlock(&lock);
+            __atomic_add_fetch(&as_packed, 1, __ATOMIC_RELAXED);
+            return;
+        }
+        pthread_rwlock_unlock(&lock);
+    }
     if (order == ROW_MAJOR && m == 1 && n > 0 && k > 0 && real_sgemv != NULL) {
         /* C's one row = alpha op(B)^T a + beta C: a is A's row (or column, transposed). */
         int inc_a = trans_a == NO_TRANS ? 1 : lda;
-        if (trans_b == TRANS) {  /* nn.Linear's x @ w.T: w may be a packed weight */
-            pthread_rwlock_rdlock(&lock);
-            const packed_t *e = live ? find(b, n, k, ldb) : NULL;
-            if (e != NULL) {
-                run_packed(e, a, inc_a, alpha, beta, c);
-                pthread_rwlock_unlock(&lock);
-                __atomic_add_fetch(&as_packed, 1, __ATOMIC_RELAXED);
-                return;
-            }
-            pthread_rwlock_unlock(&lock);
-        }
         if (beta == 0.0f)  /* MLX leaves C uninitialised: sgemv must not scale a NaN */
             memset(c, 0, sizeof(float) * (size_t)n);
         if (trans_b == NO_TRANS)  /* B is k x n */

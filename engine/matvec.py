@@ -11,8 +11,8 @@ sgemm as before: slower decode, the same products up to float rounding. `status(
 which; `forwarded()` counts the products sent to sgemv (the tests check MLX's path).
 STRATA_NO_MATVEC=1 leaves it out (to measure without it).
 `pack(weight, codes, scales, biases, bits, group)` registers a float32 weight dequantized
-from 4- or 8-bit affine codes: its one-row products then read the codes (x86-64 with AVX2 or
-AVX-512); the caller keeps all four arrays alive until `unpack(weight)`. `packed()` counts
+from 4- or 8-bit affine codes: its products of up to 8 rows then read the codes (x86-64 with
+AVX2 or AVX-512); the caller keeps all four arrays alive until `unpack(weight)`. `packed()` counts
 the products served so, `registered()` the weights registered now.
 
 Why: OpenBLAS 0.3.21 (Debian 12) packs B for every sgemm, one row of A included (later

@@ -131,17 +131,30 @@ def _packed_products(bits: int, group: int) -> dict[str, Any]:
     c = rng.standard_normal((1, 384), dtype=np.float32)
     want = x.astype(np.float64) @ w_np.T.astype(np.float64)
     out: dict[str, Any] = {"registered": matvec.pack(w_np, codes, scales, biases, bits, group)}
+    rows = rng.standard_normal((9, 640), dtype=np.float32)
     before = matvec.packed()
     y = mx.array(x) @ w.T
     y2 = mx.addmm(mx.array(c), mx.array(x), w.T, alpha=2.0, beta=0.5)
-    two = mx.array(np.concatenate([x, x])) @ w.T  # a prompt chunk's product: sgemm's
-    mx.eval(y, y2, two)
+    # a verify step's rows (up to 8): packed too; and each row as its own one-row product
+    few = mx.array(np.concatenate([x, rows[:4]])) @ w.T
+    alone = [mx.array(r[None]) @ w.T for r in rows[:4]]
+    mx.eval(y, y2, few, *alone)
     out["served"] = matvec.packed() - before
+    before = matvec.packed()
+    nine = mx.array(rows) @ w.T  # nine rows and more: a prompt chunk's, sgemm's
+    mx.eval(nine)
+    out["served_nine"] = matvec.packed() - before
     scale = np.abs(want).max()
     out["err"] = float(np.abs(np.asarray(y, np.float64) - want).max() / scale)
     out["err_addmm"] = float(np.abs(np.asarray(y2, np.float64) - (2 * want + 0.5 * c)).max()
                              / scale)
-    out["err_two"] = float(np.abs(np.asarray(two, np.float64) - want).max() / scale)
+    want_rows = rows.astype(np.float64) @ w_np.T.astype(np.float64)
+    out["err_rows"] = float(max(
+        np.abs(np.asarray(few, np.float64)[1:] - want_rows[:4]).max(),
+        np.abs(np.asarray(nine, np.float64) - want_rows).max()) / scale)
+    # bit for bit: a row's result does not depend on the rows beside it
+    out["rows_alone_equal"] = bool(np.array_equal(np.asarray(few)[0], np.asarray(y)[0]) and all(
+        np.array_equal(np.asarray(few)[i + 1], np.asarray(a)[0]) for i, a in enumerate(alone)))
     matvec.unpack(w_np)
     before = matvec.packed()
     mx.eval(mx.array(x) @ w.T)
@@ -150,11 +163,13 @@ def _packed_products(bits: int, group: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("bits", "group"), [(4, 32), (4, 64), (8, 32), (8, 128)])
-def test_packed_weights_serve_one_row_products_and_agree(bits: int, group: int) -> None:
+def test_packed_weights_serve_products_of_up_to_8_rows_and_agree(bits: int, group: int
+                                                                  ) -> None:
     assert matvec.packs(bits), "the suite's machines are x86-64 with AVX2"
     got = _packed_products(bits, group)
-    assert got["registered"] and got["served"] == 2, got  # x @ w.T and addmm; not two rows
-    assert got["err"] < 1e-5 and got["err_addmm"] < 1e-5 and got["err_two"] < 1e-5, got
+    assert got["registered"] and got["served"] == 7 and got["served_nine"] == 0, got
+    assert got["err"] < 1e-5 and got["err_addmm"] < 1e-5 and got["err_rows"] < 1e-5, got
+    assert got["rows_alone_equal"]
     assert got["served_after_unpack"] == 0
 
 
@@ -172,8 +187,8 @@ def test_the_avx2_kernels_agree_and_no_kernel_leaves_sgemv(tmp_path: Path) -> No
     got = json.loads(avx2.stdout)
     assert got["packs"] == [True, True]
     for run in got["runs"]:
-        assert run["registered"] and run["served"] == 2 and run["err"] < 1e-5, run
-        assert run["err_addmm"] < 1e-5
+        assert run["registered"] and run["served"] == 7 and run["err"] < 1e-5, run
+        assert run["err_addmm"] < 1e-5 and run["err_rows"] < 1e-5 and run["rows_alone_equal"]
     none = _python(_KERNEL, tmp_path, STRATA_MATVEC_ISA="none")
     assert none.returncode == 0, none.stderr
     got = json.loads(none.stdout)
