@@ -214,7 +214,7 @@ class LoadedModel:
         with timeline.phase("weights"):
             # Past the trained length the chosen context extends RoPE (YaRN, engine.runtime.model).
             model, config = load_weights_into_model(
-                path, profile, context=chosen_context(read_config(path), path))
+                path, profile, context=chosen_context(read_config(path), path), keep_codes=True)
             # A decode step's products read the quantized codes (engine.runtime.packed).
             packed_weights = pack_weights(model)
         lm = cls(model, config, tokenizer, manifest, profile, timeline)

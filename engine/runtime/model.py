@@ -217,10 +217,10 @@ def extend_rope(config: Mapping[str, Any], context: int | None) -> dict[str, Any
     return out
 
 
-def load_weights_into_model(folder: Path, profile: ComputeProfile, context: int | None = None
-                            ) -> tuple[Any, dict[str, Any]]:
+def load_weights_into_model(folder: Path, profile: ComputeProfile, context: int | None = None,
+                            keep_codes: bool = False) -> tuple[Any, dict[str, Any]]:
     """Load weights (memory-mapped by mx.load) and apply the compute profile; past the trained
-    length, `context` extends RoPE (`extend_rope`)."""
+    length, `context` extends RoPE (`extend_rope`). `keep_codes`: see `apply_profile`."""
     config = extend_rope(read_config(folder), context)
     files = weight_files(folder)
     if not files:
@@ -240,16 +240,18 @@ def load_weights_into_model(folder: Path, profile: ComputeProfile, context: int 
     except ValueError as exc:
         raise LoadFailed(f"{folder}: weights do not match the config ({exc})") from exc
     model.eval()
-    apply_profile(model, profile)
+    apply_profile(model, profile, keep_codes)
     mx.eval(model.parameters())
     return model, config
 
 
-def apply_profile(model: Any, profile: ComputeProfile) -> None:
+def apply_profile(model: Any, profile: ComputeProfile, keep_codes: bool = False) -> None:
     """Dequantize and/or cast parameters as the profile says, in place.
 
     Dequantizing covers QuantizedLinear, QuantizedEmbedding and mlx-lm's QuantizedSwitchLinear
-    (stacked experts) in every mode MLX quantizes in (affine, mxfp4, nvfp4, ...)."""
+    (stacked experts) in every mode MLX quantizes in (affine, mxfp4, nvfp4, ...).
+    `keep_codes`: a dequantized float32 Linear or Embedding remembers its affine codes for
+    `packed.pack_weights` (a model that decodes: LoadedModel.load); otherwise they are let go."""
     dtype = getattr(mx, profile.dtype)
     if profile.dequantize:
         switch = _switch_layers()
@@ -271,7 +273,8 @@ def apply_profile(model: Any, profile: ComputeProfile) -> None:
             if "bias" in mod:
                 new.bias = mod.bias.astype(dtype)
             new.weight = w
-            if (dtype == mx.float32 and w.ndim == 2 and getattr(mod, "mode", "affine") == "affine"
+            if (keep_codes and dtype == mx.float32 and w.ndim == 2
+                    and getattr(mod, "mode", "affine") == "affine"
                     and getattr(mod, "biases", None) is not None):
                 # the codes a decode step's products can read instead (engine.runtime.packed)
                 packed.remember(new, packed.PackSource(

@@ -1,18 +1,19 @@
 """Packed weights: a decode step's products read the quantized codes, not the float32 copy.
 
-Contract: on Linux CPU's float32 profile, `apply_profile` (engine.runtime.model) dequantizes
-each affine-quantized Linear and Embedding and records where it came from (`PackSource`, via
-`remember`). `pack_weights(model)` then registers every such float32 weight with engine.matvec
-together with its codes (4 or 8 bits), scales and biases, and returns a `PackedWeights`
-whose `close()`, or its collection (with the LoadedModel that holds it), forgets them. A
+Contract: on Linux CPU's float32 profile, `apply_profile(..., keep_codes=True)`
+(engine.runtime.model; LoadedModel.load asks it) dequantizes each affine-quantized Linear and
+Embedding and records where it came from (`PackSource`, via `remember`).
+`pack_weights(model)` then registers every such float32 weight with engine.matvec together
+with its codes (4 or 8 bits), scales and biases, and returns a `PackedWeights` whose
+`close()`, or its collection (with the LoadedModel that holds it), forgets them. A
 product of up to 8 rows (every projection of a decode step and its output head, a
 speculative verify pass, a small batch) over a registered weight then reads the codes: the
 same products up to float rounding (summed per group as scale * sum(q x) + bias * sum(x)),
 each row's the same bit for bit whatever rows are beside it. Products of more rows (prompt
 chunks) keep OpenBLAS's sgemm on the float32 weights. Weights that cannot be served
 (another bit width, a group size not a multiple of 32, no AVX2 on this CPU, the shim off)
-stay sgemv's. `PackedWeights.nbytes` is
-what the codes add to the weights in memory (the Memory panel counts it).
+stay sgemv's. `PackedWeights.nbytes` is what the codes add to the weights in memory (the
+Memory panel counts it).
 STRATA_PACKED_MATVEC=0 leaves every weight unregistered (to measure without it).
 
 Why: a starter decode step reads all 540 MB of its float32 weights, and that read was most of

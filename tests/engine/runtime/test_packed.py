@@ -99,3 +99,21 @@ def test_a_collected_model_leaves_nothing_registered(starter: dict[str, Any]) ->
     del lm
     gc.collect()
     assert matvec.registered() == before
+
+
+def test_only_a_load_that_decodes_keeps_the_codes(starter: dict[str, Any]) -> None:
+    """Imports, cluster ranks and the benchmarks' peers apply the profile without keeping
+    the codes (nothing registered, nothing held beside the float32 weights)."""
+    from pathlib import Path
+
+    from engine.platform import compute_profile
+    from engine.runtime.model import load_weights_into_model
+
+    profile = compute_profile()
+    if not packed.applies(profile.dtype):
+        pytest.skip("no packed products here")
+    kept, _ = load_weights_into_model(Path(starter["path"]), profile, keep_codes=True)
+    plain_model, _ = load_weights_into_model(Path(starter["path"]), profile)
+    assert sum(hasattr(m, packed.SOURCE_ATTR) for _, m in kept.named_modules()) == 211
+    assert not any(hasattr(m, packed.SOURCE_ATTR) for _, m in plain_model.named_modules())
+    assert len(packed.pack_weights(plain_model)) == 0
