@@ -191,7 +191,7 @@ def blas_status() -> str:
     packed = matvec.registered()
     return f"openblas ({_blas_path}), " + (
         "one-row products as sgemv" if gemv == "on" else f"sgemv shim {gemv}") + (
-        f", {packed} weights' one-row products from their codes" if packed else "")
+        f", {packed} weights' decode products from their codes" if packed else "")
 
 
 def select_device() -> None:

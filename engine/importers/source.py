@@ -38,7 +38,7 @@ from engine.importers.hf import (
     check_config,
     read_folder,
 )
-from engine.library.found import safetensors_headers
+from engine.library.found import safetensors_items
 from engine.library.store import MANIFEST, Library, clean_name
 from engine.platform import ComputeProfile
 from engine.runtime.fit import Fit, WeightSizes, estimate
@@ -169,7 +169,7 @@ class Source:
                     qp, qb = qp + n, qb + int(t.n_bytes)
                     kept += _packable(n, PLANS.get(qtype))
             return WeightSizes(qp, qb, fp, 0, kept)
-        items = _safetensors_items(self.path)
+        items = safetensors_items(self.path)
         if self.kind != "hf":
             return WeightSizes.from_items(self.config, items)
         # The importer's default: 2-D weights at its bits (embeddings and head at the higher
@@ -249,13 +249,6 @@ def open_source(where: str | Path, library: Library | None = None) -> Source:
     if kind == "hf":
         check_config(config, str(path))
     return Source(kind, path, config, str(path))
-
-
-def _safetensors_items(folder: Path) -> dict[str, tuple[int, int, str]]:
-    """name -> (elements, bytes, dtype) of every tensor of a folder's *.safetensors, from their
-    JSON headers; ImportFailed for one that has none."""
-    return {name: (h.size, h.nbytes, h.dtype) for name, h in
-            safetensors_headers(sorted(folder.glob("*.safetensors"))).items()}
 
 
 def tokenizer_info(folder: Path) -> dict[str, Any]:

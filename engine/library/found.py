@@ -307,6 +307,13 @@ def safetensors_headers(files: list[Path]) -> dict[str, _Header]:
     return out
 
 
+def safetensors_items(folder: Path) -> dict[str, tuple[int, int, str]]:
+    """name -> (elements, bytes, dtype) of every tensor of a folder's *.safetensors, from their
+    JSON headers; ImportFailed for one that has none."""
+    return {name: (h.size, h.nbytes, h.dtype) for name, h in
+            safetensors_headers(sorted(folder.glob("*.safetensors"))).items()}
+
+
 def _weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():

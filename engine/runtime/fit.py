@@ -37,7 +37,7 @@ from typing import Any
 import psutil
 
 from engine.errors import LoadFailed
-from engine.library.found import safetensors_headers
+from engine.library.found import safetensors_items
 from engine.platform import ComputeProfile
 from engine.runtime import packed
 
@@ -73,8 +73,8 @@ class WeightSizes:
 
     def held_bytes(self, profile: ComputeProfile, stored_bytes: int | None = None) -> int:
         """Bytes once loaded in `profile`: dequantized, every parameter in its dtype (and the
-        codes that decode steps read, `packed.applies`); else the
-        quantized tensors as stored and floats in the dtype. `stored_bytes` (an import
+        codes that decode steps read, `kept_bytes`); else the quantized tensors as stored and
+        floats in the dtype. `stored_bytes` (an import
         option's size on disk, for weights about to be requantized) replaces the latter."""
         width = dtype_width(profile.dtype)
         if profile.dequantize:
@@ -103,8 +103,7 @@ class WeightSizes:
     def from_folder(cls, config: Mapping[str, Any], folder: Path) -> WeightSizes:
         """From a model folder's *.safetensors headers (no tensor is read); ImportFailed for a
         file without one."""
-        heads = safetensors_headers(sorted(folder.glob("*.safetensors")))
-        return cls.from_items(config, {k: (h.size, h.nbytes, h.dtype) for k, h in heads.items()})
+        return cls.from_items(config, safetensors_items(folder))
 
     @classmethod
     def from_items(cls, config: Mapping[str, Any],

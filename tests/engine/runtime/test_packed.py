@@ -59,7 +59,7 @@ def test_the_starter_decodes_from_its_codes_as_from_its_float32_weights(
     assert len(plain.packed) == 0
     from engine.platform import blas_status
 
-    assert "weights' one-row products from their codes" in blas_status()  # in bench reports
+    assert "weights' decode products from their codes" in blas_status()  # in bench reports
     prompt = "The history of the Roman Empire is long and"
     got, got_logits, served = _decode(starter_lm, prompt)
     want, want_logits, none = _decode(plain, prompt)
