@@ -23,40 +23,21 @@ versions forward those to gemv). A starter decode step at depth 0 took 44 ms wit
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
+from engine import native
+
 SOURCE = Path(__file__).with_name("matvec.c")
-COMPILE_TIMEOUT_S = 60
 _state: dict[str, Any] = {"lib": None, "why": "not loaded"}
 
 
 def _built(cache: Path) -> Path:
-    """The shared library for this source and machine, compiled into `cache/native/` unless
-    there already (written under a temporary name and renamed: processes starting at once
-    each compile, and each rename is whole). Raises OSError or SubprocessError."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:16]
-    out = cache / "native" / f"libstrata-matvec-{key}.so"
-    if out.exists():
-        return out
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise OSError("no C compiler (cc) on PATH")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE)],
-                       check=True, capture_output=True, timeout=COMPILE_TIMEOUT_S)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
+    """The shared library for this source and machine (engine.native). Raises OSError or
+    SubprocessError."""
+    return native.built(SOURCE, cache, name="strata-matvec")
 
 
 def load(cache: Path, openblas: Any) -> bool:

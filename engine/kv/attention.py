@@ -40,7 +40,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine.kv import cpu_kernels, cpu_select, remap
+from engine.kv import cpu_kernels, cpu_native, cpu_select, remap
 from engine.kv.cache import PagedLayerCache
 
 # A score block of page group x heads x queries x page tokens stays under this many floats.
@@ -361,6 +361,7 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
     if L >= WARM_CHUNK and past + rk.shape[1] >= cpu_select.DENSE_MIN_KEYS and \
             cpu_select.enabled():
         cpu_kernels.warm()  # a long prompt: the decode steps' loops load meanwhile
+        cpu_native.warm()
     if L > SPARSE_MAX_L and store.settings.mode == "sparse":
         _note_or_clear_votes(store, layer, queries, scale, n_pages, rk, past)
     # Sparse past the trained length: every chunk, prefill too, attends sparsely with

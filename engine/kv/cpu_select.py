@@ -29,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine import platform
-from engine.kv import cpu_kernels, remap
+from engine.kv import cpu_kernels, cpu_native, remap
 
 # numpy's bundled OpenBLAS at one thread from here on: its spinning workers took the cores
 # MLX and the page reads needed (here, not when the engine loads: `strata --help` and the
@@ -497,8 +497,9 @@ def dense_partial(q: np.ndarray, k: np.ndarray, v: np.ndarray, pages: bool,
     """The softmax partial (max (H, R), sum (H, R), output (H, R, Dv)) of queries q (H, R, D)
     (scaled) over every key: pages k, v (n, H, P, D) when `pages`, else per-head keys (H, T,
     D) whose last `causal_rows` are the queries' own tokens (rows rep-major, as `attend`
-    reshapes them: causal among those). Pages are shared over the threads in pieces
-    (cpu_kernels.share), per-head keys cut into THREADS ranges; the partials are merged."""
+    reshapes them: causal among those). Pages go to attend.c on THREADS threads of its own
+    (cpu_native) where it takes them, else are shared over the threads in pieces
+    (cpu_kernels.share); per-head keys are cut into THREADS ranges; the partials merged."""
     n = k.shape[0] if pages else k.shape[1]
     mask = None
     if not pages and causal_rows > 1:
@@ -512,7 +513,11 @@ def dense_partial(q: np.ndarray, k: np.ndarray, v: np.ndarray, pages: bool,
             return _pages_part(q, k[a:b], v[a:b]) if got is None else got
         return _flat_part(q, k[:, a:b], v[:, a:b], mask if b == n else None)
 
-    if not pages:  # numpy's ops: two halves
+    if pages:  # in C where it can (its own threads), else the numba loops in pieces
+        got = cpu_native.dense_pages(q, k, v, 0, n, cpu_kernels.THREADS)
+        if got is not None:
+            return got
+    else:  # numpy's ops: two halves
         spans = cpu_kernels.spans(n)
         if len(spans) == 1:
             return part(*spans[0])

@@ -9,13 +9,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.kv import cpu_kernels, cpu_select, remap
+from engine.kv import cpu_kernels, cpu_native, cpu_select, remap
 
 SPEC = remap.RopeSpec(dims=64, traditional=False, base=100000.0, scale=1.0, trained=8192)
 
 
 def _numpy_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(cpu_kernels._state, "loops", None)
+    monkeypatch.setitem(cpu_native._state, "lib", None)  # attend.c's exact pass too
 
 
 def _both(monkeypatch: pytest.MonkeyPatch, k: np.ndarray, delta: np.ndarray,

@@ -1,0 +1,113 @@
+"""Exact decode attention over float32 pages in C (engine/kv/attend.c), on Linux CPU with
+AVX-512.
+
+Contract: `dense_pages(q, k, v, lo, hi, threads)` returns what cpu_kernels.dense_pages
+returns (the softmax partial of queries q (H, R, D), scaled, over pages [lo, hi) of k, v
+(n, H, P, D)), computed by attend.c on up to `threads` threads of its own, or None where it
+cannot: STRATA_NATIVE_KV=0, no C compiler, a failed compile, no AVX-512, or arrays it does
+not take (not float32, rows not contiguous, D or Dv not a multiple of 64, more than 32 query
+rows, pages of more than 512 tokens); callers take the numba loops then. The result does not
+depend on which thread took which pages (partials merged in page order); it equals
+cpu_kernels.dense_pages up to float rounding. The library is compiled once per machine
+(engine.native, ~1 s) on the first call, or ahead of it by `warm`. `status()` says which.
+
+Why: a 16k-token exact step reads 755 MB of K and V (the starter); the numba loops, shared
+over Python's pool in pieces, reached ~26 GB/s and cost 40-200 us a layer in the handoff; in
+C, with its own workers and prefetches a page ahead, ~35 GB/s (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine import native, platform
+
+ENABLED = (os.environ.get("STRATA_NATIVE_KV") or "1") != "0"
+SOURCE = Path(__file__).with_name("attend.c")
+FLAGS = ("-O3", "-pthread")  # -O2 kept the 4 x 4 accumulators in memory: 2x slower
+_lock = threading.Lock()
+_state: dict[str, Any] = {}  # "lib": the loaded library or None; "why": status
+
+
+def _load() -> Any | None:
+    if not ENABLED:
+        _state["why"] = "off (STRATA_NATIVE_KV=0)"
+        return None
+    try:
+        path = native.built(SOURCE, platform.default_cache(), FLAGS)
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:  # a damaged file in the cache (renames are whole): built again
+            path.unlink(missing_ok=True)
+            lib = ctypes.CDLL(str(native.built(SOURCE, platform.default_cache(), FLAGS)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        _state["why"] = f"not built ({e}{': ' + detail.decode()[:200] if detail else ''})"
+        return None
+    if not lib.strata_dense_pages_avx512():
+        _state["why"] = "off (no AVX-512)"
+        return None
+    p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+    lib.strata_dense_pages_threads.argtypes = [p, i, i, i, p, n, n, p, n, n, i, i, i, i, i,
+                                               p, p, p]
+    lib.strata_dense_pages_threads.restype = i
+    _state["why"] = "on (AVX-512)"
+    return lib
+
+
+def _lib() -> Any | None:
+    if "lib" not in _state:
+        with _lock:
+            if "lib" not in _state:
+                _state["lib"] = _load()
+    return _state["lib"]
+
+
+def warm() -> None:
+    """Compile and load the library on a daemon thread (a no-op once loaded or loading)."""
+    if ENABLED and "lib" not in _state and not _state.get("warming"):
+        _state["warming"] = True
+        threading.Thread(target=_lib, name="strata-attend-load", daemon=True).start()
+
+
+def status() -> str:
+    """'on (AVX-512)', or why not; 'not loaded' before the first use."""
+    return str(_state.get("why", "not loaded"))
+
+
+def _rows_ok(a: np.ndarray) -> bool:
+    """float32 (n, H, P, D) whose rows are contiguous and whose page and head strides are
+    whole floats (a pool's slots, sliced or not)."""
+    return (a.dtype == np.float32 and a.ndim == 4 and a.strides[3] == 4
+            and a.strides[2] == 4 * a.shape[3] and a.strides[0] % 4 == 0
+            and a.strides[1] % 4 == 0 and a.strides[0] > 0 and a.strides[1] > 0)
+
+
+def dense_pages(q: np.ndarray, k: np.ndarray, v: np.ndarray, lo: int, hi: int, threads: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """See the module docstring."""
+    if q.dtype != np.float32 or q.ndim != 3 or not (_rows_ok(k) and _rows_ok(v)):
+        return None
+    h, r, d = q.shape
+    if (k.shape[1] != h or k.shape[3] != d or v.shape[:3] != k.shape[:3]
+            or not 0 <= lo < hi <= k.shape[0]):
+        return None  # the C checks no bounds
+    lib = _lib()
+    if lib is None:
+        return None
+    q = np.ascontiguousarray(q)
+    dv = v.shape[3]
+    out = (np.empty((h, r), np.float32), np.empty((h, r), np.float32),
+           np.empty((h, r, dv), np.float32))
+    ok = lib.strata_dense_pages_threads(
+        q.ctypes.data, h, r, d, k.ctypes.data, k.strides[0] // 4, k.strides[1] // 4,
+        v.ctypes.data, v.strides[0] // 4, v.strides[1] // 4, k.shape[2], dv, lo, hi,
+        max(1, threads), *(a.ctypes.data for a in out))
+    return out if ok else None

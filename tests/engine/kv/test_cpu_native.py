@@ -1,0 +1,122 @@
+"""attend.c's exact decode pass (engine.kv.cpu_native): the same partial as numpy's pass and
+the numba loop over real arrays, the same bits whichever thread took which pages, refusals
+that leave the caller's path, and the switch that turns it off, in a fresh process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from engine.kv import cpu_kernels, cpu_native, cpu_select
+from tests.helpers import REPO
+
+on = pytest.mark.skipif(cpu_native._lib() is None,
+                        reason=f"attend.c does not run here: {cpu_native.status()}")
+
+
+def _case(rng: np.random.Generator, n: int, h: int, rows: int, p: int, d: int, dv: int
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Queries (h, rows, d) sharing a direction per head, and pages whose logits grow page by
+    page (the running max moves on every page) with one page far below the rest (logits
+    about -50: its weights vanish)."""
+    common = rng.standard_normal((h, 1, d)).astype(np.float32)
+    q = 0.3 * (common + 0.5 * rng.standard_normal((h, rows, d)).astype(np.float32))
+    k = rng.standard_normal((n, h, p, d), np.float32) * (
+        1 + np.arange(n, dtype=np.float32) / 10)[:, None, None, None]
+    k[n // 2] = -3.0 * common + 0.1 * k[n // 2]
+    return q, k, rng.standard_normal((n, h, p, dv), np.float32)
+
+
+def _normed(part: tuple[np.ndarray, ...]) -> np.ndarray:
+    return part[2] / part[1][..., None]
+
+
+@on
+@pytest.mark.parametrize(("n", "h", "rows", "p", "d", "dv", "threads"), [
+    (40, 3, 3, 128, 64, 64, 2),    # the starter's decode step
+    (9, 2, 7, 64, 128, 128, 2),    # a group of 7 query heads, head_dim 128
+    (5, 1, 1, 20, 64, 64, 1),      # pages not a multiple of 16 tokens, one thread
+    (6, 2, 16, 32, 64, 192, 3),    # blocks of 4 rows, values wider than keys
+    (3, 4, 32, 16, 256, 64, 4),    # the most rows, the widest head
+])
+def test_partial_equals_numpys_pass(n: int, h: int, rows: int, p: int, d: int, dv: int,
+                                    threads: int) -> None:
+    q, k, v = _case(np.random.default_rng(n * 100 + rows), n, h, rows, p, d, dv)
+    got = cpu_native.dense_pages(q, k, v, 1, n, threads)
+    assert got is not None
+    want = cpu_select._pages_part(q, k[1:], v[1:])
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(_normed(got), _normed(want), rtol=2e-5, atol=2e-5)
+    if cpu_kernels.available():
+        loop = cpu_kernels.dense_pages(q, k, v, 1, n)
+        assert loop is not None
+        np.testing.assert_allclose(_normed(got), _normed(loop), rtol=2e-5, atol=2e-5)
+
+
+@on
+def test_the_same_bits_every_call_and_pool_slots_read_in_place() -> None:
+    # a pool's slots (every other one, as a sliced pool's view) are read where they lie; a
+    # call's result does not depend on which thread took which pages
+    q, pool_k, pool_v = _case(np.random.default_rng(5), 64, 3, 3, 128, 64, 64)
+    k, v = pool_k[::2], pool_v[::2]
+    assert not k.flags["C_CONTIGUOUS"]
+    first = cpu_native.dense_pages(q, k, v, 0, 32, 2)
+    assert first is not None
+    for _ in range(20):
+        again = cpu_native.dense_pages(q, k, v, 0, 32, 2)
+        assert again is not None
+        assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
+    want = cpu_select._pages_part(q, np.ascontiguousarray(k), np.ascontiguousarray(v))
+    np.testing.assert_allclose(_normed(first), _normed(want), rtol=2e-5, atol=2e-5)
+    # through cpu_select's dense pass, as a decode step takes it
+    step = cpu_select.dense_partial(q, k, v, pages=True)
+    assert all(np.array_equal(a, b) for a, b in zip(first, step, strict=True))
+
+
+@on
+def test_what_it_does_not_take_is_left_to_the_caller() -> None:
+    rng = np.random.default_rng(2)
+    q, k, v = _case(rng, 4, 2, 3, 32, 64, 64)
+    assert cpu_native.dense_pages(q, k, v, 0, 5, 2) is None            # past the pages
+    assert cpu_native.dense_pages(q, k, v, 2, 2, 2) is None            # no page
+    assert cpu_native.dense_pages(q, k, v[:, :1], 0, 4, 2) is None     # heads differ
+    assert cpu_native.dense_pages(q.astype(np.float16), k, v, 0, 4, 2) is None
+    assert cpu_native.dense_pages(q, k[..., ::2], v[..., ::2], 0, 4, 2) is None  # strided rows
+    q80, k80, v80 = _case(rng, 4, 2, 3, 32, 80, 80)
+    assert cpu_native.dense_pages(q80, k80, v80, 0, 4, 2) is None      # head_dim 80
+    many = _case(rng, 4, 2, 33, 32, 64, 64)[0]
+    assert cpu_native.dense_pages(many, k, v, 0, 4, 2) is None         # 33 query rows
+    # and cpu_select's pass still answers those, through the loops or numpy
+    got = cpu_select.dense_partial(many, k, v, pages=True)
+    want = cpu_select._pages_part(many, k, v)
+    np.testing.assert_allclose(_normed(got), _normed(want), rtol=2e-5, atol=2e-5)
+
+
+def test_turned_off_the_pass_runs_as_before() -> None:
+    # STRATA_NATIVE_KV=0: nothing is compiled or loaded, and the dense pass still answers
+    code = """
+import json
+import numpy as np
+import engine
+from engine.kv import cpu_native, cpu_select
+rng = np.random.default_rng(1)
+k = rng.standard_normal((6, 3, 128, 64), np.float32)
+v = rng.standard_normal((6, 3, 128, 64), np.float32)
+q = rng.standard_normal((3, 3, 64), np.float32)
+got = cpu_select.dense_partial(q, k, v, pages=True)
+want = cpu_select._pages_part(q, k, v)
+err = float(np.abs(got[2] / got[1][..., None] - want[2] / want[1][..., None]).max())
+print(json.dumps({"status": cpu_native.status(), "lib": cpu_native._lib() is None,
+                  "err": err}))
+"""
+    env = {**os.environ, "STRATA_NATIVE_KV": "0"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True,
+                         capture_output=True, text=True, timeout=120).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["status"] == "off (STRATA_NATIVE_KV=0)" and got["lib"]
+    assert got["err"] < 1e-5
