@@ -76,13 +76,15 @@ __attribute__((target("avx512f"), always_inline)) static inline __m128 sum4(
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-/* Scores of nr (<= RB) query rows qb (nr x dim, contiguous) against a page's keys into p
-   (nr x size); `ahead`: the next keys to prefetch, spread over these (NULL: none). Inlined
-   with nr constant (the `_n` wrappers), so the accumulators stay in registers. */
+/* Scores of nr (<= RB) query rows qb (nr x dim, contiguous) against `size` keys into p
+   (row r at p + r * stride); `ahead`: the next keys to prefetch, spread over these (NULL:
+   none). Keys past a multiple of 4 (a tail's) one at a time. Inlined with nr constant (the
+   BLOCK functions), so the accumulators stay in registers. */
 __attribute__((target("avx512f"), always_inline)) static inline void scores_n(
-        const float *qb, const float *keys, int dim, int size, float *p, const char *ahead,
-        const int nr) {
-    for (int t = 0; t < size; t += 4) {
+        const float *qb, const float *keys, int dim, int size, int stride, float *p,
+        const char *ahead, const int nr) {
+    int t = 0;
+    for (; t + 4 <= size; t += 4) {
         if (ahead != NULL)  /* 4 keys' lines of the next page a pass over 4 keys */
             for (int b = 0; b < 16 * dim; b += 64)
                 _mm_prefetch(ahead + (size_t)t * dim * 4 + b, HINT);
@@ -99,13 +101,23 @@ __attribute__((target("avx512f"), always_inline)) static inline void scores_n(
             }
         }
         for (int r = 0; r < nr; r++)
-            _mm_storeu_ps(p + (size_t)r * size + t,
+            _mm_storeu_ps(p + (size_t)r * stride + t,
                           sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    }
+    for (; t < size; t++) {
+        const float *k0 = keys + (size_t)t * dim;
+        for (int r = 0; r < nr; r++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int c = 0; c < dim; c += 16)
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qb + (size_t)r * dim + c),
+                                      _mm512_loadu_ps(k0 + c), acc);
+            p[(size_t)r * stride + t] = _mm512_reduce_add_ps(acc);
+        }
     }
 }
 
 /* Row `p` (size scores) to weights against the running max *m, sum *l and output row o (dv):
-   the online softmax's rescale where the page's max passes *m. */
+   the online softmax's rescale where the row's max passes *m. */
 __attribute__((target("avx512f"))) static void weights(float *p, int size, float *m, float *l,
                                                        float *o, int dv) {
     __m512 top = _mm512_set1_ps(-INFINITY);
@@ -126,7 +138,7 @@ __attribute__((target("avx512f"))) static void weights(float *p, int size, float
         sum = _mm512_add_ps(sum, e);
     }
     float s = _mm512_reduce_add_ps(sum);
-    if (t < size) {  /* a page of 4 to 12 tokens more than a multiple of 16 */
+    if (t < size) {  /* the last 1 to 15 */
         __mmask16 k = (__mmask16)((1u << (size - t)) - 1);
         __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, p + t), mm));
         _mm512_mask_storeu_ps(p + t, k, e);
@@ -135,11 +147,12 @@ __attribute__((target("avx512f"))) static void weights(float *p, int size, float
     *l += s;
 }
 
-/* o (nr x dv) += p (nr x size) @ vals (size x dv), 64 columns at a time in registers;
-   `ahead`: the next values to prefetch (NULL: none). Inlined with nr constant. */
+/* o (nr x dv) += p (nr x size, rows `stride` apart) @ vals (size x dv), 64 columns at a time
+   in registers; `ahead`: the next values to prefetch (NULL: none). Inlined with nr
+   constant. */
 __attribute__((target("avx512f"), always_inline)) static inline void weigh_n(
-        const float *p, const float *vals, int size, int dv, float *o, const char *ahead,
-        const int nr) {
+        const float *p, const float *vals, int size, int stride, int dv, float *o,
+        const char *ahead, const int nr) {
     if (ahead != NULL)  /* the next values, all at once */
         for (size_t b = 0; b < (size_t)size * dv * 4; b += 64)
             _mm_prefetch(ahead + b, HINT);
@@ -153,7 +166,7 @@ __attribute__((target("avx512f"), always_inline)) static inline void weigh_n(
             __m512 vv[4];
             for (int j = 0; j < 4; j++) vv[j] = _mm512_loadu_ps(v0 + 16 * j);
             for (int r = 0; r < nr; r++) {
-                __m512 w = _mm512_set1_ps(p[(size_t)r * size + t]);
+                __m512 w = _mm512_set1_ps(p[(size_t)r * stride + t]);
                 for (int j = 0; j < 4; j++) acc[r][j] = _mm512_fmadd_ps(w, vv[j], acc[r][j]);
             }
         }
@@ -163,97 +176,131 @@ __attribute__((target("avx512f"), always_inline)) static inline void weigh_n(
     }
 }
 
-/* One block of nr query rows against one page: scores, weights, weighted values. */
+/* One block of nr query rows (rows first..first + nr of their head) against `size` keys and
+   values: scores, weights, weighted values. causal > 1: the keys end with the queries' own
+   `causal` tokens, rows rep-major (row i is token i % causal), and a row sees none after its
+   own (-inf, whose weight is ~1e-38: no sum here tells it from 0). */
 #define BLOCK(nr)                                                                            \
     __attribute__((target("avx512f"))) static void block##nr(                               \
-            const float *qb, const float *keys, const float *vals, int dim, int size, int dv,  \
-            float *m, float *l, float *o, float *p, const char *nk, const char *nv) {          \
-        scores_n(qb, keys, dim, size, p, nk, nr);                                            \
-        for (int r = 0; r < nr; r++)                                                         \
+            const float *qb, const float *keys, const float *vals, int dim, int size, int dv, \
+            float *m, float *l, float *o, float *p, const char *nk, const char *nv,          \
+            int first, int causal) {                                                         \
+        scores_n(qb, keys, dim, size, size, p, nk, nr);                                      \
+        for (int r = 0; r < nr; r++) {                                                       \
+            if (causal > 1)                                                                  \
+                for (int t = size - causal + (first + r) % causal + 1; t < size; t++)        \
+                    p[(size_t)r * size + t] = -INFINITY;                                     \
             weights(p + (size_t)r * size, size, m + r, l + r, o + (size_t)r * dv, dv);       \
-        weigh_n(p, vals, size, dv, o, nv, nr);                                               \
+        }                                                                                    \
+        weigh_n(p, vals, size, size, dv, o, nv, nr);                                         \
     }
 BLOCK(1)
 BLOCK(2)
 BLOCK(3)
 BLOCK(4)
 
-__attribute__((target("avx512f"))) static void run(
-        const float *q, int heads, int rows, int dim, const float *k, long kn, long kh,
-        const float *v, long vn, long vh, int size, int dv, int lo, int hi, float *m,
-        float *l, float *o, float *p) {
-    for (size_t i = 0; i < (size_t)heads * rows; i++) {
-        m[i] = -INFINITY;
-        l[i] = 0.0f;
-    }
-    memset(o, 0, sizeof(float) * (size_t)heads * rows * dv);
-    for (int n = lo; n < hi; n++) {  /* pages in memory order: each page's heads in turn */
-        for (int h = 0; h < heads; h++) {
-            const float *keys = k + n * kn + h * kh;
-            const float *vals = v + n * vn + h * vh;
-            /* the (page, head) read next, prefetched while this one is attended */
-            int nn = h + 1 < heads ? n : n + 1, nh = h + 1 < heads ? h + 1 : 0;
-            const char *nk = nn < hi ? (const char *)(k + nn * kn + nh * kh) : NULL;
-            const char *nv = nn < hi ? (const char *)(v + nn * vn + nh * vh) : NULL;
-            for (int b = 0; b < rows; b += RB) {
-                size_t row = (size_t)h * rows + b;
-                const float *qb = q + row * dim;
-                float *mb = m + row, *lb = l + row, *ob = o + row * dv;
-                switch (rows - b < RB ? rows - b : RB) {
-                    case 1: block1(qb, keys, vals, dim, size, dv, mb, lb, ob, p, nk, nv); break;
-                    case 2: block2(qb, keys, vals, dim, size, dv, mb, lb, ob, p, nk, nv); break;
-                    case 3: block3(qb, keys, vals, dim, size, dv, mb, lb, ob, p, nk, nv); break;
-                    default: block4(qb, keys, vals, dim, size, dv, mb, lb, ob, p, nk, nv);
-                }
-                nk = nv = NULL;  /* prefetched once a page */
+/* Every head's rows, in blocks, against one page (or the tail) of `size` keys per head. */
+__attribute__((target("avx512f"))) static void span(
+        const float *q, int heads, int rows, int dim, const float *k, long kh, const float *v,
+        long vh, int size, int dv, float *m, float *l, float *o, float *p, const float *next_k,
+        const float *next_v, int causal) {
+    for (int h = 0; h < heads; h++) {
+        const float *keys = k + h * kh, *vals = v + h * vh;
+        /* the (page, head) read next, prefetched while this one is attended */
+        const char *nk = (const char *)(h + 1 < heads ? keys + kh : next_k);
+        const char *nv = (const char *)(h + 1 < heads ? vals + vh : next_v);
+        for (int b = 0; b < rows; b += RB) {
+            size_t row = (size_t)h * rows + b;
+            const float *qb = q + row * dim;
+            float *mb = m + row, *lb = l + row, *ob = o + row * dv;
+            switch (rows - b < RB ? rows - b : RB) {
+                case 1: block1(qb, keys, vals, dim, size, dv, mb, lb, ob, p, nk, nv, b, causal);
+                        break;
+                case 2: block2(qb, keys, vals, dim, size, dv, mb, lb, ob, p, nk, nv, b, causal);
+                        break;
+                case 3: block3(qb, keys, vals, dim, size, dv, mb, lb, ob, p, nk, nv, b, causal);
+                        break;
+                default: block4(qb, keys, vals, dim, size, dv, mb, lb, ob, p, nk, nv, b,
+                                causal);
             }
+            nk = nv = NULL;  /* prefetched once a page */
         }
     }
 }
 
-static int takes(int heads, int rows, int dim, int size, int dv, int lo, int hi) {
-    return avx512() && heads >= 1 && heads <= MAX_HEADS && rows >= 1 && rows <= MAX_ROWS
-           && dim >= 64 && dim <= MAX_DIM && dim % 64 == 0 && dv >= 64 && dv <= MAX_DIM
-           && dv % 64 == 0 && size >= 4 && size <= MAX_SIZE && size % 4 == 0 && lo >= 0
-           && hi > lo;
+/* What a call attends: pages [lo, hi) of k, v and, where tlen > 0, a tail of tlen keys per
+   head (head h's at tk + h * tkh, values at tv + h * tvh) ending with `causal` query
+   tokens. */
+typedef struct {
+    const float *q, *k, *v, *tk, *tv;
+    int heads, rows, dim, size, dv, lo, hi, tlen, causal;
+    long kn, kh, vn, vh, tkh, tvh;
+} work_t;
+
+static int takes(const work_t *w) {
+    return avx512() && w->heads >= 1 && w->heads <= MAX_HEADS && w->rows >= 1
+           && w->rows <= MAX_ROWS && w->dim >= 64 && w->dim <= MAX_DIM && w->dim % 64 == 0
+           && w->dv >= 64 && w->dv <= MAX_DIM && w->dv % 64 == 0 && w->size >= 4
+           && w->size <= MAX_SIZE && w->size % 4 == 0 && w->lo >= 0 && w->hi >= w->lo
+           && w->tlen >= 0 && w->tlen <= MAX_SIZE && (w->hi > w->lo || w->tlen > 0)
+           && w->causal >= 1 && (w->causal == 1 || (w->rows % w->causal == 0
+                                                    && w->causal <= w->tlen));
 }
 
-/* Pages [lo, hi) into m, l, o on this thread; 0 where the scores' scratch is not had. */
-static int alone(const float *q, int heads, int rows, int dim, const float *k, long kn,
-                 long kh, const float *v, long vn, long vh, int size, int dv, int lo, int hi,
-                 float *m, float *l, float *o) {
-    float *p = malloc(sizeof(float) * RB * (size_t)size);
+/* Pages [lo, hi), then the tail when `tail`, into m, l, o (which start the softmax here) on
+   this thread; 0 where the scores' scratch is not had. */
+static int alone(const work_t *w, int lo, int hi, int tail, float *m, float *l, float *o) {
+    int most = w->size > w->tlen ? w->size : w->tlen;
+    float *p = malloc(sizeof(float) * RB * (size_t)most);
     if (p == NULL)
         return 0;
-    run(q, heads, rows, dim, k, kn, kh, v, vn, vh, size, dv, lo, hi, m, l, o, p);
+    for (size_t i = 0; i < (size_t)w->heads * w->rows; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+    }
+    memset(o, 0, sizeof(float) * (size_t)w->heads * w->rows * w->dv);
+    for (int n = lo; n < hi; n++) {  /* pages in memory order: each page's heads in turn */
+        const float *nk = n + 1 < hi ? w->k + (n + 1) * w->kn : NULL;
+        const float *nv = n + 1 < hi ? w->v + (n + 1) * w->vn : NULL;
+        span(w->q, w->heads, w->rows, w->dim, w->k + n * w->kn, w->kh, w->v + n * w->vn,
+             w->vh, w->size, w->dv, m, l, o, p, nk, nv, 1);
+    }
+    if (tail)
+        span(w->q, w->heads, w->rows, w->dim, w->tk, w->tkh, w->tv, w->tvh, w->tlen, w->dv,
+             m, l, o, p, NULL, NULL, w->causal);
     free(p);
     return 1;
+}
+
+static work_t make(const float *q, int heads, int rows, int dim, const float *k, long kn,
+                   long kh, const float *v, long vn, long vh, int size, int dv, int lo, int hi,
+                   const float *tk, long tkh, const float *tv, long tvh, int tlen, int causal) {
+    work_t w = {q, k, v, tk, tv, heads, rows, dim, size, dv, lo, hi, tlen, causal,
+                kn, kh, vn, vh, tkh, tvh};
+    return w;
 }
 
 int strata_dense_pages(const float *q, int heads, int rows, int dim, const float *k, long kn,
                        long kh, const float *v, long vn, long vh, int size, int dv, int lo,
                        int hi, float *m_out, float *l_out, float *o_out) {
-    if (!takes(heads, rows, dim, size, dv, lo, hi))
-        return 0;
-    return alone(q, heads, rows, dim, k, kn, kh, v, vn, vh, size, dv, lo, hi, m_out, l_out,
-                 o_out);
+    work_t w = make(q, heads, rows, dim, k, kn, kh, v, vn, vh, size, dv, lo, hi, NULL, 0,
+                    NULL, 0, 0, 1);
+    return takes(&w) && alone(&w, lo, hi, 0, m_out, l_out, o_out);
 }
 
 /* The same over several threads: this one and up to MAX_THREADS - 1 workers of its own,
    started on first use and woken per call (a condition variable: ~10 us, where Python's
-   pool and its futures cost 40-200 us a layer). The pages are cut into PIECES per thread,
-   taken in turn (a worker that starts late takes fewer, or none, and is not waited for);
-   each piece's partial is kept apart and they are merged in page order, so a call's result
-   does not depend on which thread took which piece. One call at a time uses the workers:
-   a call that finds them busy runs alone. */
+   pool and its futures cost 40-200 us a layer). The pages are cut into PIECES per thread
+   (the tail one more), taken in turn (a worker that starts late takes fewer, or none, and is
+   not waited for); each piece's partial is kept apart and they are merged in order, so a
+   call's result does not depend on which thread took which piece. One call at a time uses
+   the workers: a call that finds them busy runs alone. */
 #define MAX_THREADS 16
 #define PIECES 4
-#define MAX_PIECES (PIECES * MAX_THREADS)
 
 static struct {
-    const float *q, *k, *v;
-    int heads, rows, dim, size, dv, lo, pieces, span;
-    long kn, kh, vn, vh;
+    work_t w;
+    int pieces, cut;  /* pieces in all; the first `cut` are pages, then the tail */
     float *m, *l, *o;  /* per piece: heads x rows, heads x rows, heads x rows x dv */
     _Atomic int failed;
 } job;
@@ -265,14 +312,14 @@ static _Atomic unsigned long long turn;  /* generation << 32 | next piece */
 static _Atomic int finished;
 static int workers;  /* under busy */
 
-/* The piece's pages: [lo + span * i / pieces, lo + span * (i + 1) / pieces). */
+/* Piece i: pages [lo + span * i / cut, lo + span * (i + 1) / cut), or the tail. */
 static void piece(int i) {
-    int a = job.lo + (int)((long)job.span * i / job.pieces);
-    int b = job.lo + (int)((long)job.span * (i + 1) / job.pieces);
-    size_t hr = (size_t)job.heads * job.rows;
-    if (!alone(job.q, job.heads, job.rows, job.dim, job.k, job.kn, job.kh, job.v, job.vn,
-               job.vh, job.size, job.dv, a, b, job.m + hr * i, job.l + hr * i,
-               job.o + hr * job.dv * i))
+    const work_t *w = &job.w;
+    size_t hr = (size_t)w->heads * w->rows;
+    int n = w->hi - w->lo, tail = i == job.cut;
+    int a = tail ? 0 : w->lo + (int)((long)n * i / job.cut);
+    int b = tail ? 0 : w->lo + (int)((long)n * (i + 1) / job.cut);
+    if (!alone(w, a, b, tail, job.m + hr * i, job.l + hr * i, job.o + hr * w->dv * i))
         job.failed = 1;
 }
 
@@ -306,14 +353,18 @@ static void *worker(void *unused) {
 
 int strata_dense_pages_threads(const float *q, int heads, int rows, int dim, const float *k,
                                long kn, long kh, const float *v, long vn, long vh, int size,
-                               int dv, int lo, int hi, int threads, float *m_out,
-                               float *l_out, float *o_out) {
-    if (!takes(heads, rows, dim, size, dv, lo, hi))
+                               int dv, int lo, int hi, const float *tk, long tkh,
+                               const float *tv, long tvh, int tlen, int causal, int threads,
+                               float *m_out, float *l_out, float *o_out) {
+    work_t w = make(q, heads, rows, dim, k, kn, kh, v, vn, vh, size, dv, lo, hi, tk, tkh, tv,
+                    tvh, tlen, causal);
+    if (!takes(&w))
         return 0;
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
-    if (threads == 1 || hi - lo < 2 || pthread_mutex_trylock(&busy) != 0)
-        return alone(q, heads, rows, dim, k, kn, kh, v, vn, vh, size, dv, lo, hi, m_out,
-                     l_out, o_out);
+    int cut = PIECES * threads < hi - lo ? PIECES * threads : hi - lo;
+    int pieces = cut + (tlen > 0);
+    if (threads == 1 || pieces < 2 || pthread_mutex_trylock(&busy) != 0)
+        return alone(&w, lo, hi, tlen > 0, m_out, l_out, o_out);
     while (workers < threads - 1) {
         pthread_t t;
         if (pthread_create(&t, NULL, worker, NULL) != 0)
@@ -321,19 +372,20 @@ int strata_dense_pages_threads(const float *q, int heads, int rows, int dim, con
         pthread_detach(t);
         workers++;
     }
-    int pieces = PIECES * threads < hi - lo ? PIECES * threads : hi - lo;
     size_t hr = (size_t)heads * rows;
     float *part = malloc(sizeof(float) * hr * (dv + 2) * pieces);
     if (part == NULL || workers == 0) {
         free(part);
         pthread_mutex_unlock(&busy);
-        return alone(q, heads, rows, dim, k, kn, kh, v, vn, vh, size, dv, lo, hi, m_out,
-                     l_out, o_out);
+        return alone(&w, lo, hi, tlen > 0, m_out, l_out, o_out);
     }
-    job.q = q; job.k = k; job.v = v; job.heads = heads; job.rows = rows; job.dim = dim;
-    job.size = size; job.dv = dv; job.lo = lo; job.span = hi - lo; job.pieces = pieces;
-    job.kn = kn; job.kh = kh; job.vn = vn; job.vh = vh; job.failed = 0;
-    job.m = part; job.l = part + hr * pieces; job.o = part + 2 * hr * pieces;
+    job.w = w;
+    job.pieces = pieces;
+    job.cut = cut;
+    job.failed = 0;
+    job.m = part;
+    job.l = part + hr * pieces;
+    job.o = part + 2 * hr * pieces;
     atomic_store(&finished, 0);
     pthread_mutex_lock(&gate);
     unsigned long long g = ++generation;
@@ -349,7 +401,7 @@ int strata_dense_pages_threads(const float *q, int heads, int rows, int dim, con
             sched_yield();
     }
     int ok = !job.failed;
-    for (size_t i = 0; ok && i < hr; i++) {  /* the pieces' partials, merged in page order */
+    for (size_t i = 0; ok && i < hr; i++) {  /* the pieces' partials, merged in order */
         float top = -INFINITY;
         for (int j = 0; j < pieces; j++)
             top = job.m[hr * j + i] > top ? job.m[hr * j + i] : top;

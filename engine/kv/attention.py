@@ -382,26 +382,27 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
     r = (hq // h) * L
     dv = values.shape[-1]
     qg = (queries * scale).reshape(h, r, d)
-    recent = _recent(qg, rk, rv, L)
-    acc: _Partial | None = recent
-    if n_pages:
-        settings = store.settings
-        if settings.mode == "sparse" and (spec is not None or L <= SPARSE_MAX_L or (
-                L <= SPARSE_CHUNK_L and n_pages * store.P > SPARSE_PREFILL_PAST)):
-            start = past + rk.shape[1] - L  # the chunk's first position
-            if spec is None and (dense_top(store, layer, past) or (
-                    FIRST_EXACT and L <= SPARSE_MAX_L
-                    and store.tables[layer].votes_at == start)):
-                acc = _exact(store, layer, qg, n_pages, acc)
-            else:
-                budget = None
-                if (spec is not None and PREFILL_REACH and L > SPARSE_MAX_L
-                        and past <= PREFILL_REACH_PAST):
-                    budget = max(settings.budget_tokens, spec.trained - rk.shape[1])
-                acc = _sparse(store, layer, qg, n_pages, recent, spec, start, start + L,
-                              budget, recent_only=budget is not None and PREFILL_RECENT)
-        else:
+    settings = store.settings
+    start = past + rk.shape[1] - L  # the chunk's first position
+    sparse = bool(n_pages) and settings.mode == "sparse" and (
+        spec is not None or L <= SPARSE_MAX_L
+        or (L <= SPARSE_CHUNK_L and n_pages * store.P > SPARSE_PREFILL_PAST))
+    exact = bool(n_pages) and (not sparse or (spec is None and (
+        dense_top(store, layer, past)
+        or (FIRST_EXACT and L <= SPARSE_MAX_L and store.tables[layer].votes_at == start))))
+    acc = _exact_whole(store, layer, qg, n_pages, rk, rv, L) if exact else None
+    if acc is None:
+        recent = _recent(qg, rk, rv, L)
+        acc = recent
+        if exact:
             acc = _exact(store, layer, qg, n_pages, acc)
+        elif sparse:
+            budget = None
+            if (spec is not None and PREFILL_REACH and L > SPARSE_MAX_L
+                    and past <= PREFILL_REACH_PAST):
+                budget = max(settings.budget_tokens, spec.trained - rk.shape[1])
+            acc = _sparse(store, layer, qg, n_pages, recent, spec, start, start + L,
+                          budget, recent_only=budget is not None and PREFILL_RECENT)
     assert acc is not None
     if isinstance(acc[2], np.ndarray):
         # The numpy steps' partial (`_sparse`, `_exact` over pages all in RAM): divided here and
@@ -484,6 +485,26 @@ def _dense_np(queries: Any, keys: Any, values: Any, scale: float) -> Any:
     _, total, out = cpu_select.dense_partial(q, np.asarray(keys)[0], np.asarray(values)[0],
                                              pages=False, causal_rows=L)
     return mx.array((out / total[..., None]).reshape(1, hq, L, -1))
+
+
+def _exact_whole(store: Any, layer: int, qg: Any, n_pages: int, rk: Any, rv: Any, L: int
+                 ) -> _Partial | None:
+    """A decode step's exact attention over pages all in RAM and the recent keys rk, rv (H,
+    T, D), in one call of attend.c (cpu_native: pages and tail merged in C, where the tail's
+    numpy partial and the merge cost ~50 us a layer); None where that does not run (then
+    `_recent` and `_exact`)."""
+    r = qg.shape[1]
+    if (L > SPARSE_MAX_L or store.codec.quantized or cpu_native.status().startswith(
+            ("off", "not built")) or not (qg.dtype == rk.dtype == rv.dtype == mx.float32)
+            or not cpu_select.dense_enabled(n_pages * store.P, r, qg.dtype)):
+        return None
+    view = store.resident_parts(layer, n_pages)
+    if view is None:
+        return None
+    mx.eval(view, qg, rk, rv)
+    return cpu_native.dense_pages(
+        cpu_select.to_np(qg), np.asarray(view[0][0]), np.asarray(view[1][0]), 0, n_pages,
+        cpu_kernels.THREADS, tail=(np.asarray(rk), np.asarray(rv)), causal=L)
 
 
 def _exact(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial | None) -> _Partial:

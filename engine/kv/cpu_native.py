@@ -1,12 +1,14 @@
 """Exact decode attention over float32 pages in C (engine/kv/attend.c), on Linux CPU with
 AVX-512.
 
-Contract: `dense_pages(q, k, v, lo, hi, threads)` returns what cpu_kernels.dense_pages
-returns (the softmax partial of queries q (H, R, D), scaled, over pages [lo, hi) of k, v
-(n, H, P, D)), computed by attend.c on up to `threads` threads of its own, or None where it
-cannot: STRATA_NATIVE_KV=0, no C compiler, a failed compile, no AVX-512, or arrays it does
-not take (not float32, rows not contiguous, D or Dv not a multiple of 64, more than 32 query
-rows, pages of more than 512 tokens); callers take the numba loops then. The result does not
+Contract: `dense_pages(q, k, v, lo, hi, threads, tail, causal)` returns what
+cpu_kernels.dense_pages returns (the softmax partial of queries q (H, R, D), scaled, over
+pages [lo, hi) of k, v (n, H, P, D)), and over the recent keys and values `tail` (H, T, D)
+too where given (a decode step's whole attention in one call), computed by attend.c on up to
+`threads` threads of its own, or None where it cannot: STRATA_NATIVE_KV=0, no C compiler, a
+failed compile, no AVX-512, or arrays it does not take (not float32, rows not contiguous, D
+or Dv not a multiple of 64, more than 32 query rows, pages or a tail of more than 512
+tokens); callers take the numba loops (and numpy for the tail) then. The result does not
 depend on which thread took which pages (partials merged in page order); it equals
 cpu_kernels.dense_pages up to float rounding. The library is compiled once per machine
 (engine.native, ~1 s) on the first call, or ahead of it by `warm`. `status()` says which.
@@ -55,8 +57,8 @@ def _load() -> Any | None:
         _state["why"] = "off (no AVX-512)"
         return None
     p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-    lib.strata_dense_pages_threads.argtypes = [p, i, i, i, p, n, n, p, n, n, i, i, i, i, i,
-                                               p, p, p]
+    lib.strata_dense_pages_threads.argtypes = [p, i, i, i, p, n, n, p, n, n, i, i, i, i,
+                                               p, n, p, n, i, i, i, p, p, p]
     lib.strata_dense_pages_threads.restype = i
     _state["why"] = "on (AVX-512)"
     return lib
@@ -90,24 +92,42 @@ def _rows_ok(a: np.ndarray) -> bool:
             and a.strides[1] % 4 == 0 and a.strides[0] > 0 and a.strides[1] > 0)
 
 
-def dense_pages(q: np.ndarray, k: np.ndarray, v: np.ndarray, lo: int, hi: int, threads: int
+def _tail_ok(a: np.ndarray, h: int, d: int) -> bool:
+    """float32 (H, T, D) with contiguous rows (one row: any stride between)."""
+    return (a.dtype == np.float32 and a.ndim == 3 and a.shape[0] == h and a.shape[2] == d
+            and a.strides[2] == 4 and (a.strides[1] == 4 * d or a.shape[1] == 1)
+            and a.strides[0] % 4 == 0 and a.strides[0] > 0)
+
+
+def dense_pages(q: np.ndarray, k: np.ndarray, v: np.ndarray, lo: int, hi: int, threads: int,
+                tail: tuple[np.ndarray, np.ndarray] | None = None, causal: int = 1
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """See the module docstring."""
+    """See the module docstring; `tail`: the recent keys and values (H, T, D) after the
+    pages, attended in the same call, whose last `causal` are the queries' own tokens (rows
+    rep-major, as attention.attend reshapes them: causal among those)."""
     if q.dtype != np.float32 or q.ndim != 3 or not (_rows_ok(k) and _rows_ok(v)):
         return None
     h, r, d = q.shape
+    dv = v.shape[3]
     if (k.shape[1] != h or k.shape[3] != d or v.shape[:3] != k.shape[:3]
-            or not 0 <= lo < hi <= k.shape[0]):
+            or not 0 <= lo <= hi <= k.shape[0]):
         return None  # the C checks no bounds
+    tk = tv = None
+    if tail is not None:
+        tk, tv = tail
+        if not (_tail_ok(tk, h, d) and _tail_ok(tv, h, dv)) or tk.shape[1] != tv.shape[1]:
+            return None
     lib = _lib()
     if lib is None:
         return None
     q = np.ascontiguousarray(q)
-    dv = v.shape[3]
     out = (np.empty((h, r), np.float32), np.empty((h, r), np.float32),
            np.empty((h, r, dv), np.float32))
     ok = lib.strata_dense_pages_threads(
         q.ctypes.data, h, r, d, k.ctypes.data, k.strides[0] // 4, k.strides[1] // 4,
         v.ctypes.data, v.strides[0] // 4, v.strides[1] // 4, k.shape[2], dv, lo, hi,
-        max(1, threads), *(a.ctypes.data for a in out))
+        None if tk is None else tk.ctypes.data, 0 if tk is None else tk.strides[0] // 4,
+        None if tv is None else tv.ctypes.data, 0 if tv is None else tv.strides[0] // 4,
+        0 if tk is None else tk.shape[1], causal, max(1, threads),
+        *(a.ctypes.data for a in out))
     return out if ok else None

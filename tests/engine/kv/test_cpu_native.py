@@ -1,6 +1,8 @@
 """attend.c's exact decode pass (engine.kv.cpu_native): the same partial as numpy's pass and
-the numba loop over real arrays, the same bits whichever thread took which pages, refusals
-that leave the caller's path, and the switch that turns it off, in a fresh process."""
+the numba loop over real arrays, with the recent keys (causal) in the same call, the same
+bits whichever thread took which pages, a layer's decode steps through attention.attend
+equal to MLX's, refusals that leave the caller's path, and the switch that turns it off, in
+a fresh process."""
 
 from __future__ import annotations
 
@@ -8,11 +10,16 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from engine.kv import cpu_kernels, cpu_native, cpu_select
+import engine  # noqa: F401  (BLAS shim before mlx)
+from engine.kv import KVSettings, attention, cpu_kernels, cpu_native, cpu_select
+from engine.kv.cache import PagedLayerCache
+from engine.kv.store import KVStore
 from tests.helpers import REPO
 
 on = pytest.mark.skipif(cpu_native._lib() is None,
@@ -79,11 +86,82 @@ def test_the_same_bits_every_call_and_pool_slots_read_in_place() -> None:
 
 
 @on
+@pytest.mark.parametrize(("t", "causal", "threads"), [(37, 1, 2), (40, 3, 2), (1, 1, 1),
+                                                      (6, 2, 3)])
+def test_the_recent_keys_in_the_same_call(t: int, causal: int, threads: int) -> None:
+    # a decode step's whole attention: pages, then the tail that ends with the step's own
+    # `causal` tokens (rows rep-major, each sees none after its own), in one call
+    q, k, v = _case(np.random.default_rng(t), 6, 3, 3 * causal, 64, 64, 64)
+    rng = np.random.default_rng(t + 1)
+    tk = rng.standard_normal((3, t, 64), np.float32)
+    tv = rng.standard_normal((3, t, 64), np.float32)
+    got = cpu_native.dense_pages(q, k, v, 0, 6, threads, tail=(tk, tv), causal=causal)
+    assert got is not None
+    want = cpu_select.merge([cpu_select._pages_part(q, k, v),
+                             cpu_select.recent_partial(q, tk, tv, causal)])
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(_normed(got), _normed(want), rtol=2e-5, atol=2e-5)
+    # the tail alone (no page yet)
+    alone = cpu_native.dense_pages(q, k, v, 0, 0, threads, tail=(tk, tv), causal=causal)
+    assert alone is not None
+    np.testing.assert_allclose(_normed(alone),
+                               _normed(cpu_select.recent_partial(q, tk, tv, causal)),
+                               rtol=2e-5, atol=2e-5)
+
+
+@on
+def test_paged_decode_steps_through_attend_c_equal_mlxs(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """One layer's pages in RAM (head_dim 64, 3 query heads a KV head): a prompt, then decode
+    steps of one token and verify steps of 2 and 3 causal tokens, attended through attend.c
+    (pages and tail in one call, every step) and through MLX's ops, within 1e-5."""
+    import mlx.core as mx
+
+    monkeypatch.setattr(cpu_select, "DENSE_MIN_KEYS", 256)
+    calls: list[int] = []
+    real = cpu_native.dense_pages
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        got = real(*a, **kw)
+        calls.append(int(got is not None and kw.get("tail") is not None))
+        return got
+
+    monkeypatch.setattr(cpu_native, "dense_pages", counted)  # the real one, counted
+    outs: list[list[Any]] = []
+    for on in (True, False):
+        monkeypatch.setattr(cpu_select, "NP_DENSE", on)
+        s = KVSettings(mode="exact", page_tokens=64, ssd_dir=tmp_path / f"kv{on}").validate()
+        store = KVStore(s, n_layers=1, kv_heads=2, head_dim=64)
+        cache = PagedLayerCache(store, 0)
+        cache.contig_max = 0  # attention reads the pages
+        mx.random.seed(4)
+        got = []
+        try:
+            for n in (400, 30, 1, 3, 1, 2, 1):
+                k = mx.random.normal((1, 2, n, 64)) * mx.linspace(0.2, 2.0, 64)
+                v = mx.random.normal((1, 2, n, 64))
+                q = mx.random.normal((1, 6, n, 64))
+                k2, v2 = cache.update_and_fetch(k, v)
+                got.append(attention.attend(cache, q, k2, v2, 64 ** -0.5))
+                mx.eval(got[-1])
+        finally:
+            store.close()
+        outs.append(got)
+    assert calls == [1] * 5  # the five decode steps, with it on, each in one call
+    for a, b in zip(*outs, strict=True):
+        assert float(mx.abs(a - b).max()) < 1e-5
+
+
+@on
 def test_what_it_does_not_take_is_left_to_the_caller() -> None:
     rng = np.random.default_rng(2)
     q, k, v = _case(rng, 4, 2, 3, 32, 64, 64)
     assert cpu_native.dense_pages(q, k, v, 0, 5, 2) is None            # past the pages
-    assert cpu_native.dense_pages(q, k, v, 2, 2, 2) is None            # no page
+    assert cpu_native.dense_pages(q, k, v, 2, 2, 2) is None            # no page, no tail
+    tk = np.zeros((2, 2, 64), np.float32)
+    assert cpu_native.dense_pages(q, k, v, 0, 4, 2, tail=(tk, tk), causal=3) is None
+    assert cpu_native.dense_pages(q, k, v, 0, 4, 2, tail=(tk[:1], tk[:1])) is None
     assert cpu_native.dense_pages(q, k, v[:, :1], 0, 4, 2) is None     # heads differ
     assert cpu_native.dense_pages(q.astype(np.float16), k, v, 0, 4, 2) is None
     assert cpu_native.dense_pages(q, k[..., ::2], v[..., ::2], 0, 4, 2) is None  # strided rows
