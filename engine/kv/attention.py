@@ -477,13 +477,17 @@ def _chunk_np(queries: Any, keys: Any, values: Any, scale: float) -> Any:
 
 def _dense_np(queries: Any, keys: Any, values: Any, scale: float) -> Any:
     """A decode step's attention over keys and values (1, H, T, D) that end with its own
-    tokens, in numpy (cpu_select.dense_partial): what `_fused_all` computes."""
+    tokens, in attend.c (cpu_native.dense_flat) or numpy (cpu_select.dense_partial): what
+    `_fused_all` computes."""
     _, hq, L, d = queries.shape
     h = keys.shape[1]
     q = cpu_select.to_np((queries * scale).reshape(h, -1, d))
     mx.eval(keys, values)
-    _, total, out = cpu_select.dense_partial(q, np.asarray(keys)[0], np.asarray(values)[0],
-                                             pages=False, causal_rows=L)
+    k, v = np.asarray(keys)[0], np.asarray(values)[0]
+    part = cpu_native.dense_flat(q, k, v, L, cpu_kernels.THREADS)  # attend.c, where it runs
+    if part is None:
+        part = cpu_select.dense_partial(q, k, v, pages=False, causal_rows=L)
+    _, total, out = part
     return mx.array((out / total[..., None]).reshape(1, hq, L, -1))
 
 

@@ -8,7 +8,9 @@ too where given (a decode step's whole attention in one call), computed by atten
 `threads` threads of its own, or None where it cannot: STRATA_NATIVE_KV=0, no C compiler, a
 failed compile, no AVX-512, or arrays it does not take (not float32, rows not contiguous, D
 or Dv not a multiple of 64, more than 32 query rows, pages or a tail of more than 512
-tokens); callers take the numba loops (and numpy for the tail) then. The result does not
+tokens); callers take the numba loops (and numpy for the tail) then. `dense_flat(q, k, v,
+causal, threads)` does the same over a layer's contiguous buffer (per-head keys (H, T, D)),
+read as pages in place. The result does not
 depend on which thread took which pages (partials merged in page order); it equals
 cpu_kernels.dense_pages up to float rounding. The library is compiled once per machine
 (engine.native, ~1 s) on the first call, or ahead of it by `warm`. `status()` says which.
@@ -131,3 +133,29 @@ def dense_pages(q: np.ndarray, k: np.ndarray, v: np.ndarray, lo: int, hi: int, t
         0 if tk is None else tk.shape[1], causal, max(1, threads),
         *(a.ctypes.data for a in out))
     return out if ok else None
+
+
+BLOCK = 128  # tokens a block when per-head keys are read as pages (`dense_flat`)
+
+
+def dense_flat(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: int, threads: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The softmax partial of queries q (H, R, D) (scaled) over per-head keys and values k, v
+    (H, T, D), rows contiguous (a layer's contiguous buffer), whose last `causal` are the
+    queries' own tokens: cpu_select.dense_partial's `pages=False` case. The keys are read as
+    pages of BLOCK tokens in place (each head's block n at its own offset: strides, no copy)
+    and the last, partial block as the tail, in one call of `dense_pages`; None where that
+    does not run."""
+    if k.ndim != 3 or v.ndim != 3 or k.shape[:2] != v.shape[:2] or not (
+            _tail_ok(k, k.shape[0], k.shape[2]) and _tail_ok(v, v.shape[0], v.shape[2])):
+        return None
+    h, t, d = k.shape
+    n = max(0, (t - causal) // BLOCK)  # whole blocks before the queries' own tokens
+    step = np.lib.stride_tricks.as_strided
+
+    def pages(a: np.ndarray) -> np.ndarray:
+        return step(a, (max(n, 1), h, BLOCK, a.shape[2]),
+                    (BLOCK * a.strides[1], a.strides[0], a.strides[1], 4), writeable=False)
+
+    return dense_pages(q, pages(k), pages(v), 0, n, threads,
+                       tail=(k[:, n * BLOCK:], v[:, n * BLOCK:]), causal=causal)

@@ -110,31 +110,51 @@ def test_the_recent_keys_in_the_same_call(t: int, causal: int, threads: int) -> 
 
 
 @on
-def test_paged_decode_steps_through_attend_c_equal_mlxs(tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch
-                                                        ) -> None:
-    """One layer's pages in RAM (head_dim 64, 3 query heads a KV head): a prompt, then decode
-    steps of one token and verify steps of 2 and 3 causal tokens, attended through attend.c
-    (pages and tail in one call, every step) and through MLX's ops, within 1e-5."""
+@pytest.mark.parametrize(("t", "causal"), [(2000, 1), (129, 3), (50, 2), (1, 1)])
+def test_a_contiguous_buffer_read_as_pages_in_place(t: int, causal: int) -> None:
+    # per-head keys (a layer's contiguous buffer, sliced from a larger capacity): whole
+    # blocks as pages where they lie, the rest as the tail, the last `causal` the queries'
+    rng = np.random.default_rng(t)
+    kb = rng.standard_normal((3, t + 300, 64), np.float32)
+    vb = rng.standard_normal((3, t + 300, 64), np.float32)
+    k, v = kb[:, :t], vb[:, :t]
+    q = rng.standard_normal((3, 3 * causal, 64), np.float32) * 0.3
+    got = cpu_native.dense_flat(q, k, v, causal, 2)
+    assert got is not None
+    want = cpu_select.recent_partial(q, k, v, causal)
+    np.testing.assert_allclose(_normed(got), _normed(want), rtol=2e-5, atol=2e-5)
+
+
+@on
+@pytest.mark.parametrize("buffered", [False, True])
+def test_decode_steps_through_attend_c_equal_mlxs(tmp_path: Path, buffered: bool,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """One layer (head_dim 64, 3 query heads a KV head) over its pages in RAM or its
+    contiguous buffer (`buffered`): a prompt, then decode steps of one token and verify
+    steps of 2 and 3 causal tokens, attended through attend.c (every step in one call) and
+    through MLX's ops, within 1e-5."""
     import mlx.core as mx
 
     monkeypatch.setattr(cpu_select, "DENSE_MIN_KEYS", 256)
+    monkeypatch.setattr(cpu_select, "CONTIG_DENSE_MIN_KEYS", 256)
     calls: list[int] = []
-    real = cpu_native.dense_pages
+    name = "dense_flat" if buffered else "dense_pages"
+    real = getattr(cpu_native, name)
 
     def counted(*a: Any, **kw: Any) -> Any:
         got = real(*a, **kw)
-        calls.append(int(got is not None and kw.get("tail") is not None))
+        calls.append(int(got is not None))
         return got
 
-    monkeypatch.setattr(cpu_native, "dense_pages", counted)  # the real one, counted
+    monkeypatch.setattr(cpu_native, name, counted)  # the real one, counted
     outs: list[list[Any]] = []
     for on in (True, False):
         monkeypatch.setattr(cpu_select, "NP_DENSE", on)
         s = KVSettings(mode="exact", page_tokens=64, ssd_dir=tmp_path / f"kv{on}").validate()
         store = KVStore(s, n_layers=1, kv_heads=2, head_dim=64)
         cache = PagedLayerCache(store, 0)
-        cache.contig_max = 0  # attention reads the pages
+        if not buffered:
+            cache.contig_max = 0  # attention reads the pages
         mx.random.seed(4)
         got = []
         try:
@@ -145,6 +165,7 @@ def test_paged_decode_steps_through_attend_c_equal_mlxs(tmp_path: Path,
                 k2, v2 = cache.update_and_fetch(k, v)
                 got.append(attention.attend(cache, q, k2, v2, 64 ** -0.5))
                 mx.eval(got[-1])
+            assert (cache.contig is not None) == buffered
         finally:
             store.close()
         outs.append(got)
