@@ -286,8 +286,9 @@ def test_dense_decode_in_numpy_equals_mlx(tmp_path: Path, buffered: bool,
 def test_starter_logits_alike_with_numpy_dense_decode(starter_lm: Any, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The starter model, 450 tokens through an exact paged cache, then decode steps: the
-    logits with the decode steps' attention in numpy equal MLX's fused attention's within
-    1e-4, and the greedy tokens are the same."""
+    logits with the decode steps' attention over the layer's buffer on the CPU's cores
+    (attend.c where it runs, else numpy) equal MLX's fused attention's within 1e-4, and the
+    greedy tokens are the same."""
     import mlx.core as mx
 
     from engine.bench.needle import facts, needle_prompt
@@ -296,13 +297,13 @@ def test_starter_logits_alike_with_numpy_dense_decode(starter_lm: Any, tmp_path:
     monkeypatch.setattr(cpu_select, "DENSE_MIN_KEYS", 256)
     monkeypatch.setattr(cpu_select, "CONTIG_DENSE_MIN_KEYS", 256)
     ran: list[int] = []
-    real = cpu_select.dense_partial
+    real = attention._dense_np
 
     def seen(*a: Any, **kw: Any) -> Any:
         ran.append(1)
         return real(*a, **kw)
 
-    monkeypatch.setattr(cpu_select, "dense_partial", seen)  # the real one, observed
+    monkeypatch.setattr(attention, "_dense_np", seen)  # the real one, observed
     ids, _ = needle_prompt(starter_lm.tokenizer, 450, 0.3, facts(3)[0], seed=3)
     settings = KVSettings(mode="exact", ssd_dir=tmp_path / "kv").validate()
     runs: list[tuple[list[int], Any]] = []
