@@ -498,8 +498,8 @@ def _exact_whole(store: Any, layer: int, qg: Any, n_pages: int, rk: Any, rv: Any
     numpy partial and the merge cost ~50 us a layer); None where that does not run (then
     `_recent` and `_exact`)."""
     r = qg.shape[1]
-    if (L > SPARSE_MAX_L or store.codec.quantized or cpu_native.status().startswith(
-            ("off", "not built")) or not (qg.dtype == rk.dtype == rv.dtype == mx.float32)
+    if (L > SPARSE_MAX_L or store.codec.quantized or not cpu_native.may_run()
+            or not (qg.dtype == rk.dtype == rv.dtype == mx.float32)
             or not cpu_select.dense_enabled(n_pages * store.P, r, qg.dtype)):
         return None
     view = store.resident_parts(layer, n_pages)

@@ -81,6 +81,12 @@ def warm() -> None:
         threading.Thread(target=_lib, name="strata-attend-load", daemon=True).start()
 
 
+def may_run() -> bool:
+    """False once loading failed or was turned off (no attempt made here); True before the
+    first use and once loaded."""
+    return ENABLED and _state.get("lib", True) is not None
+
+
 def status() -> str:
     """'on (AVX-512)', or why not; 'not loaded' before the first use."""
     return str(_state.get("why", "not loaded"))
