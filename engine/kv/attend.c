@@ -1,21 +1,22 @@
 /* Exact attention of a decode step over float32 KV pages, for x86-64 with AVX-512.
 
-Contract: strata_dense_pages(q, heads, rows, dim, k, kn, kh, v, vn, vh, size, dv, lo, hi,
-m_out, l_out, o_out) computes what engine.kv.cpu_kernels.dense_pages documents: the softmax
-partial (running max m (H, R), sum l (H, R), unnormalised output o (H, R, dv)) of the scaled
-queries q (H, R, dim) over pages [lo, hi) of k and v, where key t of page n, head h starts at
-k + n * kn + h * kh + t * dim (values alike with vn, vh, dv): each page's rows contiguous.
-It returns 1 when done and 0, touching nothing, where it does not take the case (no AVX-512,
-rows past MAX_ROWS, dim or dv not a multiple of 64 up to MAX_DIM, size not a multiple of 4
-up to MAX_SIZE): the caller's loops run then. exp is Cephes' expf polynomial, as the numba
-loops' (relative error ~1e-7; arguments clamped to [-87, 88]).
+Contract: strata_dense_pages_threads(q, heads, rows, dim, k, kn, kh, v, vn, vh, size, dv, lo,
+hi, tk, tkh, tv, tvh, tlen, causal, threads, m_out, l_out, o_out) computes what
+engine.kv.cpu_native.dense_pages documents: the softmax partial (running max m (H, R), sum
+l (H, R), unnormalised output o (H, R, dv)) of the scaled queries q (H, R, dim) over pages
+[lo, hi) of k and v, where key t of page n, head h starts at k + n * kn + h * kh + t * dim
+(values alike with vn, vh, dv: each page's rows contiguous), then over a tail of tlen keys a
+head (head h's at tk + h * tkh, values at tv + h * tvh) whose last `causal` are the queries'
+own tokens, on up to `threads` threads. It returns 1 when done and 0 where it does not take
+the case (no AVX-512, rows past MAX_ROWS, dim or dv not a multiple of 64 up to MAX_DIM, size
+not a multiple of 4 up to MAX_SIZE, a tail past MAX_SIZE or shorter than `causal`): the
+caller's loops run then. exp is Cephes' expf polynomial, as the numba loops' (relative error
+~1e-7; arguments clamped to [-87, 88]). strata_dense_pages_avx512() says whether it can run.
 
 Why: a decode step at 16k keys reads 755 MB of K and V (the starter); the numba loops
 reached ~18 GB/s a core, what these cores stream is ~34. Here a page is read once, pages in
 memory order (page outer, head inner), the scores of 4 query rows and 4 keys per pass in 16
 registers, and each row's weighted value sums in registers across the page's keys.
-A call allocates a page's scores and frees them; nothing is kept, so threads may call it at
-once on disjoint outputs.
 */
 
 #include <immintrin.h>
@@ -31,9 +32,7 @@ once on disjoint outputs.
 #define MAX_DIM 256
 #define MAX_SIZE 512  /* tokens a page */
 #define MAX_HEADS 64
-#ifndef HINT
-#define HINT _MM_HINT_T0
-#endif
+#define HINT _MM_HINT_T0  /* into L1: T1 (L2) read slower here */
 
 static int avx512(void) {
     static int known = -1;
@@ -280,15 +279,7 @@ static work_t make(const float *q, int heads, int rows, int dim, const float *k,
     return w;
 }
 
-int strata_dense_pages(const float *q, int heads, int rows, int dim, const float *k, long kn,
-                       long kh, const float *v, long vn, long vh, int size, int dv, int lo,
-                       int hi, float *m_out, float *l_out, float *o_out) {
-    work_t w = make(q, heads, rows, dim, k, kn, kh, v, vn, vh, size, dv, lo, hi, NULL, 0,
-                    NULL, 0, 0, 1);
-    return takes(&w) && alone(&w, lo, hi, 0, m_out, l_out, o_out);
-}
-
-/* The same over several threads: this one and up to MAX_THREADS - 1 workers of its own,
+/* Over several threads: this one and up to MAX_THREADS - 1 workers of its own,
    started on first use and woken per call (a condition variable: ~10 us, where Python's
    pool and its futures cost 40-200 us a layer). The pages are cut into PIECES per thread
    (the tail one more), taken in turn (a worker that starts late takes fewer, or none, and is
