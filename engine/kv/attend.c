@@ -28,7 +28,7 @@ registers, and each row's weighted value sums in registers across the page's key
 #include <string.h>
 
 #define RB 4          /* query rows a block */
-#define MAX_ROWS 32
+#define MAX_ROWS 32   /* these three: engine.kv.cpu_native.fits mirrors them */
 #define MAX_DIM 256
 #define MAX_SIZE 512  /* tokens a page */
 #define MAX_HEADS 64

@@ -497,8 +497,9 @@ def _exact_whole(store: Any, layer: int, qg: Any, n_pages: int, rk: Any, rv: Any
     T, D), in one call of attend.c (cpu_native: pages and tail merged in C, where the tail's
     numpy partial and the merge cost ~50 us a layer); None where that does not run (then
     `_recent` and `_exact`)."""
-    r = qg.shape[1]
-    if (L > SPARSE_MAX_L or store.codec.quantized or not cpu_native.may_run()
+    _, r, d = qg.shape
+    if (L > SPARSE_MAX_L or store.codec.quantized
+            or not cpu_native.fits(r, d, rv.shape[-1], store.P)
             or not (qg.dtype == rk.dtype == rv.dtype == mx.float32)
             or not cpu_select.dense_enabled(n_pages * store.P, r, qg.dtype)):
         return None

@@ -87,6 +87,18 @@ def may_run() -> bool:
     return ENABLED and _state.get("lib", True) is not None
 
 
+# attend.c's limits (its `takes`): checked here too, so that a step it would refuse skips the
+# arrays' preparation (a model with head_dim 80 would otherwise pay it every layer).
+MAX_ROWS, MAX_DIM, MAX_SIZE = 32, 256, 512
+
+
+def fits(rows: int, dim: int, dv: int, size: int) -> bool:
+    """Whether attend.c takes `rows` query rows a KV head, keys of `dim` and values of `dv`,
+    pages of `size` tokens (and whether it may still run at all, `may_run`)."""
+    return (may_run() and 1 <= rows <= MAX_ROWS and size % 4 == 0 and 4 <= size <= MAX_SIZE
+            and all(x % 64 == 0 and 64 <= x <= MAX_DIM for x in (dim, dv)))
+
+
 def status() -> str:
     """'on (AVX-512)', or why not; 'not loaded' before the first use."""
     return str(_state.get("why", "not loaded"))

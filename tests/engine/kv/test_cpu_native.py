@@ -75,6 +75,9 @@ def test_the_same_bits_every_call_and_pool_slots_read_in_place() -> None:
     first = cpu_native.dense_pages(q, k, v, 0, 32, 2)
     assert first is not None
     assert cpu_native.may_run() and cpu_native.status() == "on (AVX-512)"
+    assert cpu_native.fits(3, 64, 64, 128) and cpu_native.fits(32, 256, 192, 20)
+    assert not any(cpu_native.fits(*bad) for bad in ((33, 64, 64, 128), (3, 80, 80, 128),
+                                                     (3, 64, 64, 130), (3, 64, 64, 1024)))
     for _ in range(20):
         again = cpu_native.dense_pages(q, k, v, 0, 32, 2)
         assert again is not None
