@@ -1,4 +1,6 @@
-/* Exact attention of a decode step over float32 KV pages, for x86-64 with AVX-512.
+/* A decode step's attention over float32 KV pages, for x86-64 with AVX-512: the exact pass
+(strata_dense_pages_threads, here) and the sparse step's block choice (strata_choose, further
+down, with its own contract), sharing one pool of worker threads (run_pieces).
 
 Contract: strata_dense_pages_threads(q, heads, rows, dim, k, kn, kh, v, vn, vh, size, dv, lo,
 hi, tk, tkh, tv, tvh, tlen, causal, threads, m_out, l_out, o_out) computes what
@@ -279,40 +281,33 @@ static work_t make(const float *q, int heads, int rows, int dim, const float *k,
     return w;
 }
 
-/* Over several threads: this one and up to MAX_THREADS - 1 workers of its own,
-   started on first use and woken per call (a condition variable: ~10 us, where Python's
-   pool and its futures cost 40-200 us a layer). The pages are cut into PIECES per thread
-   (the tail one more), taken in turn (a worker that starts late takes fewer, or none, and is
-   not waited for); each piece's partial is kept apart and they are merged in order, so a
-   call's result does not depend on which thread took which piece. One call at a time uses
-   the workers: a call that finds them busy runs alone. */
+/* Work in pieces over several threads: this one and up to MAX_THREADS - 1 workers of its
+   own, started on first use. A worker that finished a job spins for the next one a while
+   (SPIN pauses, ~20-40 us: a sparse step's phases follow each other within microseconds),
+   then sleeps on a condition variable (a wake costs ~10 us, where Python's pool and its
+   futures cost 40-200 us a layer). Pieces are taken in turn (a worker that starts late takes
+   fewer, or none, and is not waited for). One job at a time uses the workers: a call that
+   finds them busy runs its pieces on its own thread, in order. Callers keep each piece's
+   result apart and merge them in order, so a result does not depend on which thread took
+   which piece. */
 #define MAX_THREADS 16
 #define PIECES 4
+#define SPIN 1000
 
+typedef void (*task_fn)(void *ctx, int i);
 static struct {
-    work_t w;
-    int pieces, cut;  /* pieces in all; the first `cut` are pages, then the tail */
-    float *m, *l, *o;  /* per piece: heads x rows, heads x rows, heads x rows x dv */
-    _Atomic int failed;
+    task_fn fn;
+    void *ctx;
+    int pieces;
 } job;
 static pthread_mutex_t busy = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t gate = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
-static unsigned long long generation;  /* under gate */
+static _Atomic unsigned long long generation;  /* written under gate */
+static int sleeping;  /* under gate */
 static _Atomic unsigned long long turn;  /* generation << 32 | next piece */
 static _Atomic int finished;
 static int workers;  /* under busy */
-
-/* Piece i: pages [lo + span * i / cut, lo + span * (i + 1) / cut), or the tail. */
-static void piece(int i) {
-    const work_t *w = &job.w;
-    size_t hr = (size_t)w->heads * w->rows;
-    int n = w->hi - w->lo, tail = i == job.cut;
-    int a = tail ? 0 : w->lo + (int)((long)n * i / job.cut);
-    int b = tail ? 0 : w->lo + (int)((long)n * (i + 1) / job.cut);
-    if (!alone(w, a, b, tail, job.m + hr * i, job.l + hr * i, job.o + hr * w->dv * i))
-        job.failed = 1;
-}
 
 /* Take pieces of generation g's job until none is left (or another job has begun). */
 static void take(unsigned long long g) {
@@ -321,7 +316,7 @@ static void take(unsigned long long g) {
         if (t >> 32 != (g & 0xffffffffULL) || (int)(t & 0xffffffffULL) >= job.pieces)
             return;
         if (atomic_compare_exchange_weak(&turn, &t, t + 1)) {
-            piece((int)(t & 0xffffffffULL));
+            job.fn(job.ctx, (int)(t & 0xffffffffULL));
             atomic_fetch_add(&finished, 1);
         }
     }
@@ -329,17 +324,82 @@ static void take(unsigned long long g) {
 
 static void *worker(void *unused) {
     (void)unused;
-    pthread_mutex_lock(&gate);
-    unsigned long long seen = generation;
+    unsigned long long seen = atomic_load(&generation);
     for (;;) {
-        while (generation == seen)
-            pthread_cond_wait(&wake, &gate);
-        seen = generation;
-        pthread_mutex_unlock(&gate);
+        for (int i = 0; i < SPIN && atomic_load(&generation) == seen; i++)
+            _mm_pause();
+        if (atomic_load(&generation) == seen) {
+            pthread_mutex_lock(&gate);
+            sleeping++;
+            while (atomic_load(&generation) == seen)
+                pthread_cond_wait(&wake, &gate);
+            sleeping--;
+            pthread_mutex_unlock(&gate);
+        }
+        seen = atomic_load(&generation);
         take(seen);
-        pthread_mutex_lock(&gate);
     }
     return NULL;
+}
+
+/* fn(ctx, i) for i in [0, pieces) on up to `threads` threads; returns when all are done. */
+static void run_pieces(task_fn fn, void *ctx, int pieces, int threads) {
+    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    if (threads == 1 || pieces < 2 || pthread_mutex_trylock(&busy) != 0) {
+        for (int i = 0; i < pieces; i++) fn(ctx, i);
+        return;
+    }
+    while (workers < threads - 1) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, worker, NULL) != 0)
+            break;
+        pthread_detach(t);
+        workers++;
+    }
+    unsigned long long g = atomic_load(&generation) + 1;
+    /* a worker still looking at the last job's turn sees another generation from here on,
+       before the job's fields change under it */
+    atomic_store(&turn, (g & 0xffffffffULL) << 32 | 0x7fffffffULL);
+    job.fn = fn;
+    job.ctx = ctx;
+    job.pieces = pieces;
+    atomic_store(&finished, 0);
+    pthread_mutex_lock(&gate);
+    atomic_store(&turn, (g & 0xffffffffULL) << 32);
+    atomic_store(&generation, g);
+    if (sleeping)
+        pthread_cond_broadcast(&wake);
+    pthread_mutex_unlock(&gate);
+    take(g);
+    /* every piece is taken: wait for those still running on a worker */
+    for (int spins = 0; atomic_load(&finished) < pieces; spins++) {
+        if (spins < 2000)
+            _mm_pause();
+        else
+            sched_yield();
+    }
+    pthread_mutex_unlock(&busy);
+}
+
+/* A dense call cut in pieces: the first `cut` are pages, then the tail; each piece's partial
+   (m, l: heads x rows, o: heads x rows x dv) kept apart. */
+typedef struct {
+    work_t w;
+    int cut;
+    float *m, *l, *o;
+    _Atomic int failed;
+} dense_job_t;
+
+/* Piece i: pages [lo + span * i / cut, lo + span * (i + 1) / cut), or the tail. */
+static void dense_piece(void *ctx, int i) {
+    dense_job_t *d = ctx;
+    const work_t *w = &d->w;
+    size_t hr = (size_t)w->heads * w->rows;
+    int n = w->hi - w->lo, tail = i == d->cut;
+    int a = tail ? 0 : w->lo + (int)((long)n * i / d->cut);
+    int b = tail ? 0 : w->lo + (int)((long)n * (i + 1) / d->cut);
+    if (!alone(w, a, b, tail, d->m + hr * i, d->l + hr * i, d->o + hr * w->dv * i))
+        d->failed = 1;
 }
 
 int strata_dense_pages_threads(const float *q, int heads, int rows, int dim, const float *k,
@@ -354,64 +414,450 @@ int strata_dense_pages_threads(const float *q, int heads, int rows, int dim, con
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     int cut = PIECES * threads < hi - lo ? PIECES * threads : hi - lo;
     int pieces = cut + (tlen > 0);
-    if (threads == 1 || pieces < 2 || pthread_mutex_trylock(&busy) != 0)
+    if (threads == 1 || pieces < 2)
         return alone(&w, lo, hi, tlen > 0, m_out, l_out, o_out);
-    while (workers < threads - 1) {
-        pthread_t t;
-        if (pthread_create(&t, NULL, worker, NULL) != 0)
-            break;
-        pthread_detach(t);
-        workers++;
-    }
     size_t hr = (size_t)heads * rows;
     float *part = malloc(sizeof(float) * hr * (dv + 2) * pieces);
-    if (part == NULL || workers == 0) {
-        free(part);
-        pthread_mutex_unlock(&busy);
+    if (part == NULL)
         return alone(&w, lo, hi, tlen > 0, m_out, l_out, o_out);
-    }
-    job.w = w;
-    job.pieces = pieces;
-    job.cut = cut;
-    job.failed = 0;
-    job.m = part;
-    job.l = part + hr * pieces;
-    job.o = part + 2 * hr * pieces;
-    atomic_store(&finished, 0);
-    pthread_mutex_lock(&gate);
-    unsigned long long g = ++generation;
-    atomic_store(&turn, (g & 0xffffffffULL) << 32);
-    pthread_cond_broadcast(&wake);
-    pthread_mutex_unlock(&gate);
-    take(g);
-    /* every piece is taken: wait for those still running on a worker */
-    for (int spins = 0; atomic_load(&finished) < pieces; spins++) {
-        if (spins < 2000)
-            _mm_pause();
-        else
-            sched_yield();
-    }
-    int ok = !job.failed;
+    dense_job_t d;
+    d.w = w;
+    d.cut = cut;
+    d.m = part;
+    d.l = part + hr * pieces;
+    d.o = part + 2 * hr * pieces;
+    atomic_store(&d.failed, 0);
+    run_pieces(dense_piece, &d, pieces, threads);
+    int ok = !atomic_load(&d.failed);
     for (size_t i = 0; ok && i < hr; i++) {  /* the pieces' partials, merged in order */
         float top = -INFINITY;
         for (int j = 0; j < pieces; j++)
-            top = job.m[hr * j + i] > top ? job.m[hr * j + i] : top;
+            top = d.m[hr * j + i] > top ? d.m[hr * j + i] : top;
         float total = 0.0f, *o = o_out + i * dv;
         memset(o, 0, sizeof(float) * (size_t)dv);
         for (int j = 0; j < pieces; j++) {
-            float c = expf(job.m[hr * j + i] - top);
-            total += job.l[hr * j + i] * c;
-            const float *oj = job.o + (hr * j + i) * dv;
+            float c = expf(d.m[hr * j + i] - top);
+            total += d.l[hr * j + i] * c;
+            const float *oj = d.o + (hr * j + i) * dv;
             for (int x = 0; x < dv; x++) o[x] += oj[x] * c;
         }
         m_out[i] = top;
         l_out[i] = total;
     }
     free(part);
-    pthread_mutex_unlock(&busy);
     return ok;
 }
 
 int strata_dense_pages_avx512(void) {
     return avx512();
+}
+
+/* ---- A sparse decode step's block choice: strata_choose ----
+
+Contract: strata_choose(...) computes what engine.kv.cpu_loops.choose computes (its
+arguments, as cpu_kernels.choose checks them) into out (H, k): per KV head, the page bound
+of pages [lo, lo + c) and the n_first best (every page when c <= 2 n_first), the block bound
+of their blocks from float16 summaries, the voted blocks and those outside the read_pages
+best pages dropped, the m best rescored by their true logits against the keys of pool pk and
+the k best kept; candidates before E scored with the queries rotated back by their far
+shift. Ties are broken as cpu_loops.top_k breaks them (by index), so the blocks and their
+order are the loop's up to float rounding. Returns 0 where it does not take the case (no
+AVX-512, D not a multiple of 16 up to MAX_DIM, more than MAX_ROWS rows, scratch not had).
+
+Why: on the starter at 32k the numba loop took ~0.47 ms of each layer's decode step (14 ms
+a step, one thread); here the float16 summaries are widened 16 at a time (vcvtph2ps) and
+4 candidates' bounds share each load of the query rows. */
+
+#include <stdint.h>
+
+/* Candidates whose summaries, and rescored blocks whose keys, are asked for ahead: the step
+   runs after MLX's products have evicted the caches, and they lie apart. */
+#define BOUND_AHEAD 16
+#define KEYS_AHEAD 8
+
+typedef struct {  /* the far shift's angle tables (SPLIT x half each) */
+    const float *cl, *sl, *ch, *sh;
+    int half, split;
+    long e, s0;
+} far_t;
+
+/* The queries q (rows x dim) for candidates starting at token st: rotated back by the far
+   shift (E + S - st) into qq when st < E, else q itself. */
+__attribute__((target("avx512f"))) static const float *far_rows(const far_t *f, long st, const float *q, int rows, int dim,
+                             float *qq) {
+    if (st >= f->e)
+        return q;
+    long d = f->e + f->s0 - st;  /* rotated by -d: sin negated */
+    long hi = d / f->split, lo = d % f->split;
+    int half = f->half;
+    const float *ch = f->ch + hi * half, *sh = f->sh + hi * half;
+    const float *cl = f->cl + lo * half, *sl = f->sl + lo * half;
+    float c[MAX_DIM / 2], s[MAX_DIM / 2];
+    for (int i = 0; i < half; i++) {  /* angle sum: hi * split + lo */
+        c[i] = ch[i] * cl[i] - sh[i] * sl[i];
+        s[i] = -(sh[i] * cl[i] + ch[i] * sl[i]);
+    }
+    for (int r = 0; r < rows; r++) {
+        const float *x = q + (size_t)r * dim;
+        float *o = qq + (size_t)r * dim;
+        for (int i = 0; i < half; i++) {
+            o[i] = x[i] * c[i] - x[i + half] * s[i];
+            o[i + half] = x[i] * s[i] + x[i + half] * c[i];
+        }
+        for (int i = 2 * half; i < dim; i++)
+            o[i] = x[i];
+    }
+    return qq;
+}
+
+/* Ask for the angle table rows far_rows reads for candidates starting at token st (a
+   random row of 2 MB of tables per block otherwise missed the caches). */
+static void far_ahead(const far_t *f, long st) {
+    if (st >= f->e)
+        return;
+    long d = f->e + f->s0 - st, hi = d / f->split, lo = d % f->split;
+    for (size_t y = 0; y < (size_t)f->half * 4; y += 64) {
+        _mm_prefetch((const char *)(f->cl + lo * f->half) + y, HINT);
+        _mm_prefetch((const char *)(f->sl + lo * f->half) + y, HINT);
+        _mm_prefetch((const char *)(f->ch + hi * f->half) + y, HINT);
+        _mm_prefetch((const char *)(f->sh + hi * f->half) + y, HINT);
+    }
+}
+
+/* Column j of x (rows x n) to its logsumexp over rows into out[j] (-inf for an all -inf
+   column), exp as attend's. */
+__attribute__((target("avx512f"))) static void lse_cols(const float *x, int rows, int n,
+                                                        float *out) {
+    for (int j = 0; j < n; j += 16) {
+        __mmask16 k = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        __m512 top = _mm512_maskz_loadu_ps(k, x + j);
+        for (int r = 1; r < rows; r++)
+            top = _mm512_max_ps(top, _mm512_maskz_loadu_ps(k, x + (size_t)r * n + j));
+        float t[16], big[16], total[16];
+        _mm512_storeu_ps(big, top);
+        for (int u = 0; u < 16; u++)
+            t[u] = isfinite(big[u]) ? big[u] : 0.0f;
+        __m512 shift = _mm512_loadu_ps(t), sum = _mm512_setzero_ps();
+        for (int r = 0; r < rows; r++)
+            sum = _mm512_add_ps(sum, exp16(_mm512_sub_ps(
+                _mm512_maskz_loadu_ps(k, x + (size_t)r * n + j), shift)));
+        _mm512_storeu_ps(total, sum);
+        for (int u = 0; u < 16 && j + u < n; u++)
+            out[j + u] = big[u] > -INFINITY ? logf(total[u]) + t[u] : -INFINITY;
+    }
+}
+
+/* 16 summary values at element `at` of a float16 (bits) or float32 array, as float32. */
+__attribute__((target("avx512f"), always_inline)) static inline __m512 wide16(
+        const void *a, size_t at, int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)a + at)))
+                : _mm512_loadu_ps((const float *)a + at);
+}
+
+/* One head's bound of n candidates into out (n,): candidate j's summaries (dim values) at
+   element off[j] of mn and mx (float16 bits when `half`, else float32); q (rows x dim), m
+   (rows,); each run of `group` candidates scored with q turned by starts[that run's first]
+   (far_rows). x: scratch of rows x n, qq, qp, qn: rows x dim. */
+__attribute__((target("avx512f"))) static void bound_c(
+        const void *mn, const void *mx, int half, const size_t *off, int n, const float *q,
+        const float *m, int rows, int dim, const long *starts, int group, const far_t *f,
+        float *out, float *x, float *qq, float *qp, float *qn) {
+    for (int j0 = 0; j0 < n; j0 += group) {
+        if (j0 + group < n)
+            far_ahead(f, starts[j0 + group]);
+        const float *qs = far_rows(f, starts[j0], q, rows, dim, qq);
+        for (size_t i = 0; i < (size_t)rows * dim; i += 16) {
+            __m512 v = _mm512_loadu_ps(qs + i), z = _mm512_setzero_ps();
+            _mm512_storeu_ps(qp + i, _mm512_max_ps(v, z));
+            _mm512_storeu_ps(qn + i, _mm512_min_ps(v, z));
+        }
+        int j1 = j0 + group < n ? j0 + group : n;
+        for (int j = j0; j < j1; j += 4) {
+            int w = j1 - j < 4 ? j1 - j : 4;
+            for (int u = j + BOUND_AHEAD; u < j + BOUND_AHEAD + 4 && u < n; u++)
+                for (size_t y = 0; y < (size_t)dim * (half ? 2 : 4); y += 64) {
+                    _mm_prefetch((const char *)mn + off[u] * (half ? 2 : 4) + y, HINT);
+                    _mm_prefetch((const char *)mx + off[u] * (half ? 2 : 4) + y, HINT);
+                }
+            size_t o[4];
+            for (int u = 0; u < 4; u++) o[u] = off[j + (u < w ? u : 0)];
+            for (int r0 = 0; r0 < rows; r0 += RB) {
+                int nr = rows - r0 < RB ? rows - r0 : RB;
+                __m512 acc[RB][4];
+                for (int r = 0; r < RB; r++)
+                    for (int u = 0; u < 4; u++) acc[r][u] = _mm512_setzero_ps();
+                for (int c = 0; c < dim; c += 16) {
+                    __m512 hs[4], ls[4];
+                    for (int u = 0; u < 4; u++) {
+                        hs[u] = wide16(mx, o[u] + c, half);
+                        ls[u] = wide16(mn, o[u] + c, half);
+                    }
+                    for (int r = 0; r < nr; r++) {
+                        __m512 up = _mm512_loadu_ps(qp + (size_t)(r0 + r) * dim + c);
+                        __m512 dn = _mm512_loadu_ps(qn + (size_t)(r0 + r) * dim + c);
+                        for (int u = 0; u < 4; u++)
+                            acc[r][u] = _mm512_fmadd_ps(dn, ls[u],
+                                                        _mm512_fmadd_ps(up, hs[u], acc[r][u]));
+                    }
+                }
+                for (int r = 0; r < nr; r++) {
+                    float v[4];
+                    _mm_storeu_ps(v, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+                    for (int u = 0; u < w; u++)
+                        x[(size_t)(r0 + r) * n + j + u] = v[u] - m[r0 + r];
+                }
+            }
+        }
+    }
+    lse_cols(x, rows, n, out);
+}
+
+/* The value at ascending rank `rank` of a[0..n) (moved around): three-way quickselect, so
+   runs of equal values (-inf) cost one pass. */
+static float nth(float *a, int n, int rank) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        float p = a[lo + (hi - lo) / 2];
+        int lt = lo, i = lo, gt = hi;
+        while (i <= gt) {
+            if (a[i] < p) { float t = a[lt]; a[lt++] = a[i]; a[i++] = t; }
+            else if (a[i] > p) { float t = a[gt]; a[gt--] = a[i]; a[i] = t; }
+            else i++;
+        }
+        if (rank < lt) hi = lt - 1;
+        else if (rank > gt) lo = gt + 1;
+        else return p;
+    }
+    return a[lo];
+}
+
+/* cpu_loops.top_k: the indices of the k largest of x (n,) into idx, those above the k-th
+   largest first, then its equals, each in index order. tmp: scratch (n,). */
+static void top_k(const float *x, int n, int k, long *idx, float *tmp) {
+    if (k >= n) {
+        for (int i = 0; i < n; i++) idx[i] = i;
+        return;
+    }
+    memcpy(tmp, x, sizeof(float) * (size_t)n);
+    float thr = nth(tmp, n, n - k);
+    int j = 0;
+    for (int i = 0; i < n; i++)
+        if (x[i] > thr) idx[j++] = i;
+    for (int i = 0; i < n && j < k; i++)
+        if (x[i] == thr) idx[j++] = i;
+}
+
+/* The largest q.k of each of `rows` rows over a block's b keys (contiguous rows of dim)
+   into best (rows,); p: scratch of RB x b. */
+__attribute__((target("avx512f"))) static void block_max(const float *q, int rows, int dim,
+                                                         const float *keys, int b,
+                                                         float *best, float *p) {
+    for (int r0 = 0; r0 < rows; r0 += RB) {
+        int nr = rows - r0 < RB ? rows - r0 : RB;
+        const float *qb = q + (size_t)r0 * dim;
+        switch (nr) {
+            case 1: scores_n(qb, keys, dim, b, b, p, NULL, 1); break;
+            case 2: scores_n(qb, keys, dim, b, b, p, NULL, 2); break;
+            case 3: scores_n(qb, keys, dim, b, b, p, NULL, 3); break;
+            default: scores_n(qb, keys, dim, b, b, p, NULL, 4);
+        }
+        for (int r = 0; r < nr; r++) {
+            float big = p[(size_t)r * b];
+            for (int t = 1; t < b; t++)
+                big = p[(size_t)r * b + t] > big ? p[(size_t)r * b + t] : big;
+            best[r0 + r] = big;
+        }
+    }
+}
+
+/* A choice in phases of pieces (run_pieces): per head the page bound and its best pages
+   (piece h), the blocks' bound (piece h x parts + part: a run of the head's pages), the
+   voted and unread blocks dropped (this thread), the shortlist rescored (a run of each
+   head's shortlist), the k best kept (this thread). Each piece writes its own rows. */
+typedef struct {
+    const float *pmin, *pmax, *q, *m0, *pk;
+    const uint16_t *bmin, *bmax;
+    const long *slot_of;
+    far_t f;
+    long pages, ks0, ks1;
+    int heads, rows, dim, lo, c, n_pick, page_run, nb, b, n, m, parts, identity, most;
+    long *first, *starts, *at;  /* H x n_pick, H x most, H x m */
+    size_t *off;  /* H x most */
+    float *sc, *xr, *best, *tmp;  /* H x n, H x rows x m, H x c, H x most */
+    float *scratch;  /* per piece: x (rows x most), qq, qp, qn (rows x dim), p (RB x b),
+                        rbest (rows) */
+    size_t per;  /* floats of scratch a piece */
+} choice_t;
+
+static void choose_pages(void *ctx, int h) {
+    choice_t *w = ctx;
+    size_t hrd = (size_t)w->rows * w->dim;
+    float *x = w->scratch + w->per * h, *qq = x + (size_t)w->rows * w->most;
+    size_t *off = w->off + (size_t)h * w->most;
+    long *starts = w->starts + (size_t)h * w->most, *fh = w->first + (size_t)h * w->n_pick;
+    if (w->n_pick < w->c) {  /* the page bound: page p of head h is row p H + h */
+        int P = w->nb * w->b;
+        for (int i = 0; i < w->c; i++) {
+            off[i] = ((size_t)(w->lo + i) * w->heads + h) * w->dim;
+            starts[i] = (long)(w->lo + i) * P;
+        }
+        bound_c(w->pmin, w->pmax, 0, off, w->c, w->q + h * hrd, w->m0 + (size_t)h * w->rows,
+                w->rows, w->dim, starts, w->page_run, &w->f, w->best + (size_t)h * w->c, x,
+                qq, qq + hrd, qq + 2 * hrd);
+        top_k(w->best + (size_t)h * w->c, w->c, w->n_pick, fh, w->tmp + (size_t)h * w->most);
+    } else {
+        for (int i = 0; i < w->c; i++) fh[i] = i;
+    }
+    for (int i = 0; i < w->n_pick; i++)  /* their blocks, in the float16 pools */
+        for (int t = 0; t < w->nb; t++) {
+            off[i * w->nb + t] = (((size_t)h * w->pages + fh[i] + w->lo) * w->nb + t) * w->dim;
+            starts[i * w->nb + t] = ((fh[i] + w->lo) * w->nb + t) * (long)w->b;
+        }
+}
+
+static void choose_blocks(void *ctx, int i) {
+    choice_t *w = ctx;
+    int h = i / w->parts, part = i % w->parts;
+    int a = w->n_pick * part / w->parts * w->nb, z = w->n_pick * (part + 1) / w->parts * w->nb;
+    if (z <= a)
+        return;
+    size_t hrd = (size_t)w->rows * w->dim;
+    float *x = w->scratch + w->per * i, *qq = x + (size_t)w->rows * w->most;
+    bound_c(w->bmin, w->bmax, 1, w->off + (size_t)h * w->most + a, z - a, w->q + h * hrd,
+            w->m0 + (size_t)h * w->rows, w->rows, w->dim, w->starts + (size_t)h * w->most + a,
+            w->nb, &w->f, w->sc + (size_t)h * w->n + a, x, qq, qq + hrd, qq + 2 * hrd);
+}
+
+static void choose_keys(void *ctx, int i) {
+    choice_t *w = ctx;
+    int h = i / w->parts, part = i % w->parts;
+    int a = w->m * part / w->parts, z = w->m * (part + 1) / w->parts;
+    size_t hrd = (size_t)w->rows * w->dim;
+    float *qq = w->scratch + w->per * i + (size_t)w->rows * w->most;
+    float *p = qq + 3 * hrd, *rbest = p + (size_t)RB * w->b;
+    const float *qh = w->q + h * hrd, *mh = w->m0 + (size_t)h * w->rows;
+    const long *at = w->at + (size_t)h * w->m;
+    float *xr = w->xr + (size_t)h * w->rows * w->m;
+    int nb = w->nb, b = w->b, dim = w->dim;
+    size_t bytes = (size_t)b * dim * 4;
+#define KEYS_OF(a_) (w->pk + (w->identity ? (a_) / nb : w->slot_of[(a_) / nb]) * w->ks0 \
+                     + h * w->ks1 + ((a_) % nb) * (long)b * dim)
+    for (int j = a; j < a + KEYS_AHEAD && j < z; j++)  /* the first blocks' keys */
+        for (size_t y = 0; y < bytes; y += 64) _mm_prefetch((const char *)KEYS_OF(at[j]) + y, HINT);
+    for (int j = a; j < z; j++) {
+        if (j + KEYS_AHEAD < z) {  /* a block's keys are a random read: ask early */
+            const char *nk = (const char *)KEYS_OF(at[j + KEYS_AHEAD]);
+            for (size_t y = 0; y < bytes; y += 64) _mm_prefetch(nk + y, HINT);
+            far_ahead(&w->f, at[j + KEYS_AHEAD] * (long)b);
+        }
+        const float *qs = far_rows(&w->f, at[j] * (long)b, qh, w->rows, dim, qq);
+        block_max(qs, w->rows, dim, KEYS_OF(at[j]), b, rbest, p);
+        for (int r = 0; r < w->rows; r++) xr[(size_t)r * w->m + j] = rbest[r] - mh[r];
+    }
+#undef KEYS_OF
+}
+
+int strata_choose(const float *pmin, const float *pmax, const uint16_t *bmin,
+                  const uint16_t *bmax, long pages, const float *q, const float *m0,
+                  int heads, int rows, int dim, int lo, int c, int n_first, int page_run,
+                  int nb, int b, long e, long s0, int split, const float *cl, const float *sl,
+                  const float *ch, const float *sh, int half, const long *voted, int n_voted,
+                  long n_blocks, int read_pages, int m, int k, const float *pk, long ks0,
+                  long ks1, const long *slot_of, int identity, int threads, long *out) {
+    if (!avx512() || heads < 1 || rows < 1 || rows > MAX_ROWS || dim < 16 || dim > MAX_DIM
+        || dim % 16 || 2 * half > dim || c < 1 || nb < 1 || b < 1 || b > MAX_SIZE
+        || page_run < 1 || k < 1)
+        return 0;
+    choice_t w;
+    w.pmin = pmin; w.pmax = pmax; w.q = q; w.m0 = m0; w.pk = pk; w.bmin = bmin;
+    w.bmax = bmax; w.slot_of = slot_of; w.pages = pages; w.ks0 = ks0; w.ks1 = ks1;
+    w.f.cl = cl; w.f.sl = sl; w.f.ch = ch; w.f.sh = sh; w.f.half = half; w.f.split = split;
+    w.f.e = e; w.f.s0 = s0;
+    w.heads = heads; w.rows = rows; w.dim = dim; w.lo = lo; w.c = c; w.page_run = page_run;
+    w.nb = nb; w.b = b; w.identity = identity;
+    w.n_pick = c > 2 * n_first ? n_first : c;
+    w.n = w.n_pick * nb;
+    w.m = m < w.n ? m : w.n;
+    if (k > w.m)
+        return 0;
+    w.parts = threads > 1 ? 2 : 1;
+    w.most = w.n > c ? w.n : c;
+    int pieces = heads * w.parts, n = w.n;
+    w.per = (size_t)rows * w.most + 3 * (size_t)rows * dim + (size_t)RB * b + rows;
+    size_t floats = w.per * pieces + (size_t)heads * (n + (size_t)rows * w.m + c + w.most)
+                    + w.m + w.most;
+    size_t longs = (size_t)heads * ((size_t)w.n_pick + 2 * (size_t)w.most + 2 * w.m) + c
+                   + k;
+    float *fs = malloc(sizeof(float) * floats);
+    long *ls = malloc(sizeof(long) * longs);
+    unsigned char *mark = calloc((size_t)(n_blocks > c ? n_blocks : c) + 1, 1);
+    if (fs == NULL || ls == NULL || mark == NULL) {
+        free(fs); free(ls); free(mark);
+        return 0;
+    }
+    w.scratch = fs;
+    w.sc = fs + w.per * pieces;
+    w.xr = w.sc + (size_t)heads * n;
+    w.best = w.xr + (size_t)heads * rows * w.m;
+    w.tmp = w.best + (size_t)heads * c;
+    float *tr = w.tmp + (size_t)heads * w.most, *tmp = tr + w.m;
+    w.first = ls;
+    w.starts = w.first + (size_t)heads * w.n_pick;
+    w.off = (size_t *)(w.starts + (size_t)heads * w.most);
+    w.at = (long *)w.off + (size_t)heads * w.most;
+    long *pre = w.at + (size_t)heads * w.m, *keep = pre + (size_t)heads * w.m;
+    long *pick = keep + c;
+    run_pieces(choose_pages, &w, heads, threads);
+    run_pieces(choose_blocks, &w, pieces, threads);
+    float *sc = w.sc;
+    int n_pick = w.n_pick;
+    if (n_voted > 0)  /* chosen already: the step chooses among the others */
+        for (int h = 0; h < heads; h++) {
+            const long *vh = voted + (size_t)h * n_voted;
+            for (int v = 0; v < n_voted; v++) mark[vh[v]] = 1;
+            for (int i = 0; i < n_pick; i++) {
+                long base = (w.first[(size_t)h * n_pick + i] + lo) * nb;
+                for (int t = 0; t < nb; t++)
+                    if (mark[base + t]) sc[(size_t)h * n + i * nb + t] = -INFINITY;
+            }
+            for (int v = 0; v < n_voted; v++) mark[vh[v]] = 0;
+        }
+    if (read_pages < c) {  /* the pages a step reads: the best by any head's best block */
+        float *best = w.best;
+        for (int i = 0; i < c; i++) best[i] = -INFINITY;
+        for (int h = 0; h < heads; h++)
+            for (int i = 0; i < n_pick; i++) {
+                float top = -INFINITY;
+                for (int t = 0; t < nb; t++) {
+                    float v = sc[(size_t)h * n + i * nb + t];
+                    top = v > top ? v : top;
+                }
+                long pg = w.first[(size_t)h * n_pick + i];
+                best[pg] = top > best[pg] ? top : best[pg];
+            }
+        top_k(best, c, read_pages, keep, tmp);
+        memset(mark, 0, (size_t)c);
+        for (int i = 0; i < read_pages; i++) mark[keep[i]] = 1;
+        for (int h = 0; h < heads; h++)
+            for (int i = 0; i < n_pick; i++)
+                if (!mark[w.first[(size_t)h * n_pick + i]])
+                    for (int t = 0; t < nb; t++) sc[(size_t)h * n + i * nb + t] = -INFINITY;
+    }
+    for (int h = 0; h < heads; h++) {  /* each head's shortlist: the m best by bound */
+        long *ph = pre + (size_t)h * w.m, *at = w.at + (size_t)h * w.m;
+        top_k(sc + (size_t)h * n, n, w.m, ph, tmp);
+        for (int j = 0; j < w.m; j++)
+            at[j] = (w.first[(size_t)h * n_pick + ph[j] / nb] + lo) * nb + ph[j] % nb;
+    }
+    run_pieces(choose_keys, &w, pieces, threads);
+    for (int h = 0; h < heads; h++) {  /* the k best by true logits */
+        const long *ph = pre + (size_t)h * w.m;
+        lse_cols(w.xr + (size_t)h * rows * w.m, rows, w.m, tr);
+        for (int j = 0; j < w.m; j++)
+            if (sc[(size_t)h * n + ph[j]] == -INFINITY) tr[j] = -INFINITY;
+        top_k(tr, w.m, k, pick, tmp);
+        for (int j = 0; j < k; j++) out[(size_t)h * k + j] = w.at[(size_t)h * w.m + pick[j]];
+    }
+    free(fs); free(ls); free(mark);
+    return 1;
 }

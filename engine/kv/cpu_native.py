@@ -1,5 +1,5 @@
-"""Exact decode attention over float32 pages in C (engine/kv/attend.c), on Linux CPU with
-AVX-512.
+"""Exact decode attention over float32 pages, and a sparse step's block choice, in C
+(engine/kv/attend.c), on Linux CPU with AVX-512.
 
 Contract: `dense_pages(q, k, v, lo, hi, threads, tail, causal)` returns what
 cpu_kernels.dense_pages returns (the softmax partial of queries q (H, R, D), scaled, over
@@ -12,12 +12,16 @@ tokens); callers take the numba loops (and numpy for the tail) then. `dense_flat
 causal, threads)` does the same over a layer's contiguous buffer (per-head keys (H, T, D)),
 read as pages in place. The result does not
 depend on which thread took which pages (partials merged in page order); it equals
-cpu_kernels.dense_pages up to float rounding. The library is compiled once per machine
+cpu_kernels.dense_pages up to float rounding. `choose(...)` is cpu_kernels.choose's pass
+(bound, shortlist, rescoring: the blocks a sparse step reads) on the same threads, the numba
+loop's blocks up to float rounding. The library is compiled once per machine
 (engine.native, ~1 s) on the first call, or ahead of it by `warm`. `status()` says which.
 
 Why: a 16k-token exact step reads 755 MB of K and V (the starter); the numba loops, shared
 over Python's pool in pieces, reached ~26 GB/s and cost 40-200 us a layer in the handoff; in
-C, with its own workers and prefetches a page ahead, ~35 GB/s (docs/benchmarks.md).
+C, with its own workers and prefetches a page ahead, ~35 GB/s (docs/benchmarks.md). A 32k
+sparse step's choice took ~0.47 ms a layer in the numba loop (one thread, its float16
+summaries widened one value at a time), ~0.26 here.
 """
 
 from __future__ import annotations
@@ -62,6 +66,9 @@ def _load() -> Any | None:
     lib.strata_dense_pages_threads.argtypes = [p, i, i, i, p, n, n, p, n, n, i, i, i, i,
                                                p, n, p, n, i, i, i, p, p, p]
     lib.strata_dense_pages_threads.restype = i
+    lib.strata_choose.argtypes = [p, p, p, p, n, p, p, i, i, i, i, i, i, i, i, i, n, n, i,
+                                  p, p, p, p, i, p, i, n, i, i, i, p, n, n, p, i, i, p]
+    lib.strata_choose.restype = i
     _state["why"] = "on (AVX-512)"
     return lib
 
@@ -150,6 +157,45 @@ def dense_pages(q: np.ndarray, k: np.ndarray, v: np.ndarray, lo: int, hi: int, t
         None if tv is None else tv.ctypes.data, 0 if tv is None else tv.strides[0] // 4,
         0 if tk is None else tk.shape[1], causal, max(1, threads),
         *(a.ctypes.data for a in out))
+    return out if ok else None
+
+
+def _plain(a: np.ndarray, dtype: Any) -> bool:
+    return a.dtype == dtype and a.flags.c_contiguous
+
+
+def choose(pmin: np.ndarray, pmax: np.ndarray, bmin: np.ndarray, bmax: np.ndarray,
+           q: np.ndarray, m0: np.ndarray, lo: int, c: int, n_first: int, page_run: int,
+           nb: int, b: int, e: int, s0: int, tables: tuple[np.ndarray, ...], split: int,
+           voted: np.ndarray, read_pages: int, m: int, k: int, pk: np.ndarray,
+           slot_of: np.ndarray | None, threads: int = 1) -> np.ndarray | None:
+    """cpu_kernels.choose's blocks (H, k) computed by attend.c's `strata_choose`, on
+    arguments cpu_kernels.choose has checked (bounds included; bmin, bmax as float16 (H, N
+    nb, D)), or None where it does not run (the numba loop then). Same blocks as the loop up
+    to float rounding, ties broken alike."""
+    h, r, d = q.shape
+    if not (_plain(q, np.float32) and _plain(m0, np.float32) and _plain(pmin, np.float32)
+            and _plain(pmax, np.float32) and _plain(bmin, np.float16)
+            and _plain(bmax, np.float16) and _plain(voted, np.int64)
+            and all(_plain(t, np.float32) and t.shape[1] == tables[0].shape[1]
+                    for t in tables)
+            and pk.dtype == np.float32 and pk.strides[3] == 4 and pk.strides[2] == 4 * d
+            and pk.strides[0] % 4 == 0 and pk.strides[1] % 4 == 0
+            and (slot_of is None or _plain(slot_of, np.int64))):
+        return None
+    lib = _lib()
+    if lib is None:
+        return None
+    out = np.empty((h, k), np.int64)
+    pages = bmin.shape[1] // nb
+    ok = lib.strata_choose(
+        pmin.ctypes.data, pmax.ctypes.data, bmin.ctypes.data, bmax.ctypes.data, pages,
+        q.ctypes.data, m0.ctypes.data, h, r, d, lo, c, n_first, page_run, nb, b, e, s0, split,
+        *(t.ctypes.data for t in tables), tables[0].shape[1], voted.ctypes.data,
+        voted.shape[1], (lo + c) * nb, read_pages, m, k,
+        pk.ctypes.data, pk.strides[0] // 4, pk.strides[1] // 4,
+        None if slot_of is None else slot_of.ctypes.data, slot_of is None, max(1, threads),
+        out.ctypes.data)
     return out if ok else None
 
 

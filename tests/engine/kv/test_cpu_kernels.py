@@ -4,6 +4,7 @@ sparse CPU path hands it, and steps aside where it cannot."""
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -168,14 +169,32 @@ def test_far_rescore_equals_numpys(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
+@pytest.mark.parametrize("engine", ["attend.c", "numba"])
 @pytest.mark.parametrize(("n_first", "moved", "with_votes"),
                          [(8, True, True), (8, False, True), (64, True, False)])
-def test_choose_equals_bounded_then_rescore(n_first: int, moved: bool,
-                                            with_votes: bool) -> None:
-    """The one compiled pass picks the blocks cpu_select's bounded (two levels, or one with
-    n_first 64) and rescore pick, from a RAM pool whose pages sit in shuffled slots, with
-    voted blocks left out and the far candidates scored moved (or nothing moved)."""
+def test_choose_equals_bounded_then_rescore(n_first: int, moved: bool, with_votes: bool,
+                                            engine: str, monkeypatch: pytest.MonkeyPatch
+                                            ) -> None:
+    """The one compiled pass (attend.c's `strata_choose`, or the numba loop where it does not
+    run) picks the blocks cpu_select's bounded (two levels, or one with n_first 64) and
+    rescore pick, from a RAM pool whose pages sit in shuffled slots, with voted blocks left
+    out and the far candidates scored moved (or nothing moved)."""
     from types import SimpleNamespace
+
+    ran: list[bool] = []
+    if engine == "numba":
+        monkeypatch.setitem(cpu_native._state, "lib", None)
+    else:
+        if not cpu_native.may_run() or cpu_native._lib() is None:
+            pytest.skip(f"attend.c does not run here: {cpu_native.status()}")
+        real = cpu_native.choose
+
+        def observed(*a: Any) -> Any:
+            out = real(*a)
+            ran.append(out is not None)
+            return out
+
+        monkeypatch.setattr(cpu_native, "choose", observed)
 
     rng = np.random.default_rng(n_first)
     h, r, d, P, b, n_pages = 3, 3, 64, 32, 8, 60
@@ -219,6 +238,7 @@ def test_choose_equals_bounded_then_rescore(n_first: int, moved: bool,
 
     got = run(slot_of)
     assert got is not None and got.shape == (h, k)
+    assert ran == ([True] if engine == "attend.c" else [])
     np.testing.assert_array_equal(np.sort(got, axis=1), np.sort(want, axis=1))
     if voted is not None:
         assert not any(np.isin(voted[i], got[i]).any() for i in range(h))

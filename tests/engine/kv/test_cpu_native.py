@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import engine  # noqa: F401  (BLAS shim before mlx)
-from engine.kv import KVSettings, attention, cpu_kernels, cpu_native, cpu_select
+from engine.kv import KVSettings, attention, cpu_kernels, cpu_native, cpu_select, remap
 from engine.kv.cache import PagedLayerCache
 from engine.kv.store import KVStore
 from tests.helpers import REPO
@@ -176,6 +176,60 @@ def test_decode_steps_through_attend_c_equal_mlxs(tmp_path: Path, buffered: bool
     assert calls == [1] * 5  # the five decode steps, with it on, each in one call
     for a, b in zip(*outs, strict=True):
         assert float(mx.abs(a - b).max()) < 1e-5
+
+
+@on
+@pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
+@pytest.mark.parametrize(("h", "rows", "d", "half", "n_first", "votes", "far", "identity"), [
+    (3, 3, 64, 32, 12, 6, 700, False),   # the starter's shape, two levels, far candidates
+    (2, 6, 128, 16, 200, 0, 900, True),  # partial rotary, two row blocks, one level
+    (4, 1, 16, 8, 8, 0, 0, False),       # nothing moves
+])
+def test_choose_equals_the_loop_on_any_threads(h: int, rows: int, d: int, half: int,
+                                               n_first: int, votes: int, far: int,
+                                               identity: bool) -> None:
+    """attend.c's block choice equals the numba loop's (cpu_loops.choose, the fall-back),
+    blocks and order, on 1, 2 and 3 threads: the phases' pieces write apart and the ties are
+    broken by index as the loop breaks them."""
+    from engine.kv import cpu_loops
+
+    rng = np.random.default_rng(d + rows)
+    P, b, n_pages, lo = 32, 8, 70, 1
+    nb = P // b
+    c = n_pages - 6 - lo
+    keys = rng.standard_normal((n_pages, h, P, d), np.float32) * np.linspace(
+        0.2, 2, d, dtype=np.float32)
+    slot_of = rng.permutation(n_pages + 4)[:n_pages].astype(np.int64)
+    pk = np.zeros((n_pages + 4, h, P, d), np.float32)
+    pk[np.arange(n_pages) if identity else slot_of] = keys
+    blocks = keys.reshape(n_pages, h, nb, b, d)
+    pmin, pmax = (np.ascontiguousarray(a.reshape(-1, 1, d))
+                  for a in (keys.min(axis=2), keys.max(axis=2)))
+    bmin, bmax = (np.ascontiguousarray(a.transpose(1, 0, 2, 3).reshape(h, n_pages * nb, d)
+                                       .astype(np.float16))
+                  for a in (blocks.min(3), blocks.max(3)))
+    q = rng.standard_normal((h, rows, d), np.float32) * 0.3
+    m0 = rng.standard_normal((h, rows), np.float32)
+    voted = (np.stack([rng.choice(np.arange(lo * nb, (lo + c) * nb), votes, replace=False)
+                       for _ in range(h)]) if votes else np.zeros((h, 0), np.int64))
+    spec = remap.RopeSpec(2 * half, False, 10000.0, 1.0, 8192)
+    tables = remap._split_tables(spec)
+    e, s0 = (far, P) if far else (0, 0)
+    read_pages, m, k = 30, 40, 16
+    n_pick = n_first if c > 2 * n_first else c
+    want = np.empty((h, k), np.int64)
+    cpu_loops.choose(pmin, pmax, bmin.view(np.uint16).reshape(h, -1),
+                     bmax.view(np.uint16).reshape(h, -1), q, m0, lo, c, n_first, 4, nb, b, e,
+                     s0, remap.SPLIT, *tables, voted, (lo + c) * nb, read_pages,
+                     min(m, n_pick * nb), pk, slot_of, identity, want)
+    for threads in (1, 2, 3):
+        got = cpu_native.choose(pmin, pmax, bmin, bmax, q, m0, lo, c, n_first, 4, nb, b, e,
+                                s0, tables, remap.SPLIT, voted, read_pages,
+                                min(m, n_pick * nb), k, pk, None if identity else slot_of,
+                                threads)
+        assert got is not None
+        np.testing.assert_array_equal(got, want)
+    assert not any(np.isin(voted[i], want[i]).any() for i in range(h))
 
 
 @on

@@ -58,13 +58,15 @@ def test_numpy_steps_equal_the_mlx_ops(tmp_path: Path, slots: int | None, traine
     1e-5, and the last step's selection the same blocks. trained 1,024 (~3x past it): the
     decode steps score far candidates rotated and attend remapped; 40 slots: most pages on
     the SSD, the shortlist read through the store. `loops`: the numpy path through
-    engine.kv.cpu_kernels' compiled loops ("compiled") or numpy's ops alone ("numpy")."""
+    engine.kv.cpu_kernels' compiled loops, attend.c's choice where it runs ("compiled"), or
+    numpy's ops alone ("numpy")."""
     import mlx.core as mx
 
-    from engine.kv import cpu_kernels
+    from engine.kv import cpu_kernels, cpu_native
 
     if loops == "numpy":
         monkeypatch.setitem(cpu_kernels._state, "loops", None)
+        monkeypatch.setitem(cpu_native._state, "lib", None)
     elif not cpu_kernels.available():
         pytest.skip("numba not installed here")
     monkeypatch.setattr(attention, "RESCORE", 4)
@@ -91,6 +93,15 @@ def test_numpy_steps_equal_the_mlx_ops(tmp_path: Path, slots: int | None, traine
         return ok
 
     monkeypatch.setattr(cpu_kernels, "_run", counted)  # the real loops, observed
+    real_choose = cpu_native.choose
+
+    def native(*a: Any) -> Any:
+        out = real_choose(*a)
+        if out is not None:
+            looped.add("choose")
+        return out
+
+    monkeypatch.setattr(cpu_native, "choose", native)  # attend.c's choice, observed
     on, outs_np, q = _run(tmp_path / "np", slots, spec)
     if loops != "numpy":  # the steps went through the loops, not numpy's fallback
         if slots is None:  # every page in RAM: one pass chooses, one attends
