@@ -481,25 +481,26 @@ typedef struct {  /* the far shift's angle tables (SPLIT x half each) */
     long e, s0;
 } far_t;
 
-/* The queries q (rows x dim) for candidates starting at token st: rotated back by the far
-   shift (E + S - st) into qq when st < E, else q itself. */
-__attribute__((target("avx512f"))) static const float *far_rows(const far_t *f, long st, const float *q, int rows, int dim,
-                             float *qq) {
-    if (st >= f->e)
-        return q;
-    long d = f->e + f->s0 - st;  /* rotated by -d: sin negated */
-    long hi = d / f->split, lo = d % f->split;
+/* The query rows q (rows x dim) rotated by -d positions into out: q . R(d) k = R(-d) q . k,
+   so a block whose keys are turned by d is scored against q turned back (the rows, not the
+   block's keys, are rotated). RoPE's halves layout over the first 2 half dims. */
+__attribute__((target("avx512f"))) static void turn_back(const far_t *f, long d,
+                                                        const float *q, int rows, int dim,
+                                                        float *out) {
+    long a = d < 0 ? -d : d;
+    long hi = a / f->split, lo = a % f->split;
     int half = f->half;
     const float *ch = f->ch + hi * half, *sh = f->sh + hi * half;
     const float *cl = f->cl + lo * half, *sl = f->sl + lo * half;
     float c[MAX_DIM / 2], s[MAX_DIM / 2];
-    for (int i = 0; i < half; i++) {  /* angle sum: hi * split + lo */
+    for (int i = 0; i < half; i++) {  /* angle sum: hi * split + lo; sin(-d) = -sin(d) */
         c[i] = ch[i] * cl[i] - sh[i] * sl[i];
-        s[i] = -(sh[i] * cl[i] + ch[i] * sl[i]);
+        float si = sh[i] * cl[i] + ch[i] * sl[i];
+        s[i] = d > 0 ? -si : si;
     }
     for (int r = 0; r < rows; r++) {
         const float *x = q + (size_t)r * dim;
-        float *o = qq + (size_t)r * dim;
+        float *o = out + (size_t)r * dim;
         for (int i = 0; i < half; i++) {
             o[i] = x[i] * c[i] - x[i + half] * s[i];
             o[i + half] = x[i] * s[i] + x[i + half] * c[i];
@@ -507,21 +508,35 @@ __attribute__((target("avx512f"))) static const float *far_rows(const far_t *f, 
         for (int i = 2 * half; i < dim; i++)
             o[i] = x[i];
     }
+}
+
+/* The queries q (rows x dim) for candidates starting at token st: turned back by the far
+   shift (E + S - st) into qq when st < E, else q itself. */
+static const float *far_rows(const far_t *f, long st, const float *q, int rows, int dim,
+                             float *qq) {
+    if (st >= f->e)
+        return q;
+    turn_back(f, f->e + f->s0 - st, q, rows, dim, qq);
     return qq;
 }
 
-/* Ask for the angle table rows far_rows reads for candidates starting at token st (a
-   random row of 2 MB of tables per block otherwise missed the caches). */
-static void far_ahead(const far_t *f, long st) {
-    if (st >= f->e)
-        return;
-    long d = f->e + f->s0 - st, hi = d / f->split, lo = d % f->split;
+/* Ask for the angle table rows turn_back reads for d positions (a random row of 2 MB of
+   tables per block otherwise missed the caches). */
+static void turn_ahead(const far_t *f, long d) {
+    d = d < 0 ? -d : d;
+    long hi = d / f->split, lo = d % f->split;
     for (size_t y = 0; y < (size_t)f->half * 4; y += 64) {
         _mm_prefetch((const char *)(f->cl + lo * f->half) + y, HINT);
         _mm_prefetch((const char *)(f->sl + lo * f->half) + y, HINT);
         _mm_prefetch((const char *)(f->ch + hi * f->half) + y, HINT);
         _mm_prefetch((const char *)(f->sh + hi * f->half) + y, HINT);
     }
+}
+
+/* The same for far_rows at token st. */
+static void far_ahead(const far_t *f, long st) {
+    if (st < f->e)
+        turn_ahead(f, f->e + f->s0 - st);
 }
 
 /* Column j of x (rows x n) to its logsumexp over rows into out[j] (-inf for an all -inf
@@ -859,5 +874,199 @@ int strata_choose(const float *pmin, const float *pmax, const uint16_t *bmin,
         for (int j = 0; j < k; j++) out[(size_t)h * k + j] = w.at[(size_t)h * w.m + pick[j]];
     }
     free(fs); free(ls); free(mark);
+    return 1;
+}
+
+/* ---- A sparse step's attention over what it reads: strata_attend_chosen ----
+
+Contract: strata_attend_chosen(...) computes what engine.kv.cpu_loops.attend_chosen computes
+(its arguments as cpu_kernels.attend_chosen checks them): per KV head, the softmax partial
+of the queries q (H, R, D) over the sink pages' blocks, the chosen blocks (in position order)
+and the window pages' blocks of the pools pk, pv (slots, H, P, D / Dv), each chosen or sink
+block's keys turned as remap.block_deltas places them when `turned` (the reach layout when
+`reach`, else InfLLM's), merged with the partial m_in, l_in, o_in, into m_out, l_out, o_out.
+Each head's blocks are cut in pieces over up to `threads` threads, the pieces' partials
+merged in order (the same bits whichever thread took which). Returns 0 where it does not
+take the case (no AVX-512, D not a multiple of 16 or Dv of 64 up to MAX_DIM, more than
+MAX_ROWS rows, blocks past MAX_SIZE keys, scratch not had).
+
+Why: the numba loop (one head a thread over Python's pool) took ~0.17 ms of a 32k step's
+layer: here 4 keys' scores share each load of the rows, the values are summed in registers
+a block at a time, and the next blocks' keys, values and angle rows are asked for ahead. */
+
+typedef struct {
+    const float *q, *pk, *pv;
+    long ks0, ks1, vs0, vs1;
+    far_t f;
+    int heads, rows, dim, dv, b, n, parts;
+    const long *slots, *blk, *delta;  /* H x n: block j of head h */
+    float *m, *l, *o;  /* per piece: rows, rows, rows x dv */
+    float *scratch;  /* per piece: p (rows x n b), qq (rows x dim) */
+    size_t per;
+} chosen_t;
+
+__attribute__((target("avx512f"))) static void chosen_piece(void *ctx, int i) {
+    chosen_t *w = ctx;
+    int h = i / w->parts, part = i % w->parts;
+    int a = (int)((long)w->n * part / w->parts), z = (int)((long)w->n * (part + 1) / w->parts);
+    int rows = w->rows, dim = w->dim, dv = w->dv, b = w->b, nk = (z - a) * b;
+    float *m = w->m + (size_t)i * rows, *l = w->l + (size_t)i * rows;
+    float *o = w->o + (size_t)i * rows * dv;
+    for (int r = 0; r < rows; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    memset(o, 0, sizeof(float) * (size_t)rows * dv);
+    if (nk == 0)
+        return;
+    float *p = w->scratch + w->per * i, *qq = p + (size_t)rows * nk;
+    const float *qh = w->q + (size_t)h * rows * dim;
+    const long *slots = w->slots + (size_t)h * w->n, *blk = w->blk + (size_t)h * w->n;
+    const long *delta = w->delta + (size_t)h * w->n;
+    size_t kbytes = (size_t)b * dim * 4, vbytes = (size_t)b * dv * 4;
+#define KEYS(j) (w->pk + slots[j] * w->ks0 + h * w->ks1 + blk[j] * (long)b * dim)
+#define VALS(j) (w->pv + slots[j] * w->vs0 + h * w->vs1 + blk[j] * (long)b * dv)
+    for (int j = a; j < a + KEYS_AHEAD && j < z; j++)
+        for (size_t y = 0; y < kbytes; y += 64) _mm_prefetch((const char *)KEYS(j) + y, HINT);
+    long turned = 0;  /* the shift qq holds the rows turned by (0: none yet) */
+    for (int j = a; j < z; j++) {  /* scores */
+        if (j + KEYS_AHEAD < z) {
+            const char *nk2 = (const char *)KEYS(j + KEYS_AHEAD);
+            for (size_t y = 0; y < kbytes; y += 64) _mm_prefetch(nk2 + y, HINT);
+            if (delta[j + KEYS_AHEAD] != 0)
+                turn_ahead(&w->f, delta[j + KEYS_AHEAD]);
+        }
+        const float *qs = qh;
+        if (delta[j] != 0) {  /* neighbouring chosen blocks share a shift: turned once */
+            if (delta[j] != turned) {
+                turn_back(&w->f, delta[j], qh, rows, dim, qq);
+                turned = delta[j];
+            }
+            qs = qq;
+        }
+        for (int r0 = 0; r0 < rows; r0 += RB) {
+            const float *qb = qs + (size_t)r0 * dim;
+            float *pb = p + (size_t)r0 * nk + (size_t)(j - a) * b;
+            switch (rows - r0 < RB ? rows - r0 : RB) {
+                case 1: scores_n(qb, KEYS(j), dim, b, nk, pb, NULL, 1); break;
+                case 2: scores_n(qb, KEYS(j), dim, b, nk, pb, NULL, 2); break;
+                case 3: scores_n(qb, KEYS(j), dim, b, nk, pb, NULL, 3); break;
+                default: scores_n(qb, KEYS(j), dim, b, nk, pb, NULL, 4);
+            }
+        }
+    }
+    for (int j = a; j < a + KEYS_AHEAD && j < z; j++)
+        for (size_t y = 0; y < vbytes; y += 64) _mm_prefetch((const char *)VALS(j) + y, HINT);
+    for (int r = 0; r < rows; r++)  /* weights */
+        weights(p + (size_t)r * nk, nk, m + r, l + r, o + (size_t)r * dv, dv);
+    for (int j = a; j < z; j++) {  /* weights x values, a block at a time in place */
+        const char *nv = j + KEYS_AHEAD < z ? (const char *)VALS(j + KEYS_AHEAD) : NULL;
+        for (int r0 = 0; r0 < rows; r0 += RB) {
+            const float *pb = p + (size_t)r0 * nk + (size_t)(j - a) * b;
+            float *ob = o + (size_t)r0 * dv;
+            switch (rows - r0 < RB ? rows - r0 : RB) {
+                case 1: weigh_n(pb, VALS(j), b, nk, dv, ob, nv, 1); break;
+                case 2: weigh_n(pb, VALS(j), b, nk, dv, ob, nv, 2); break;
+                case 3: weigh_n(pb, VALS(j), b, nk, dv, ob, nv, 3); break;
+                default: weigh_n(pb, VALS(j), b, nk, dv, ob, nv, 4);
+            }
+            nv = NULL;
+        }
+    }
+#undef KEYS
+#undef VALS
+}
+
+static int by_value(const void *x, const void *y) {
+    long a = *(const long *)x, b = *(const long *)y;
+    return (a > b) - (a < b);
+}
+
+int strata_attend_chosen(const float *q, int heads, int rows, int dim, const float *pk,
+                         long ks0, long ks1, const float *pv, long vs0, long vs1, int dv,
+                         const long *chosen, int k, int sink, int hi, int n_pages, int nb,
+                         int b, int turned, int reach, long end, long trained,
+                         const long *slot_of, int identity, int split, const float *cl,
+                         const float *sl, const float *ch, const float *sh, int half,
+                         const float *m_in, const float *l_in, const float *o_in,
+                         float *m_out, float *l_out, float *o_out, int threads) {
+    if (!avx512() || heads < 1 || rows < 1 || rows > MAX_ROWS || dim < 16 || dim > MAX_DIM
+        || dim % 16 || dv < 64 || dv > MAX_DIM || dv % 64 || b < 1 || b > MAX_SIZE
+        || 2 * half > dim || k < 0 || nb < 1)
+        return 0;
+    chosen_t w;
+    w.q = q; w.pk = pk; w.pv = pv; w.ks0 = ks0; w.ks1 = ks1; w.vs0 = vs0; w.vs1 = vs1;
+    w.f.cl = cl; w.f.sl = sl; w.f.ch = ch; w.f.sh = sh; w.f.half = half; w.f.split = split;
+    w.f.e = 0; w.f.s0 = 0;
+    w.heads = heads; w.rows = rows; w.dim = dim; w.dv = dv; w.b = b;
+    int n_sink = sink * nb;
+    w.n = n_sink + k + (n_pages - hi) * nb;
+    w.parts = threads > 1 ? 2 : 1;
+    int pieces = heads * w.parts;
+    int n = w.n;
+    w.per = (size_t)rows * ((size_t)(n / w.parts + 1) * b) + (size_t)rows * dim;
+    size_t floats = w.per * pieces + (size_t)pieces * rows * (2 + (size_t)dv);
+    float *fs = malloc(sizeof(float) * floats);
+    long *ls = malloc(sizeof(long) * ((size_t)heads * 3 * n + (size_t)k + 1));
+    if (fs == NULL || ls == NULL) {
+        free(fs); free(ls);
+        return 0;
+    }
+    w.scratch = fs;
+    w.m = fs + w.per * pieces;
+    w.l = w.m + (size_t)pieces * rows;
+    w.o = w.l + (size_t)pieces * rows;
+    long *slots = ls, *blk = slots + (size_t)heads * n, *delta = blk + (size_t)heads * n;
+    long *top = delta + (size_t)heads * n;
+    long P = (long)nb * b, S = sink * P, K = (long)k * b, W0 = hi * P, E = end - trained;
+    int near = reach && trained > 0 && 0 <= E && E <= W0 - S - K;
+    long shift = near ? E : W0 - S - K;
+    for (int h = 0; h < heads; h++) {  /* head h's blocks: sinks, chosen in order, window */
+        memcpy(top, chosen + (size_t)h * k, sizeof(long) * (size_t)k);
+        qsort(top, (size_t)k, sizeof(long), by_value);
+        for (int j = 0; j < n; j++) {
+            long a, d = 0;
+            if (j < n_sink) {
+                a = j;
+                d = turned ? shift : 0;
+            } else if (j < n_sink + k) {
+                a = top[j - n_sink];
+                long step = (long)(j - n_sink) * b - a * b;  /* j b - s_j */
+                if (turned)
+                    d = near ? (step + E + S > 0 ? step + E + S : 0) : step + W0 - K;
+            } else {
+                a = (long)hi * nb + j - n_sink - k;
+            }
+            slots[(size_t)h * n + j] = identity ? a / nb : slot_of[a / nb];
+            blk[(size_t)h * n + j] = a % nb;
+            delta[(size_t)h * n + j] = d;
+        }
+    }
+    w.slots = slots; w.blk = blk; w.delta = delta;
+    run_pieces(chosen_piece, &w, pieces, threads);
+    for (int h = 0; h < heads; h++)  /* the given partial, then the pieces', in order */
+        for (int r = 0; r < rows; r++) {
+            size_t x = (size_t)h * rows + r;
+            float top_m = m_in[x];
+            for (int u = 0; u < w.parts; u++) {
+                float mu = w.m[((size_t)h * w.parts + u) * rows + r];
+                top_m = mu > top_m ? mu : top_m;
+            }
+            /* a partial of nothing (max -inf) weighs nothing, whatever top_m is */
+            float c = m_in[x] == -INFINITY ? 0.0f : expf(m_in[x] - top_m);
+            float total = l_in[x] * c;
+            float *o = o_out + x * dv;
+            for (int y = 0; y < dv; y++) o[y] = o_in[x * dv + y] * c;
+            for (int u = 0; u < w.parts; u++) {
+                size_t pr = ((size_t)h * w.parts + u) * rows + r;
+                float cu = w.m[pr] == -INFINITY ? 0.0f : expf(w.m[pr] - top_m);
+                total += w.l[pr] * cu;
+                const float *ou = w.o + pr * dv;
+                for (int y = 0; y < dv; y++) o[y] += ou[y] * cu;
+            }
+            m_out[x] = top_m;
+            l_out[x] = total;
+        }
+    free(fs); free(ls);
     return 1;
 }

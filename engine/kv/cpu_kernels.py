@@ -363,7 +363,7 @@ def attend_chosen(q: np.ndarray, pk: np.ndarray, pv: np.ndarray, chosen: np.ndar
             or pk.shape[2] != nb * b or pk.shape[3] != q.shape[2] or chosen.shape[0] != h
             or not 0 <= sink <= hi <= n_pages or init[0].shape != (h, r)
             or init[1].shape != (h, r) or init[2].shape != (h, r, dv)
-            or any(a.dtype != np.float32 for a in init) or _loops() is None):
+            or any(a.dtype != np.float32 for a in init)):
         return None
     # The loop checks no bounds.
     if chosen.size and (chosen.min() < 0 or chosen.max() >= n_pages * nb):
@@ -371,10 +371,18 @@ def attend_chosen(q: np.ndarray, pk: np.ndarray, pv: np.ndarray, chosen: np.ndar
     if (n_pages > len(pk) if slot_of is None else len(slots) < n_pages
             or (n_pages and (slots.min() < 0 or slots.max() >= len(pk)))):
         return None
-    out = (np.empty((h, r), np.float32), np.empty((h, r), np.float32),
-           np.empty((h, r, dv), np.float32))
     chosen = chosen.astype(np.int64, copy=False)
     slots = slots.astype(np.int64, copy=False)
+    if cpu_native.may_run():  # attend.c's, where it runs
+        got = cpu_native.attend_chosen(q, pk, pv, chosen, sink, hi, n_pages, nb, b, place,
+                                       tables, split, None if slot_of is None else slots,
+                                       init, THREADS)
+        if got is not None:
+            return got
+    if _loops() is None:
+        return None
+    out = (np.empty((h, r), np.float32), np.empty((h, r), np.float32),
+           np.empty((h, r, dv), np.float32))
 
     def heads(a: int, z: int) -> bool:
         return _run("attend_chosen", q[a:z], pk, pv, chosen[a:z], sink, hi, n_pages, nb, b,

@@ -69,6 +69,10 @@ def _load() -> Any | None:
     lib.strata_choose.argtypes = [p, p, p, p, n, p, p, i, i, i, i, i, i, i, i, i, n, n, i,
                                   p, p, p, p, i, p, i, n, i, i, i, p, n, n, p, i, i, p]
     lib.strata_choose.restype = i
+    lib.strata_attend_chosen.argtypes = [p, i, i, i, p, n, n, p, n, n, i, p, i, i, i, i, i, i,
+                                         i, i, n, n, p, i, i, p, p, p, p, i, p, p, p, p, p,
+                                         p, i]
+    lib.strata_attend_chosen.restype = i
     _state["why"] = "on (AVX-512)"
     return lib
 
@@ -196,6 +200,40 @@ def choose(pmin: np.ndarray, pmax: np.ndarray, bmin: np.ndarray, bmax: np.ndarra
         pk.ctypes.data, pk.strides[0] // 4, pk.strides[1] // 4,
         None if slot_of is None else slot_of.ctypes.data, slot_of is None, max(1, threads),
         out.ctypes.data)
+    return out if ok else None
+
+
+def attend_chosen(q: np.ndarray, pk: np.ndarray, pv: np.ndarray, chosen: np.ndarray,
+                  sink: int, hi: int, n_pages: int, nb: int, b: int,
+                  place: tuple[bool, int, int] | None, tables: tuple[np.ndarray, ...],
+                  split: int, slot_of: np.ndarray | None,
+                  init: tuple[np.ndarray, np.ndarray, np.ndarray], threads: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """cpu_kernels.attend_chosen's partial computed by attend.c's `strata_attend_chosen`, on
+    arguments cpu_kernels.attend_chosen has checked (bounds included; chosen and slot_of
+    int64), or None where it does not run (the numba loop then). Equal to the loop's up to
+    float rounding; the same bits on any number of threads."""
+    h, r, d = q.shape
+    dv = pv.shape[3]
+    if not (_plain(q, np.float32) and _plain(chosen, np.int64) and _rows_ok(pk)
+            and _rows_ok(pv) and all(_plain(a, np.float32) for a in init)
+            and all(_plain(t, np.float32) and t.shape[1] == tables[0].shape[1]
+                    for t in tables)
+            and (slot_of is None or _plain(slot_of, np.int64))):
+        return None
+    lib = _lib()
+    if lib is None:
+        return None
+    turned, (reach, end, trained) = place is not None, place or (False, 0, 0)
+    out = (np.empty((h, r), np.float32), np.empty((h, r), np.float32),
+           np.empty((h, r, dv), np.float32))
+    ok = lib.strata_attend_chosen(
+        q.ctypes.data, h, r, d, pk.ctypes.data, pk.strides[0] // 4, pk.strides[1] // 4,
+        pv.ctypes.data, pv.strides[0] // 4, pv.strides[1] // 4, dv, chosen.ctypes.data,
+        chosen.shape[1], sink, hi, n_pages, nb, b, turned, reach, end, trained,
+        None if slot_of is None else slot_of.ctypes.data, slot_of is None, split,
+        *(t.ctypes.data for t in tables), tables[0].shape[1], *(a.ctypes.data for a in init),
+        *(a.ctypes.data for a in out), max(1, threads))
     return out if ok else None
 
 

@@ -233,6 +233,62 @@ def test_choose_equals_the_loop_on_any_threads(h: int, rows: int, d: int, half: 
 
 
 @on
+@pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
+@pytest.mark.parametrize(("h", "rows", "d", "dv", "half", "place", "identity"), [
+    (3, 3, 64, 64, 32, (True, 9000, 8192), False),    # the starter, reach layout, near
+    (3, 3, 64, 64, 32, (True, 40000, 8192), True),    # reach layout, far past the window
+    (2, 6, 128, 128, 16, (False, 9000, 1024), False),  # InfLLM layout, partial rotary
+    (4, 1, 16, 64, 8, None, True),                     # nothing turned
+])
+def test_attend_chosen_equals_the_loop_on_any_threads(
+        h: int, rows: int, d: int, dv: int, half: int, place: tuple[bool, int, int] | None,
+        identity: bool) -> None:
+    """attend.c's attention over a sparse step's sinks, chosen blocks and window equals the
+    numba loop's (cpu_loops.attend_chosen, the fall-back) within float rounding, merged with
+    a given partial, pages in shuffled slots or in place, keys turned as either layout
+    places them; and the same bits on 2 and 3 threads (pieces merged in order, whichever
+    thread took them)."""
+    from engine.kv import cpu_loops
+
+    rng = np.random.default_rng(d + rows + dv)
+    P, b, n_pages, sink, hi, k = 32, 8, 60, 1, 56, 24
+    nb = P // b
+    slots = np.arange(n_pages) if identity else rng.permutation(n_pages + 3)[:n_pages]
+    pk = rng.standard_normal((n_pages + 3, h, P, d), np.float32)
+    pv = rng.standard_normal((n_pages + 3, h, P, dv), np.float32)
+    q = rng.standard_normal((h, rows, d), np.float32) * 0.4
+    chosen = np.stack([rng.choice(np.arange(sink * nb, hi * nb), k, replace=False)
+                       for _ in range(h)]).astype(np.int64)
+    init = (rng.standard_normal((h, rows), np.float32) + 2,
+            rng.random((h, rows), np.float32) + 0.5,
+            rng.standard_normal((h, rows, dv), np.float32))
+    tables = remap._split_tables(remap.RopeSpec(2 * half, False, 10000.0, 1.0, 8192))
+    reach, end, trained = place or (False, 0, 0)
+    want = tuple(np.empty_like(a) for a in init)
+    cpu_loops.attend_chosen(q, pk, pv, chosen, sink, hi, n_pages, nb, b, place is not None,
+                            reach, end, trained, slots.astype(np.int64), identity,
+                            remap.SPLIT, *tables, *init, *want, 0)
+    first = None
+    for threads in (1, 2, 3):
+        got = cpu_native.attend_chosen(q, pk, pv, chosen, sink, hi, n_pages, nb, b, place,
+                                       tables, remap.SPLIT,
+                                       None if identity else slots.astype(np.int64), init,
+                                       threads)
+        assert got is not None
+        for a, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, w, rtol=2e-5, atol=2e-5)
+        if threads > 1 and first is not None:
+            assert all(np.array_equal(a, f) for a, f in zip(got[:3], first, strict=True))
+        first = first if threads == 1 else got
+    # the turn matters: the same blocks unturned give another partial
+    if place is not None:
+        flat = cpu_native.attend_chosen(q, pk, pv, chosen, sink, hi, n_pages, nb, b, None,
+                                        tables, remap.SPLIT,
+                                        None if identity else slots.astype(np.int64), init, 2)
+        assert flat is not None and not np.allclose(flat[2], want[2], atol=1e-3)
+
+
+@on
 def test_what_it_does_not_take_is_left_to_the_caller() -> None:
     rng = np.random.default_rng(2)
     q, k, v = _case(rng, 4, 2, 3, 32, 64, 64)
