@@ -698,38 +698,39 @@ typedef struct {
     int heads, rows, dim, lo, c, n_pick, page_run, nb, b, n, m, parts, identity, most;
     long *first, *starts, *at;  /* H x n_pick, H x most, H x m */
     size_t *off;  /* H x most */
-    float *sc, *xr, *best, *tmp;  /* H x n, H x rows x m, H x c, H x most */
+    float *sc, *xr, *best;  /* H x n, H x rows x m, H x c */
     float *scratch;  /* per piece: x (rows x most), qq, qp, qn (rows x dim), p (RB x b),
                         rbest (rows) */
     size_t per;  /* floats of scratch a piece */
 } choice_t;
 
-static void choose_pages(void *ctx, int h) {
+/* Piece h x parts + part: the page bound of a run of head h's candidate pages (runs start
+   at multiples of page_run, whose pages share a turn) into best. Page p of head h is row
+   p H + h of pmin, pmax. */
+static void choose_pages(void *ctx, int i) {
     choice_t *w = ctx;
+    int h = i / w->parts, part = i % w->parts;
+    int runs = (w->c + w->page_run - 1) / w->page_run;
+    int a = runs * part / w->parts * w->page_run, z = runs * (part + 1) / w->parts * w->page_run;
+    z = z < w->c ? z : w->c;
+    if (z <= a)
+        return;
     size_t hrd = (size_t)w->rows * w->dim;
-    float *x = w->scratch + w->per * h, *qq = x + (size_t)w->rows * w->most;
+    float *x = w->scratch + w->per * i, *qq = x + (size_t)w->rows * w->most;
     size_t *off = w->off + (size_t)h * w->most;
-    long *starts = w->starts + (size_t)h * w->most, *fh = w->first + (size_t)h * w->n_pick;
-    if (w->n_pick < w->c) {  /* the page bound: page p of head h is row p H + h */
-        int P = w->nb * w->b;
-        for (int i = 0; i < w->c; i++) {
-            off[i] = ((size_t)(w->lo + i) * w->heads + h) * w->dim;
-            starts[i] = (long)(w->lo + i) * P;
-        }
-        bound_c(w->pmin, w->pmax, 0, off, w->c, w->q + h * hrd, w->m0 + (size_t)h * w->rows,
-                w->rows, w->dim, starts, w->page_run, &w->f, w->best + (size_t)h * w->c, x,
-                qq, qq + hrd, qq + 2 * hrd);
-        top_k(w->best + (size_t)h * w->c, w->c, w->n_pick, fh, w->tmp + (size_t)h * w->most);
-    } else {
-        for (int i = 0; i < w->c; i++) fh[i] = i;
+    long *starts = w->starts + (size_t)h * w->most;
+    int P = w->nb * w->b;
+    for (int j = a; j < z; j++) {
+        off[j] = ((size_t)(w->lo + j) * w->heads + h) * w->dim;
+        starts[j] = (long)(w->lo + j) * P;
     }
-    for (int i = 0; i < w->n_pick; i++)  /* their blocks, in the float16 pools */
-        for (int t = 0; t < w->nb; t++) {
-            off[i * w->nb + t] = (((size_t)h * w->pages + fh[i] + w->lo) * w->nb + t) * w->dim;
-            starts[i * w->nb + t] = ((fh[i] + w->lo) * w->nb + t) * (long)w->b;
-        }
+    bound_c(w->pmin, w->pmax, 0, off + a, z - a, w->q + h * hrd, w->m0 + (size_t)h * w->rows,
+            w->rows, w->dim, starts + a, w->page_run, &w->f, w->best + (size_t)h * w->c + a, x,
+            qq, qq + hrd, qq + 2 * hrd);
 }
 
+/* Piece h x parts + part: the block bound of the blocks of a run of head h's chosen pages
+   (first[h]) into sc. */
 static void choose_blocks(void *ctx, int i) {
     choice_t *w = ctx;
     int h = i / w->parts, part = i % w->parts;
@@ -738,9 +739,17 @@ static void choose_blocks(void *ctx, int i) {
         return;
     size_t hrd = (size_t)w->rows * w->dim;
     float *x = w->scratch + w->per * i, *qq = x + (size_t)w->rows * w->most;
-    bound_c(w->bmin, w->bmax, 1, w->off + (size_t)h * w->most + a, z - a, w->q + h * hrd,
-            w->m0 + (size_t)h * w->rows, w->rows, w->dim, w->starts + (size_t)h * w->most + a,
-            w->nb, &w->f, w->sc + (size_t)h * w->n + a, x, qq, qq + hrd, qq + 2 * hrd);
+    size_t *off = w->off + (size_t)h * w->most;
+    long *starts = w->starts + (size_t)h * w->most;
+    const long *fh = w->first + (size_t)h * w->n_pick;
+    for (int j = a; j < z; j++) {  /* their blocks, in the float16 pools */
+        long pg = fh[j / w->nb] + w->lo;
+        off[j] = (((size_t)h * w->pages + pg) * w->nb + j % w->nb) * w->dim;
+        starts[j] = (pg * w->nb + j % w->nb) * (long)w->b;
+    }
+    bound_c(w->bmin, w->bmax, 1, off + a, z - a, w->q + h * hrd, w->m0 + (size_t)h * w->rows,
+            w->rows, w->dim, starts + a, w->nb, &w->f, w->sc + (size_t)h * w->n + a, x, qq,
+            qq + hrd, qq + 2 * hrd);
 }
 
 static void choose_keys(void *ctx, int i) {
@@ -799,8 +808,8 @@ int strata_choose(const float *pmin, const float *pmax, const uint16_t *bmin,
     w.most = w.n > c ? w.n : c;
     int pieces = heads * w.parts, n = w.n;
     w.per = (size_t)rows * w.most + 3 * (size_t)rows * dim + (size_t)RB * b + rows;
-    size_t floats = w.per * pieces + (size_t)heads * (n + (size_t)rows * w.m + c + w.most)
-                    + w.m + w.most;
+    size_t floats = w.per * pieces + (size_t)heads * (n + (size_t)rows * w.m + c) + w.m
+                    + w.most;
     size_t longs = (size_t)heads * ((size_t)w.n_pick + 2 * (size_t)w.most + 2 * w.m) + c
                    + k;
     float *fs = malloc(sizeof(float) * floats);
@@ -814,15 +823,21 @@ int strata_choose(const float *pmin, const float *pmax, const uint16_t *bmin,
     w.sc = fs + w.per * pieces;
     w.xr = w.sc + (size_t)heads * n;
     w.best = w.xr + (size_t)heads * rows * w.m;
-    w.tmp = w.best + (size_t)heads * c;
-    float *tr = w.tmp + (size_t)heads * w.most, *tmp = tr + w.m;
+    float *tr = w.best + (size_t)heads * c, *tmp = tr + w.m;
     w.first = ls;
     w.starts = w.first + (size_t)heads * w.n_pick;
     w.off = (size_t *)(w.starts + (size_t)heads * w.most);
     w.at = (long *)w.off + (size_t)heads * w.most;
     long *pre = w.at + (size_t)heads * w.m, *keep = pre + (size_t)heads * w.m;
     long *pick = keep + c;
-    run_pieces(choose_pages, &w, heads, threads);
+    if (w.n_pick < c) {  /* each head's n_pick best pages by the page bound */
+        run_pieces(choose_pages, &w, pieces, threads);
+        for (int h = 0; h < heads; h++)
+            top_k(w.best + (size_t)h * c, c, w.n_pick, w.first + (size_t)h * w.n_pick, tmp);
+    } else {
+        for (int h = 0; h < heads; h++)
+            for (int i = 0; i < c; i++) w.first[(size_t)h * w.n_pick + i] = i;
+    }
     run_pieces(choose_blocks, &w, pieces, threads);
     float *sc = w.sc;
     int n_pick = w.n_pick;
