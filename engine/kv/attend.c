@@ -704,6 +704,17 @@ typedef struct {
     size_t per;  /* floats of scratch a piece */
 } choice_t;
 
+/* Piece i's bound of head h's candidates [a, z) (their off and starts filled) into out, on
+   the piece's scratch. */
+static void bound_piece(choice_t *w, int i, int h, const void *mn, const void *mx, int half,
+                        int a, int z, int group, float *out) {
+    size_t hrd = (size_t)w->rows * w->dim;
+    float *x = w->scratch + w->per * i, *qq = x + (size_t)w->rows * w->most;
+    bound_c(mn, mx, half, w->off + (size_t)h * w->most + a, z - a, w->q + h * hrd,
+            w->m0 + (size_t)h * w->rows, w->rows, w->dim, w->starts + (size_t)h * w->most + a,
+            group, &w->f, out, x, qq, qq + hrd, qq + 2 * hrd);
+}
+
 /* Piece h x parts + part: the page bound of a run of head h's candidate pages (runs start
    at multiples of page_run, whose pages share a turn) into best. Page p of head h is row
    p H + h of pmin, pmax. */
@@ -713,20 +724,15 @@ static void choose_pages(void *ctx, int i) {
     int runs = (w->c + w->page_run - 1) / w->page_run;
     int a = runs * part / w->parts * w->page_run, z = runs * (part + 1) / w->parts * w->page_run;
     z = z < w->c ? z : w->c;
-    if (z <= a)
-        return;
-    size_t hrd = (size_t)w->rows * w->dim;
-    float *x = w->scratch + w->per * i, *qq = x + (size_t)w->rows * w->most;
     size_t *off = w->off + (size_t)h * w->most;
     long *starts = w->starts + (size_t)h * w->most;
-    int P = w->nb * w->b;
     for (int j = a; j < z; j++) {
         off[j] = ((size_t)(w->lo + j) * w->heads + h) * w->dim;
-        starts[j] = (long)(w->lo + j) * P;
+        starts[j] = (long)(w->lo + j) * w->nb * w->b;
     }
-    bound_c(w->pmin, w->pmax, 0, off + a, z - a, w->q + h * hrd, w->m0 + (size_t)h * w->rows,
-            w->rows, w->dim, starts + a, w->page_run, &w->f, w->best + (size_t)h * w->c + a, x,
-            qq, qq + hrd, qq + 2 * hrd);
+    if (z > a)
+        bound_piece(w, i, h, w->pmin, w->pmax, 0, a, z, w->page_run,
+                    w->best + (size_t)h * w->c + a);
 }
 
 /* Piece h x parts + part: the block bound of the blocks of a run of head h's chosen pages
@@ -735,10 +741,6 @@ static void choose_blocks(void *ctx, int i) {
     choice_t *w = ctx;
     int h = i / w->parts, part = i % w->parts;
     int a = w->n_pick * part / w->parts * w->nb, z = w->n_pick * (part + 1) / w->parts * w->nb;
-    if (z <= a)
-        return;
-    size_t hrd = (size_t)w->rows * w->dim;
-    float *x = w->scratch + w->per * i, *qq = x + (size_t)w->rows * w->most;
     size_t *off = w->off + (size_t)h * w->most;
     long *starts = w->starts + (size_t)h * w->most;
     const long *fh = w->first + (size_t)h * w->n_pick;
@@ -747,9 +749,8 @@ static void choose_blocks(void *ctx, int i) {
         off[j] = (((size_t)h * w->pages + pg) * w->nb + j % w->nb) * w->dim;
         starts[j] = (pg * w->nb + j % w->nb) * (long)w->b;
     }
-    bound_c(w->bmin, w->bmax, 1, off + a, z - a, w->q + h * hrd, w->m0 + (size_t)h * w->rows,
-            w->rows, w->dim, starts + a, w->nb, &w->f, w->sc + (size_t)h * w->n + a, x, qq,
-            qq + hrd, qq + 2 * hrd);
+    if (z > a)
+        bound_piece(w, i, h, w->bmin, w->bmax, 1, a, z, w->nb, w->sc + (size_t)h * w->n + a);
 }
 
 static void choose_keys(void *ctx, int i) {
