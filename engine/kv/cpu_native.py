@@ -178,7 +178,8 @@ def choose(pmin: np.ndarray, pmax: np.ndarray, bmin: np.ndarray, bmax: np.ndarra
     nb, D)), or None where it does not run (the numba loop then). Same blocks as the loop up
     to float rounding, ties broken alike."""
     h, r, d = q.shape
-    if not (_plain(q, np.float32) and _plain(m0, np.float32) and _plain(pmin, np.float32)
+    if not (d % 16 == 0 and d <= MAX_DIM and r <= MAX_ROWS and _plain(q, np.float32)
+            and _plain(m0, np.float32) and _plain(pmin, np.float32)
             and _plain(pmax, np.float32) and _plain(bmin, np.float16)
             and _plain(bmax, np.float16) and _plain(voted, np.int64)
             and all(_plain(t, np.float32) and t.shape[1] == tables[0].shape[1]
@@ -215,8 +216,9 @@ def attend_chosen(q: np.ndarray, pk: np.ndarray, pv: np.ndarray, chosen: np.ndar
     float rounding; the same bits on any number of threads."""
     h, r, d = q.shape
     dv = pv.shape[3]
-    if not (_plain(q, np.float32) and _plain(chosen, np.int64) and _rows_ok(pk)
-            and _rows_ok(pv) and all(_plain(a, np.float32) for a in init)
+    if not (d % 16 == 0 and d <= MAX_DIM and dv % 64 == 0 and dv <= MAX_DIM
+            and r <= MAX_ROWS and _plain(q, np.float32) and _plain(chosen, np.int64)
+            and _rows_ok(pk) and _rows_ok(pv) and all(_plain(a, np.float32) for a in init)
             and all(_plain(t, np.float32) and t.shape[1] == tables[0].shape[1]
                     for t in tables)
             and (slot_of is None or _plain(slot_of, np.int64))):

@@ -289,6 +289,28 @@ def test_attend_chosen_equals_the_loop_on_any_threads(
 
 
 @on
+def test_sparse_shapes_it_does_not_take_return_none() -> None:
+    """Values not a multiple of 64 wide (attend_chosen), a head_dim not a multiple of 16
+    (choose) and more than 32 query rows: None, for the numba loop to take."""
+    h, n, P, nb, b = 2, 4, 32, 4, 8
+    tables = remap._split_tables(remap.RopeSpec(16, False, 10000.0, 1.0, 8192))
+    init = (np.zeros((h, 3), np.float32), np.ones((h, 3), np.float32),
+            np.zeros((h, 3, 16), np.float32))
+    chosen = np.array([[4, 5], [6, 7]], np.int64)
+    assert cpu_native.attend_chosen(
+        np.zeros((h, 3, 16), np.float32), np.zeros((n, h, P, 16), np.float32),
+        np.zeros((n, h, P, 16), np.float32), chosen, 1, 3, n, nb, b, None, tables,
+        remap.SPLIT, None, init, 2) is None
+    for rows, d in ((3, 20), (33, 16)):
+        assert cpu_native.choose(
+            np.zeros((n * h, 1, d), np.float32), np.zeros((n * h, 1, d), np.float32),
+            np.zeros((h, n * nb, d), np.float16), np.zeros((h, n * nb, d), np.float16),
+            np.zeros((h, rows, d), np.float32), np.zeros((h, rows), np.float32), 1, 2, 8, 4,
+            nb, b, 0, 0, tables, remap.SPLIT, np.zeros((h, 0), np.int64), 2, 4, 2,
+            np.zeros((n, h, P, d), np.float32), None, 2) is None
+
+
+@on
 def test_what_it_does_not_take_is_left_to_the_caller() -> None:
     rng = np.random.default_rng(2)
     q, k, v = _case(rng, 4, 2, 3, 32, 64, 64)
