@@ -304,7 +304,7 @@ def choose(pmin: np.ndarray, pmax: np.ndarray, bmin: np.ndarray, bmax: np.ndarra
             len(slots) < end or slots[lo:].min() < 0 or slots[lo:].max() >= len(pk)):
         return None
     voted = voted.astype(np.int64, copy=False)
-    if cpu_native.may_run():  # attend.c's, where it runs: ~3x the loop's speed
+    if cpu_native.may_run():  # attend.c's, where it runs (a 32k layer: 0.47 -> 0.26 ms)
         got = cpu_native.choose(pmin, pmax, bmin, bmax, q, _f32(m0), lo, c, n_first,
                                 page_run, nb, b, e, s0, tables, split, voted, read_pages,
                                 min(m, n_pick * nb), k, pk,

@@ -14,7 +14,9 @@ read as pages in place. The result does not
 depend on which thread took which pages (partials merged in page order); it equals
 cpu_kernels.dense_pages up to float rounding. `choose(...)` is cpu_kernels.choose's pass
 (bound, shortlist, rescoring: the blocks a sparse step reads) on the same threads, the numba
-loop's blocks up to float rounding. The library is compiled once per machine
+loop's blocks up to float rounding; `attend_chosen(...)` is cpu_kernels.attend_chosen's
+partial (sinks, chosen blocks and window, turned as placed), the loop's up to float
+rounding. The library is compiled once per machine
 (engine.native, ~1 s) on the first call, or ahead of it by `warm`. `status()` says which.
 
 Why: a 16k-token exact step reads 755 MB of K and V (the starter); the numba loops, shared
