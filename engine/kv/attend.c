@@ -1,6 +1,7 @@
 /* A decode step's attention over float32 KV pages, for x86-64 with AVX-512: the exact pass
-(strata_dense_pages_threads, here) and the sparse step's block choice (strata_choose, further
-down, with its own contract), sharing one pool of worker threads (run_pieces).
+(strata_dense_pages_threads, here), and the sparse step's block choice (strata_choose) and
+its attention over the chosen blocks (strata_attend_chosen), further down with their own
+contracts; all three share one pool of worker threads (run_pieces).
 
 Contract: strata_dense_pages_threads(q, heads, rows, dim, k, kn, kh, v, vn, vh, size, dv, lo,
 hi, tk, tkh, tv, tvh, tlen, causal, threads, m_out, l_out, o_out) computes what
@@ -25,6 +26,7 @@ registers, and each row's weighted value sums in registers across the page's key
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -468,8 +470,6 @@ Why: on the starter at 32k the numba loop took ~0.47 ms of each layer's decode s
 a step, one thread); here the float16 summaries are widened 16 at a time (vcvtph2ps) and
 4 candidates' bounds share each load of the query rows. */
 
-#include <stdint.h>
-
 /* Candidates whose summaries, and rescored blocks whose keys, are asked for ahead: the step
    runs after MLX's products have evicted the caches, and they lie apart. */
 #define BOUND_AHEAD 16
@@ -520,17 +520,22 @@ static const float *far_rows(const far_t *f, long st, const float *q, int rows, 
     return qq;
 }
 
+/* Ask for the `bytes` from p into the caches, a line at a time. */
+static void ask(const void *p, size_t bytes) {
+    for (size_t y = 0; y < bytes; y += 64)
+        _mm_prefetch((const char *)p + y, HINT);
+}
+
 /* Ask for the angle table rows turn_back reads for d positions (a random row of 2 MB of
    tables per block otherwise missed the caches). */
 static void turn_ahead(const far_t *f, long d) {
     d = d < 0 ? -d : d;
     long hi = d / f->split, lo = d % f->split;
-    for (size_t y = 0; y < (size_t)f->half * 4; y += 64) {
-        _mm_prefetch((const char *)(f->cl + lo * f->half) + y, HINT);
-        _mm_prefetch((const char *)(f->sl + lo * f->half) + y, HINT);
-        _mm_prefetch((const char *)(f->ch + hi * f->half) + y, HINT);
-        _mm_prefetch((const char *)(f->sh + hi * f->half) + y, HINT);
-    }
+    size_t bytes = (size_t)f->half * 4;
+    ask(f->cl + lo * f->half, bytes);
+    ask(f->sl + lo * f->half, bytes);
+    ask(f->ch + hi * f->half, bytes);
+    ask(f->sh + hi * f->half, bytes);
 }
 
 /* The same for far_rows at token st. */
@@ -589,11 +594,11 @@ __attribute__((target("avx512f"))) static void bound_c(
         int j1 = j0 + group < n ? j0 + group : n;
         for (int j = j0; j < j1; j += 4) {
             int w = j1 - j < 4 ? j1 - j : 4;
-            for (int u = j + BOUND_AHEAD; u < j + BOUND_AHEAD + 4 && u < n; u++)
-                for (size_t y = 0; y < (size_t)dim * (half ? 2 : 4); y += 64) {
-                    _mm_prefetch((const char *)mn + off[u] * (half ? 2 : 4) + y, HINT);
-                    _mm_prefetch((const char *)mx + off[u] * (half ? 2 : 4) + y, HINT);
-                }
+            size_t width = half ? 2 : 4;
+            for (int u = j + BOUND_AHEAD; u < j + BOUND_AHEAD + 4 && u < n; u++) {
+                ask((const char *)mn + off[u] * width, (size_t)dim * width);
+                ask((const char *)mx + off[u] * width, (size_t)dim * width);
+            }
             size_t o[4];
             for (int u = 0; u < 4; u++) o[u] = off[j + (u < w ? u : 0)];
             for (int r0 = 0; r0 < rows; r0 += RB) {
@@ -768,11 +773,10 @@ static void choose_keys(void *ctx, int i) {
 #define KEYS_OF(a_) (w->pk + (w->identity ? (a_) / nb : w->slot_of[(a_) / nb]) * w->ks0 \
                      + h * w->ks1 + ((a_) % nb) * (long)b * dim)
     for (int j = a; j < a + KEYS_AHEAD && j < z; j++)  /* the first blocks' keys */
-        for (size_t y = 0; y < bytes; y += 64) _mm_prefetch((const char *)KEYS_OF(at[j]) + y, HINT);
+        ask(KEYS_OF(at[j]), bytes);
     for (int j = a; j < z; j++) {
         if (j + KEYS_AHEAD < z) {  /* a block's keys are a random read: ask early */
-            const char *nk = (const char *)KEYS_OF(at[j + KEYS_AHEAD]);
-            for (size_t y = 0; y < bytes; y += 64) _mm_prefetch(nk + y, HINT);
+            ask(KEYS_OF(at[j + KEYS_AHEAD]), bytes);
             far_ahead(&w->f, at[j + KEYS_AHEAD] * (long)b);
         }
         const float *qs = far_rows(&w->f, at[j] * (long)b, qh, w->rows, dim, qq);
@@ -943,12 +947,11 @@ __attribute__((target("avx512f"))) static void chosen_piece(void *ctx, int i) {
 #define KEYS(j) (w->pk + slots[j] * w->ks0 + h * w->ks1 + blk[j] * (long)b * dim)
 #define VALS(j) (w->pv + slots[j] * w->vs0 + h * w->vs1 + blk[j] * (long)b * dv)
     for (int j = a; j < a + KEYS_AHEAD && j < z; j++)
-        for (size_t y = 0; y < kbytes; y += 64) _mm_prefetch((const char *)KEYS(j) + y, HINT);
+        ask(KEYS(j), kbytes);
     long turned = 0;  /* the shift qq holds the rows turned by (0: none yet) */
     for (int j = a; j < z; j++) {  /* scores */
         if (j + KEYS_AHEAD < z) {
-            const char *nk2 = (const char *)KEYS(j + KEYS_AHEAD);
-            for (size_t y = 0; y < kbytes; y += 64) _mm_prefetch(nk2 + y, HINT);
+            ask(KEYS(j + KEYS_AHEAD), kbytes);
             if (delta[j + KEYS_AHEAD] != 0)
                 turn_ahead(&w->f, delta[j + KEYS_AHEAD]);
         }
@@ -972,7 +975,7 @@ __attribute__((target("avx512f"))) static void chosen_piece(void *ctx, int i) {
         }
     }
     for (int j = a; j < a + KEYS_AHEAD && j < z; j++)
-        for (size_t y = 0; y < vbytes; y += 64) _mm_prefetch((const char *)VALS(j) + y, HINT);
+        ask(VALS(j), vbytes);
     for (int r = 0; r < rows; r++)  /* weights */
         weights(p + (size_t)r * nk, nk, m + r, l + r, o + (size_t)r * dv, dv);
     for (int j = a; j < z; j++) {  /* weights x values, a block at a time in place */
