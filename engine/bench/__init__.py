@@ -153,6 +153,9 @@ def _add_needle(p: argparse.ArgumentParser) -> None:
     g.add_argument("--needle-modes", default="exact,sparse", help="needle: exact, sparse")
     g.add_argument("--needle-kinds", default="number",
                    help="needle: facts hidden, comma-separated: number, name, quote")
+    g.add_argument("--needle-ask", default="after,both",
+                   help="needle: where the question is asked, comma-separated: after (the "
+                        "prose) or both (before and after it)")
     g.add_argument("--needle-rope", choices=("none", "yarn", "both"), default="both",
                    help="needle: past the trained length, run the model as trained (none), "
                         "with YaRN RoPE scaling (yarn) or both")

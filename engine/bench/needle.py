@@ -6,15 +6,16 @@ wikitext-2 test set (its tokenization marks undone: "@-@" joins, spaces before p
 dropped), starting at a paragraph chosen by `seed`. `needle_prompt(tokenizer, n_tokens,
 depth, fact, seed)` builds a chat prompt of about n_tokens with `fact` (a `Fact`: the
 sentence, the question, the start of the answer, the answer) a paragraph of its own at
-`depth` (0..1) of the prose, returning its ids and the fact's first token index.
+`depth` (0..1) of the prose, returning its ids and the fact's first token index; `ask`
+says where the question is asked: "after" the prose only, or "both" before and after it.
 `run_needle(lm, lengths, depths, modes, budgets)` prefills each prompt once through the
 paged cache (all but its last token, in sparse mode when a sparse mode answers, so that the
 question's votes are recorded; the depths of one length share one prose, and a prompt
 keeps the pages it shares with the deeper one before it) and lets every mode answer from
 those same pages, each answer token a decode step, so sparse selection is what finds the
 fact; a cell is found when the answer appears in the greedy reply. `run(args)` is the
-suite: a table per (length, RoPE, mode, budget), prefill and decode speed per cell, JSON
-with --json.
+suite: a table per (length, asked, RoPE, mode, budget), prefill and decode speed per cell,
+JSON with --json.
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ from engine.errors import StrataError
 
 TEXT = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext-2-test.txt"
 INTRO = "Read the text below, then answer the question after it.\n\n"
+# The question before the prose too ("both"): the starter model reads a 4k prompt asked only
+# after it as if the fact were not there (exact attention found 2 of 10 depths), and finds
+# 10 of 10 when the prose is read knowing the question (Liu et al. 2023, "Lost in the
+# Middle": query-aware contextualization). A selection or a remapping can only be judged
+# where exact attention finds the fact, so the suite reports both (docs/benchmarks.md).
+INTRO_BOTH = "Read the text below, then answer this question: {question}\n\n"
+ASKS = ("after", "both")
 MAX_ANSWER_TOKENS = 12
 
 
@@ -119,17 +127,21 @@ def haystack(tokenizer: Any, n_tokens: int, seed: int, path: Path = TEXT) -> lis
 
 
 def needle_prompt(tokenizer: Any, n_tokens: int, depth: float, fact: Fact, seed: int = 0,
-                  path: Path = TEXT) -> tuple[list[int], int]:
+                  path: Path = TEXT, ask: str = "after") -> tuple[list[int], int]:
     """Chat prompt ids of about n_tokens with `fact` a paragraph of its own at `depth` of the
     prose (a sentence inside a paragraph was missed by exact attention on the starter model
     at 1.6k tokens where the same fact on its own line was found); and the token index where
-    the fact's sentence starts (within a token)."""
+    the fact's sentence starts (within a token). `ask`: "after" asks the question after the
+    prose, "both" before it as well."""
+    if ask not in ASKS:
+        raise StrataError(f"needle: unknown place to ask {ask!r} ({', '.join(ASKS)})")
+    intro = INTRO if ask == "after" else INTRO_BOTH.format(question=fact.question)
     paras = haystack(tokenizer, n_tokens, seed, path)
     lens = [len(tokenizer.encode(p, add_bos=False)) + 1 for p in paras]
 
     def render(before: list[str], after: list[str]) -> str:
         text = "\n".join([*before, fact.sentence, *after])
-        user = INTRO + text + "\n\nQuestion: " + fact.question
+        user = intro + text + "\n\nQuestion: " + fact.question
         return tokenizer.render_chat([{"role": "user", "content": user}]) + fact.prefix
 
     overhead = len(tokenizer.encode(render([], []), add_bos=False))
@@ -168,6 +180,7 @@ class NeedleCell:
     prefill_tok_s: float
     decode_tok_s: float
     shared_tokens: int = 0  # prompt tokens reused from the previous depth's prefill
+    ask: str = "after"      # where the question was asked: "after" the prose or "both"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -197,17 +210,17 @@ def run_needle(lm: Any, lengths: Sequence[int], depths: Sequence[float],
                kinds: Sequence[str] = ("number",), model: Any = None, rope: str = "trained",
                page_tokens: int = 128, sink_tokens: int = 128, window_tokens: int = 512,
                seed: int = 0, text: Path = TEXT, ssd_dir: Path | None = None,
-               on_cell: Callable[[NeedleCell], None] | None = None,
+               ask: str = "after", on_cell: Callable[[NeedleCell], None] | None = None,
                cancel: Callable[[], bool] | None = None,
                only: Collection[float] | None = None,
                progress: Callable[[int, int], None] | None = None) -> list[NeedleCell]:
     """Every (length, depth, kind) prompt prefilled once, every (mode, budget) answering
     from the same pages (see the module docstring). `model` replaces lm.model (a model
     built at another context, e.g. with RoPE extended; `rope` names it in the cells).
-    `only`: run just these of `depths` (each depth's fact still fixed by its index in
-    `depths`, so a rerun of some cells asks what the full run asked). `progress(done,
-    total)` is called before a prompt's prefill and after each chunk of it, with the prompt
-    tokens in the cache."""
+    `ask`: where each prompt asks its question (`needle_prompt`). `only`: run just these of
+    `depths` (each depth's fact still fixed by its index in `depths`, so a rerun of some
+    cells asks what the full run asked). `progress(done, total)` is called before a prompt's
+    prefill and after each chunk of it, with the prompt tokens in the cache."""
     # Engine imports here: the suite's parent process and this module's prompt functions
     # (used by tests) need no KV machinery.
     from engine.bench.fill import paged_cache
@@ -244,7 +257,7 @@ def run_needle(lm: Any, lengths: Sequence[int], depths: Sequence[float],
                     return cells
                 cells += _depths(lm, model, base, pre, group, length, kind, depths, only,
                                  least, seed, text, "remap" if remapped and pre.mode ==
-                                 "sparse" else rope, on_cell, cancel, progress)
+                                 "sparse" else rope, on_cell, cancel, progress, ask)
     return cells
 
 
@@ -253,7 +266,8 @@ def _depths(lm: Any, model: Any, base: Any, pre: Any, runs: Sequence[tuple[str, 
             least: int, seed: int, text: Path, rope: str,
             on_cell: Callable[[NeedleCell], None] | None,
             cancel: Callable[[], bool] | None,
-            progress: Callable[[int, int], None] | None = None) -> list[NeedleCell]:
+            progress: Callable[[int, int], None] | None = None,
+            ask: str = "after") -> list[NeedleCell]:
     """The depths of one (length, kind), prefilled with settings `pre`, each run of `runs`
     answering from those pages (see run_needle)."""
     from engine.bench.fill import paged_cache  # as in run_needle
@@ -274,7 +288,7 @@ def _depths(lm: Any, model: Any, base: Any, pre: Any, runs: Sequence[tuple[str, 
             if cancel is not None and cancel():
                 return cells
             fact = facts(seed * 1000 + di)[KINDS.index(kind)]
-            ids, _ = needle_prompt(tok, length, depth, fact, seed, text)
+            ids, _ = needle_prompt(tok, length, depth, fact, seed, text, ask)
             keep = _common(held, ids[:-1])
             for c in cache:
                 c.trim(c.offset - keep)
@@ -303,7 +317,7 @@ def _depths(lm: Any, model: Any, base: Any, pre: Any, runs: Sequence[tuple[str, 
                 cell = NeedleCell(len(ids), length, depth, kind, mode,
                                   budget if mode == "sparse" else len(ids), rope,
                                   fact.answer, reply, _found(fact.answer, reply),
-                                  round(prefill, 2), round(tps, 2), keep)
+                                  round(prefill, 2), round(tps, 2), keep, ask)
                 cells.append(cell)
                 if on_cell is not None:
                     on_cell(cell)
@@ -363,16 +377,17 @@ def prefill_progress(every: int) -> Callable[[int, int], None]:
 
 
 def needle_table(cells: Sequence[NeedleCell]) -> str:
-    """Markdown: one row per (length, rope, mode, budget), one column per depth; Y found,
-    - not (several kinds: found/asked in the cell); prefill and decode speed averaged."""
+    """Markdown: one row per (length, asked, rope, mode, budget), one column per depth; Y
+    found, - not (several kinds: found/asked in the cell); prefill and decode speed
+    averaged."""
     depths = sorted({c.depth for c in cells})
-    rows: dict[tuple[int, str, str, int], list[NeedleCell]] = {}
+    rows: dict[tuple[int, str, str, str, int], list[NeedleCell]] = {}
     for c in cells:
-        rows.setdefault((c.target, c.rope, c.mode, c.budget_tokens), []).append(c)
-    head = ("| length | RoPE | mode | budget | " + " | ".join(f"{d:.0%}" for d in depths) +
-            " | found | prefill tok/s | decode tok/s |")
-    lines = [head, "|" + "---|" * (len(depths) + 7)]
-    for (length, rope, mode, budget), cs in sorted(rows.items()):
+        rows.setdefault((c.target, c.ask, c.rope, c.mode, c.budget_tokens), []).append(c)
+    head = ("| length | asked | RoPE | mode | budget | " +
+            " | ".join(f"{d:.0%}" for d in depths) + " | found | prefill tok/s | decode tok/s |")
+    lines = [head, "|" + "---|" * (len(depths) + 8)]
+    for (length, ask, rope, mode, budget), cs in sorted(rows.items()):
         marks = []
         for d in depths:
             at = [c for c in cs if c.depth == d]
@@ -383,7 +398,8 @@ def needle_table(cells: Sequence[NeedleCell]) -> str:
         found = sum(c.found for c in cs)
         pf = sum(c.prefill_tok_s for c in cs) / len(cs)
         dc = sum(c.decode_tok_s for c in cs) / len(cs)
-        lines.append(f"| {length:,} | {rope} | {mode} | {budget:,} | " + " | ".join(marks) +
+        lines.append(f"| {length:,} | {ask} | {rope} | {mode} | {budget:,} | " +
+                     " | ".join(marks) +
                      f" | {found}/{len(cs)} | {pf:.1f} | {dc:.2f} |")
     return "\n".join(lines)
 
@@ -397,7 +413,6 @@ def run(args: argparse.Namespace) -> int:
     from engine.runtime.generate import LoadedModel
     from engine.runtime.model import extend_rope, load_weights_into_model
 
-    lm = LoadedModel.load(args.model)
     lengths = [int(x) for x in args.needle_lengths.split(",") if x]
     depths = [float(x) / 100 for x in args.needle_depths.split(",") if x]
     budgets = [int(x) for x in args.needle_budgets.split(",") if x]
@@ -406,13 +421,20 @@ def run(args: argparse.Namespace) -> int:
     for k in kinds:
         if k not in KINDS:
             raise StrataError(f"bench needle: unknown fact kind {k!r} ({', '.join(KINDS)})")
+    asks = [a for a in args.needle_ask.split(",") if a]
+    for a in asks:
+        if a not in ASKS:
+            raise StrataError(f"bench needle: unknown --needle-ask {a!r} ({', '.join(ASKS)})")
+    # The options checked before the model loads: a typo costs a line, not a load.
+    lm = LoadedModel.load(args.model)
     text = Path(args.text) if args.text else TEXT
     trained = trained_context(lm.config)
     cells: list[NeedleCell] = []
 
     def show(c: NeedleCell) -> None:
         cells.append(c)  # here, not from run_needle's return: an interrupt keeps these
-        say(f"  {c.target} {c.depth:.0%} {c.kind} {c.rope} {c.mode} {c.budget_tokens}: "
+        say(f"  {c.target} {c.depth:.0%} {c.kind} asked {c.ask} {c.rope} {c.mode} "
+            f"{c.budget_tokens}: "
             f"{'found' if c.found else 'missed'} ({c.reply!r}; prefill {c.prefill_tok_s} "
             f"tok/s, decode {c.decode_tok_s} tok/s, load {os.getloadavg()[0]:.1f}, "
             f"{time.strftime('%H:%M:%S')})")
@@ -428,10 +450,12 @@ def run(args: argparse.Namespace) -> int:
                 scaled, _ = load_weights_into_model(folder, lm.profile, context=length)
                 name = f"yarn x{config['rope_scaling']['factor']:g}"
                 subjects = ([] if args.needle_rope == "yarn" else subjects) + [(name, scaled)]
-            for rope, model in subjects:
-                run_needle(lm, [length], depths, modes, budgets, kinds=kinds, model=model,
-                           rope=rope, seed=args.seed, text=text, page_tokens=args.page_tokens,
-                           on_cell=show, progress=prefill_progress(PROGRESS_TOKENS))
+            for ask in asks:
+                for rope, model in subjects:
+                    run_needle(lm, [length], depths, modes, budgets, kinds=kinds, model=model,
+                               rope=rope, seed=args.seed, text=text,
+                               page_tokens=args.page_tokens, ask=ask, on_cell=show,
+                               progress=prefill_progress(PROGRESS_TOKENS))
     except KeyboardInterrupt:
         complete = False
         say("interrupted: reporting what finished")

@@ -97,6 +97,60 @@ def test_sparse_finds_the_fact_where_exact_does(needles: list[Any]) -> None:
     assert exact <= sparse, [(c.depth, c.mode, c.reply) for c in needles]
 
 
+def test_asking_both_puts_the_question_before_the_prose_too(starter_lm: Any,
+                                                          shared_data: Path) -> None:
+    """ask="both" asks the question in the intro as well as after the prose; the prompt keeps
+    its length, the fact its depth and the returned index its first token; an unknown place
+    is refused with one line naming it."""
+    from engine.bench.needle import facts, needle_prompt
+    from engine.errors import StrataError
+
+    tok, fact = starter_lm.tokenizer, facts(4)[0]
+    path = shared_data / "wikitext-2-test.txt"
+    texts = {}
+    for ask in ("after", "both"):
+        ids, at = needle_prompt(tok, 1024, 0.5, fact, seed=4, path=path, ask=ask)
+        assert abs(len(ids) - 1024) <= 8, (ask, len(ids))
+        assert tok.decode(ids[at:]).lstrip().startswith(fact.sentence), ask
+        assert 0.4 < at / len(ids) < 0.6, (ask, at)
+        texts[ask] = tok.decode(ids)
+    assert texts["after"].count(fact.question) == 1
+    both = texts["both"]
+    assert both.count(fact.question) == 2
+    assert both.index(fact.question) < both.index(fact.sentence) < both.rindex(fact.question)
+    with pytest.raises(StrataError, match="'before'"):
+        needle_prompt(tok, 1024, 0.5, fact, seed=4, path=path, ask="before")
+
+
+# The bench's ten 4k depths (each depth's fact is fixed by its index) and two of them.
+CALIBRATION = (0.1, 0.19, 0.28, 0.37, 0.46, 0.54, 0.63, 0.72, 0.81, 0.9)
+ASKED = {0.1, 0.37}
+
+
+@pytest.fixture(scope="module")
+def asked(starter_lm: Any, shared_data: Path) -> dict[str, list[Any]]:
+    """Two of `strata bench longctx`'s 4k cells, asked only after the prose and before it
+    too: exact and sparse (budget 768) answers from one prefill per prompt."""
+    from engine.bench.needle import run_needle
+
+    return {ask: run_needle(starter_lm, [4096], CALIBRATION, ("exact", "sparse"), (768,),
+                            text=shared_data / "wikitext-2-test.txt", ask=ask, only=ASKED)
+            for ask in ("after", "both")}
+
+
+def test_asked_before_the_prose_exact_and_sparse_find_every_fact(
+        asked: dict[str, list[Any]]) -> None:
+    """Read knowing the question, the starter finds both 4k facts, exactly and sparsely;
+    asked only after the prose, exact attention misses where it found (docs/benchmarks.md:
+    2 of 10 depths against 10 of 10)."""
+    both, after = asked["both"], asked["after"]
+    assert {c.ask for c in both} == {"both"} and {c.ask for c in after} == {"after"}
+    assert len(both) == 2 * len(ASKED) and {c.depth for c in both} == ASKED
+    assert all(c.found for c in both), [(c.depth, c.mode, c.reply) for c in both]
+    exact_after = [c for c in after if c.mode == "exact"]
+    assert sum(c.found for c in exact_after) < len(ASKED), [c.reply for c in exact_after]
+
+
 def test_prefill_reports_its_progress(needles: list[Any],
                                       capsys: pytest.CaptureFixture[str]) -> None:
     """Each prompt's prefill calls progress where it resumes (the deeper prompts first, each
