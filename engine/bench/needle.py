@@ -271,7 +271,7 @@ def _depths(lm: Any, model: Any, base: Any, pre: Any, runs: Sequence[tuple[str, 
     """The depths of one (length, kind), prefilled with settings `pre`, each run of `runs`
     answering from those pages (see run_needle)."""
     from engine.bench.fill import paged_cache  # as in run_needle
-    from engine.kv import close_caches
+    from engine.kv import SPARSE_MAX_L, close_caches, question_steps
 
     tok = lm.tokenizer
     cells: list[NeedleCell] = []
@@ -289,29 +289,37 @@ def _depths(lm: Any, model: Any, base: Any, pre: Any, runs: Sequence[tuple[str, 
                 return cells
             fact = facts(seed * 1000 + di)[KINDS.index(kind)]
             ids, _ = needle_prompt(tok, length, depth, fact, seed, text, ask)
-            keep = _common(held, ids[:-1])
+            # Past the trained length a sparse run prefills the question's last tokens
+            # itself, as decode-style steps at its own budget (as generate.py does), so
+            # the shared pages stop before them.
+            store.settings = pre
+            split = len(ids) - 1 - question_steps(store, len(ids) - 1)
+            keep = _common(held, ids[:split])
             for c in cache:
                 c.trim(c.offset - keep)
-            store.settings = pre
             t = time.perf_counter()
             if progress is not None:
                 progress(keep, len(ids) - 1)  # what this prompt resumes from
-            for i in range(keep, len(ids) - 1, 512):
-                end = min(i + 512, len(ids) - 1)
+            for i in range(keep, split, 512):
+                end = min(i + 512, split)
                 model(mx.array(ids[i:end])[None], cache=cache)
                 mx.eval([c.state for c in cache])
                 if progress is not None:
                     progress(end, len(ids) - 1)
                 if cancel is not None and cancel():
                     return cells
-            prefill = (len(ids) - 1 - keep) / max(1e-9, time.perf_counter() - t)
-            held = ids[:-1]
+            prefill = (split - keep) / max(1e-9, time.perf_counter() - t)
+            held = ids[:split]
             for mode, budget in runs:
                 for c in cache:
                     c.trim(c.offset - len(held))  # back to the prompt's pages
                 store.settings = base.with_(
                     mode=mode, budget_tokens=max(least, budget) if mode == "sparse"
                     else base.budget_tokens)
+                step = SPARSE_MAX_L if question_steps(store, len(ids) - 1) else 512
+                for i in range(split, len(ids) - 1, step):
+                    model(mx.array(ids[i:min(i + step, len(ids) - 1)])[None], cache=cache)
+                    mx.eval([c.state for c in cache])
                 out, tps = _answer(model, lm.eos_ids, cache, ids[-1], MAX_ANSWER_TOKENS)
                 reply = tok.decode(out).strip()
                 cell = NeedleCell(len(ids), length, depth, kind, mode,

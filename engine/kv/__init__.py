@@ -30,6 +30,7 @@ from engine.kv.attention import (
     SPARSE_MAX_L,
     SPARSE_PREFILL_PAST,
     install_hook,
+    question_steps,
 )
 from engine.kv.cache import (
     LayerCache,
@@ -55,6 +56,7 @@ from engine.kv.settings import (
 from engine.kv.store import KVStore
 
 __all__ = ["BITS", "SPARSE_CHUNK_L", "SPARSE_MAX_L", "SPARSE_PREFILL_PAST", "DEFAULT_GROUP",
+           "question_steps",
            "GROUP_SIZES", "MODES", "KVGeometry", "KVSettings",
            "KVStore", "KVUnpageable", "LayerCache", "PagedLayerCache", "WindowLayerCache",
            "close_caches", "geometry_of", "make_paged_cache", "settings_from_env",

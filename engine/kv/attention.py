@@ -126,7 +126,8 @@ PREFILL_REACH = (os.environ.get("STRATA_SPARSE_PREFILL_REACH") or "1") != "0"
 # SPARSE_CHUNK_L so that each chunk's selection stays cheap, and a question's 64-token chunk
 # gathering the trained reach from 128k stored tokens took its first token from 4.2 s to
 # 16.0 s (docs/benchmarks.md, issue 19's eighth pass); past it the decode budget holds.
-PREFILL_REACH_PAST = SPARSE_PREFILL_PAST
+# STRATA_SPARSE_PREFILL_REACH_PAST sets it.
+PREFILL_REACH_PAST = int(os.environ.get("STRATA_SPARSE_PREFILL_REACH_PAST") or SPARSE_PREFILL_PAST)
 # Such a chunk reads, besides the sinks, the most recent tokens its budget holds (StreamingLLM
 # inside the trained reach) rather than choosing blocks: a choice ranks far blocks by logits
 # at distances past the trained length, which are noise, and packs the ones it takes in
@@ -141,6 +142,19 @@ PREFILL_RECENT = (os.environ.get("STRATA_SPARSE_PREFILL_RECENT") or "1") != "0"
 # logits are at distances the model never saw. STRATA_SPARSE_FAR_ROTATE=0 scores them as
 # cached.
 FAR_ROTATE = (os.environ.get("STRATA_SPARSE_FAR_ROTATE") or "1") != "0"
+# With the InfLLM layout (remap.LAYOUT "infllm", which packs every chosen block between the
+# sinks and the window) a decode step scores each candidate further than FAR_DISTANCE tokens
+# from the query as if it sat FAR_DISTANCE before it, where the layout will read it, not at
+# the trained length's edge: at 16k the starter's logits there (~8,100 tokens back) ranked
+# the fact's blocks ~1,000th of 1,968 in the heads its answer rests on, at 300-1,800 tokens
+# ~250th, and that held 1.9 of its 3 blocks among 432 chosen, against 0.2 (docs/benchmarks.md,
+# issue 19, 2026-12-07). STRATA_SPARSE_FAR_DISTANCE sets it.
+FAR_DISTANCE = int(os.environ.get("STRATA_SPARSE_FAR_DISTANCE") or 1024)
+# Past the trained length (sparse, remapped) a prompt's last QUESTION_STEPS tokens (the
+# question and the reply's opening, asked after a long context) go as decode steps
+# (`question_steps`): at 16k the starter answered from a fact 8,000 tokens back when its
+# question's tokens read it, and never when only the answer did.
+QUESTION_STEPS = 48
 # The two-level first pass bounds far pages in runs of this many, one rotation a run (a page
 # then sits up to 3 pages after E + S): at 32k 1.7 ms a layer once a page, under load.
 FAR_PAGE_RUN = 4
@@ -638,6 +652,17 @@ def _score(bmin: Any, bmax: Any, qt: Any, m: Any, starts: Any = None,
     return mx.logsumexp(bound - m[:, None, :], axis=-1)
 
 
+def far_of(spec: remap.RopeSpec, end: int, sink_tokens: int) -> tuple[remap.RopeSpec, int, int]:
+    """A step ending at token `end`'s far scoring (spec, E, S): candidates starting before E
+    are scored moved to E + S. The reach layout moves what the trained length does not reach
+    just inside it (E = end - trained, after the S sink tokens), as it will read them; the
+    InfLLM layout reads every chosen block near the window, so anything further than
+    FAR_DISTANCE is scored FAR_DISTANCE back (S = 0)."""
+    if remap.reach(end, spec.trained):
+        return spec, end - spec.trained, sink_tokens
+    return spec, end - FAR_DISTANCE, 0
+
+
 def _far_shift(starts: Any, far: tuple[remap.RopeSpec, int, int]) -> Any:
     """Positions to move each candidate starting at `starts` by (FAR_ROTATE): E + S - start
     before E = end - trained, where the trained length does not reach; else 0. (Scoring
@@ -653,8 +678,8 @@ def note_votes(store: Any, layer: int, queries: Any, scale: float, n_pages: int,
     (1, q_heads, L, D) give each block of the pages [0, n_pages) and of rk (H, T, D), the
     tail plus the chunk (causal), summed over the group's query heads and those queries, kept
     in the layer's table (kv_heads, blocks). Keys from either tier, in page order, so the
-    votes do not depend on where the pages live; past the trained length, the keys it does
-    not reach are voted on moved as a decode step scores them (FAR_ROTATE)."""
+    votes do not depend on where the pages live. Never past the trained length
+    (`_note_or_clear_votes`): the question goes as steps there."""
     table = store.tables[layer]
     h, t, d = rk.shape
     _, hq, L, _ = queries.shape
@@ -663,19 +688,9 @@ def note_votes(store: Any, layer: int, queries: Any, scale: float, n_pages: int,
     r = q.shape[1]
     b = table.block_tokens
     parts: list[tuple[Any, Any, Any]] = []                            # (max, sum, block sums)
-    spec = remap.spec_for(store, n_pages * store.P + t) if FAR_ROTATE else None
-    far = None if spec is None else (spec, n_pages * store.P + t - spec.trained,
-                                     min(table.sink_pages, n_pages) * store.P)
     if n_pages:
         group = max(1, SCORE_ELEMENTS // (h * r * store.P))
-        at = 0
         for k in _key_groups(store, layer, np.arange(n_pages), group):
-            if far is not None and at * store.P < far[1]:
-                # Keys past the trained reach as the decode steps will score them (`_score`)
-                shift = _far_shift((mx.arange(at, at + k.shape[0]) * store.P)[None], far)
-                k = remap.rerotate(k.transpose(1, 0, 2, 3), mx.broadcast_to(
-                    shift, (h, k.shape[0])), far[0]).transpose(1, 0, 2, 3)
-            at += k.shape[0]
             parts.append(_vote_part(q[None] @ k.swapaxes(-1, -2), b))  # (n, H, R, P)
     s = q @ rk.swapaxes(-1, -2)                                       # (H, R, T)
     rows = mx.arange(lv)[:, None] + (t - lv)
@@ -730,23 +745,42 @@ def _vote_part(s: Any, b: int) -> tuple[Any, Any, Any]:
 
 def _note_or_clear_votes(store: Any, layer: int, queries: Any, scale: float, n_pages: int,
                          rk: Any, past: int) -> None:
-    """A sparse prefill chunk's votes (`note_votes`), or none past VOTE_PAST_MAX."""
-    if VOTE_SHARE > 0 and past <= VOTE_PAST_MAX:
+    """A sparse prefill chunk's votes (`note_votes`), or none past VOTE_PAST_MAX or past the
+    trained length: there the question goes as steps that choose for themselves
+    (`question_steps`), and the last chunk's votes are the prose's, not the question's (at 16k
+    with them half the budget held blocks the prose's end looked at, and the 50% fact was
+    missed that the same steps found without them, docs/benchmarks.md)."""
+    if (VOTE_SHARE > 0 and past <= VOTE_PAST_MAX
+            and remap.spec_for(store, past + rk.shape[1]) is None):
         note_votes(store, layer, queries, scale, n_pages, rk)
     else:  # an older chunk's votes are not this prompt's question
         store.tables[layer].set_votes(None, -1)
+
+
+def question_steps(store: Any, end: int) -> int:
+    """How many of a prompt's last tokens (it ends at token `end`) go as decode-style steps
+    of at most SPARSE_MAX_L tokens, each selecting its blocks with the far scoring: QUESTION_STEPS
+    where the prompt reaches past the trained length in sparse mode with positions remapped,
+    else 0. A chunk there reads only the trained reach (PREFILL_REACH) or chooses without the
+    far scoring, so a question prefilled so never reads a fact further back, and the answer
+    alone reading it is not enough (docs/benchmarks.md, issue 19, 2026-12-07). The steps
+    choose within the reply's budget: the trained reach's (as a prefill chunk there reads,
+    PREFILL_REACH) found the 16k fact at 90% and lost those at 50% and 70%."""
+    return QUESTION_STEPS if end > QUESTION_STEPS and remap.spec_for(store, end) else 0
 
 
 def question_tokens(store: Any, end: int) -> int:
     """How many of a prompt's last tokens (it ends at token `end`) a restore leaves to be
     prefilled so that the question's votes are recorded as a fresh prefill records them:
     the last chunk's VOTE_QUERIES queries and the final token; 0 when this store records no
-    votes (not sparse, votes off, or past VOTE_PAST_MAX, where a chunk records none), or
-    none that matter soon: a prompt under half the budget (a reply must pass the rest of the
-    budget before a block is chosen) keeps its whole restore, logits and all."""
+    votes (not sparse, votes off, or past VOTE_PAST_MAX or the trained length, where a chunk
+    records none), or none that matter soon: a prompt under half the budget (a reply must
+    pass the rest of the budget before a block is chosen) keeps its whole restore, logits
+    and all."""
     settings = store.settings
     if (getattr(settings, "mode", None) != "sparse" or VOTE_SHARE <= 0
-            or end - VOTE_QUERIES - 1 > VOTE_PAST_MAX or 2 * end <= settings.budget_tokens):
+            or end - VOTE_QUERIES - 1 > VOTE_PAST_MAX or 2 * end <= settings.budget_tokens
+            or remap.spec_for(store, end) is not None):
         return 0
     return VOTE_QUERIES + 1
 
@@ -814,7 +848,7 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     # Decode steps only: a chunk's rows would multiply the rotated queries (a 64-token chunk
     # past 128k: 150 MB a layer).
     if spec is not None and FAR_ROTATE and budget is None and end - start <= SPARSE_MAX_L:
-        far = (spec, end - spec.trained, min(store.tables[layer].sink_pages, n_pages) * store.P)
+        far = far_of(spec, end, min(store.tables[layer].sink_pages, n_pages) * store.P)
     step = end if budget is None and not recent_only and end - start <= SPARSE_MAX_L else None
     chosen = select_blocks(store, layer, qg, n_pages, acc, start, held, budget, recent_only,
                            far, step, np_top=True)

@@ -654,7 +654,7 @@ def attend_blocks(store: Any, layer: int, q: np.ndarray,
     h, _, d = q.shape
     part = cpu_kernels.attend_chosen(
         q, pk, pv, top, sink, hi, n_pages, nb, b,
-        None if spec is None else (remap.LAYOUT == "reach", end, spec.trained),
+        None if spec is None else (remap.reach(end, spec.trained), end, spec.trained),
         None if spec is None else remap._split_tables(spec), remap.SPLIT,
         None if table.identity else table.slot_of, recent)
     if part is not None:  # one loop: laid out, turned and merged there, nothing gathered

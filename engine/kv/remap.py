@@ -9,7 +9,8 @@ keep their scaling and are never remapped. `attach(store, geometry)` makes a sto
 reaches past the trained length (None otherwise, or with STRATA_SPARSE_REMAP=0).
 `block_deltas(...)` gives each attended block its re-rotation: by default every token keeps
 its position unless the trained length does not reach it from the query, and those move
-just inside it, in order (LAYOUT "reach"); LAYOUT "infllm": sinks and the local window keep
+just inside it, in order (LAYOUT "reach", and "auto" up to REACH_PAST past the trained
+length); LAYOUT "infllm" (and "auto" further on): sinks and the local window keep
 their offsets (the sinks from the start, the window from the query), the chosen blocks are
 placed contiguously, in their order, between them; `rerotate(k, delta, spec)` applies it.
 
@@ -38,9 +39,19 @@ from engine.kv.settings import KVGeometry
 # are); on by default.
 ENABLED = (os.environ.get("STRATA_SPARSE_REMAP") or "1") != "0"
 # Where the attended blocks go (`block_deltas`): "reach" (positions kept where the trained
-# length reaches them) or "infllm" (every chosen block packed before the window).
+# length reaches them), "infllm" (every chosen block packed before the window) or "auto"
+# (the default): "reach" while the step's end is at most REACH_PAST past the trained length,
+# "infllm" further on. Just past 8k "reach" kept a fact the InfLLM layout lost (the tenth
+# pass); at 16k the InfLLM layout with candidates scored where it reads them found the fact
+# at 50% that "reach" never did (docs/benchmarks.md, issue 19, 2026-12-07).
 # STRATA_SPARSE_REMAP_LAYOUT picks.
-LAYOUT = os.environ.get("STRATA_SPARSE_REMAP_LAYOUT") or "reach"
+LAYOUT = os.environ.get("STRATA_SPARSE_REMAP_LAYOUT") or "auto"
+REACH_PAST = 1024
+
+
+def reach(end: int, trained: int) -> bool:
+    """Whether a step ending at token `end` lays its blocks out as "reach" (see LAYOUT)."""
+    return LAYOUT == "reach" or (LAYOUT == "auto" and end - trained <= REACH_PAST)
 
 
 @dataclass(frozen=True)
@@ -116,7 +127,8 @@ def block_deltas(top: Any, sink: int, hi: int, n_pages: int, P: int, b: int, end
     window (pages [hi, n_pages)), then the chosen ones. S = sink * P, K = k * b, W0 = hi * P
     the window's first position.
 
-    LAYOUT "reach" (the default; needs `end`, the chunk's end, and `trained`): every
+    LAYOUT "reach" (and "auto" near the trained length; needs `end`, the chunk's end, and
+    `trained`): every
     attended token keeps its own position unless it is out of the trained reach of the
     chunk's last query (distance >= trained): with E = end - trained, the sinks move to
     [E, E + S) and chosen block j (in position order, starting at s_j) to max(s_j, E + S +
@@ -138,7 +150,7 @@ def block_deltas(top: Any, sink: int, hi: int, n_pages: int, P: int, b: int, end
     S, K, W0 = sink * P, k * b, hi * P
     E = end - trained
     steps = xp.arange(k, dtype=xp.int32)[None] * b - top.astype(xp.int32) * b   # j b - s_j
-    if LAYOUT == "reach" and trained > 0 and 0 <= E <= W0 - S - K:
+    if reach(end, trained) and trained > 0 and 0 <= E <= W0 - S - K:
         shift, chosen = E, xp.maximum(steps + (E + S), 0)
     else:
         shift, chosen = W0 - S - K, steps + (W0 - K)

@@ -528,8 +528,9 @@ def test_sparse_prompt_chunks_and_votes_in_numpy_equal_mlx_s(
     """Sparse mode past a trained length of 256, 512-token prompt chunks then decode steps:
     with the chunks' partials (`_partial_np`: the recent keys, causal, and the sinks, chosen
     blocks and window) and the votes' exp in numpy, and with MLX's ops alone, every output
-    within 1e-5 and the question's votes within 1e-5 of their largest; numpy ran for the
-    chunks' partials only."""
+    within 1e-5, and no question votes (past the trained length the question goes as
+    steps, `attention.question_steps`); numpy ran for the chunks' partials only. Inside the
+    trained length the votes in numpy are within 1e-5 of their largest of MLX's."""
     import mlx.core as mx
 
     monkeypatch.setattr(attention, "VOTE_SHARE", 0.5)
@@ -552,6 +553,10 @@ def test_sparse_prompt_chunks_and_votes_in_numpy_equal_mlx_s(
     assert ran and set(ran) == {REP * 512} and len(ran) >= 3  # the chunks, numpy on
     for a, b in zip(*outs, strict=True):
         assert float(mx.abs(a - b).max()) < 1e-5
+    assert len(votes) == 6 and all(v is None for v in votes)
+    # Inside the trained length the chunks vote: numpy's exp and MLX's give the same votes.
+    _, votes = _layer_runs(tmp_path / "in", switch, [512, 512, 512, 1, 1], 6, buffered=False,
+                           mode="sparse")
     for a, b in zip(votes[:3], votes[3:], strict=True):
         assert a is not None and b is not None
         assert float(mx.abs(a - b).max()) <= 1e-5 * float(mx.abs(b).max())

@@ -233,6 +233,71 @@ def test_far_candidates_are_scored_where_they_will_be_read(
     assert float(mx.abs(plain - direct).max()) > 1e-2
 
 
+def _infllm_far_step(tmp_path: Path) -> tuple[Any, Any]:
+    """A decode step at 320 over 40 pages, the spec trained at 64, InfLLM's layout and
+    FAR_DISTANCE 16: pages 2 and 5 hold keys aligned with the query once moved 16 tokens
+    before the step's end (321 - 16 = 305 on), where it scores far candidates. Returns
+    (attend's output, attention over the sink page at 0, pages 2 and 5 at 8 and 16, the window
+    page and the query after them: InfLLM's frame)."""
+    import mlx.core as mx
+
+    mx.random.seed(4)
+    base, n = 100.0, 40 * P
+    s = KVSettings(mode="sparse", page_tokens=P, ssd_dir=tmp_path / "kv", sink_tokens=P,
+                   window_tokens=P, budget_tokens=4 * P).validate()
+    store = KVStore(s, n_layers=1, kv_heads=H, head_dim=D)
+    remap.attach(store, remap.RopeSpec(D, False, base, 1.0, 64))
+    uq = mx.random.normal((1, D))
+    q = _rope(uq, mx.array([n]), base=base)
+    u = 0.3 * mx.random.normal((n + 1, D))
+    want = mx.broadcast_to(2 * q[0], (P, D))
+    for page in (2, 5):
+        u[page * P:(page + 1) * P] = _rope(want, -mx.arange(305, 305 + P), base=base)
+    k = _rope(u, mx.arange(n + 1), base=base)
+    v = mx.random.normal((n + 1, D))
+    cache = PagedLayerCache(store, 0)
+    cache.update_and_fetch(k[None, None, :n], v[None, None, :n])
+    kk, vv = cache.update_and_fetch(k[None, None, n:], v[None, None, n:])
+    out = attention.attend(cache, q[None, None], kk, vv, 1.0)[0, 0]
+    store.close()
+    read = mx.concatenate([mx.arange(0, P), mx.arange(2 * P, 3 * P), mx.arange(5 * P, 6 * P),
+                           mx.arange(39 * P, n + 1)])
+    new = mx.arange(read.shape[0])
+    sc = _rope(uq, new[-1:], base=base) @ _rope(u[read], new, base=base).T
+    return out, mx.softmax(sc, axis=-1) @ v[read]
+
+
+def test_infllm_scores_far_candidates_far_distance_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With InfLLM's layout a decode step scores every candidate further back than
+    FAR_DISTANCE as if it sat FAR_DISTANCE before the query (near where that layout reads
+    it), not at the trained length's edge: the blocks that match there are chosen and read
+    in InfLLM's frame; scored at the edge (the reach layout's rule) they are not."""
+    import mlx.core as mx
+
+    monkeypatch.setattr(remap, "LAYOUT", "infllm")
+    monkeypatch.setattr(attention, "FAR_DISTANCE", 16)
+    spec = remap.RopeSpec(D, False, 100.0, 1.0, 64)
+    assert attention.far_of(spec, 321, P) == (spec, 305, 0)
+    out, direct = _infllm_far_step(tmp_path)
+    assert float(mx.abs(out - direct).max()) < 1e-4
+    monkeypatch.setattr(attention, "FAR_DISTANCE", 64 - P)  # scored where "reach" puts them
+    edge, _ = _infllm_far_step(tmp_path / "b")
+    assert float(mx.abs(edge - direct).max()) > 1e-2
+
+
+def test_auto_layout_is_reach_near_the_trained_length_then_infllm(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = remap.RopeSpec(D, False, 100.0, 1.0, 8192)
+    monkeypatch.setattr(remap, "LAYOUT", "auto")
+    near, far = 8192 + remap.REACH_PAST, 8192 + remap.REACH_PAST + 1
+    assert remap.reach(near, 8192) and not remap.reach(far, 8192)
+    assert attention.far_of(spec, near, 128) == (spec, near - 8192, 128)
+    assert attention.far_of(spec, far, 128) == (spec, far - attention.FAR_DISTANCE, 0)
+    monkeypatch.setattr(remap, "LAYOUT", "reach")
+    assert remap.reach(10 ** 6, 8192)
+
+
 def test_far_scores_rotate_once_a_page() -> None:
     """`_score` with far rows in runs of a page's blocks rotates the query once a run: the
     same bound as rotating it for each block by its page's shift."""
@@ -342,6 +407,18 @@ def test_inside_the_trained_window_remapping_changes_nothing(
         return real(k, delta, spec)
 
     monkeypatch.setattr(remap, "rerotate", counted)  # the real one, counted
+    # The numpy steps lay out and turn the chosen blocks in one compiled loop: a call with a
+    # spec is a remapped read too.
+    from engine.kv import cpu_select
+
+    attend_blocks = cpu_select.attend_blocks
+
+    def blocks_counted(*a: Any) -> Any:
+        if a[8] is not None:
+            calls.append(a[4].shape)
+        return attend_blocks(*a)
+
+    monkeypatch.setattr(cpu_select, "attend_blocks", blocks_counted)
 
     base = KVSettings(mode="exact", page_tokens=64, sink_tokens=64, window_tokens=128,
                       budget_tokens=384, ssd_dir=tmp_path / "kv").validate()
@@ -414,3 +491,47 @@ def test_prefill_past_the_trained_length_attends_to_the_trained_reach(
             finally:
                 close_caches(cache)
             assert budgets and all(b is None for _, b in budgets), name
+
+
+def test_a_question_past_the_trained_length_goes_as_decode_steps(
+        starter_lm: Any, prompt: list[int], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """generate.py prefills a prompt past the trained length (sparse, remapped) in chunks,
+    then its last QUESTION_STEPS tokens as steps of at most SPARSE_MAX_L queries, each
+    choosing blocks as a decode step does: the question must read a fact the trained reach
+    of a chunk does not see (docs/benchmarks.md, issue 19). Within the trained length the
+    prompt goes in chunks, and only its last token alone."""
+    from engine.runtime.generate import generate
+    from engine.runtime.sampling import SamplingParams
+
+    steps: list[tuple[int, int]] = []
+    real = attention.select_blocks
+
+    def spied(store: Any, layer: int, qg: Any, n_pages: int, acc: Any, start: int = -1,
+              *a: Any, **k: Any) -> Any:
+        if layer == 0:
+            steps.append((qg.shape[1] // 3, start))  # 9 query heads over 3 KV heads
+        return real(store, layer, qg, n_pages, acc, start, *a, **k)
+
+    monkeypatch.setattr(attention, "select_blocks", spied)  # the real one, observed
+    old = starter_lm.kv_settings
+    starter_lm.kv_settings = KVSettings(mode="sparse", page_tokens=64, sink_tokens=64,
+                                        window_tokens=128, budget_tokens=256,
+                                        ssd_dir=tmp_path / "kv").validate()
+    g = starter_lm.kv_geometry
+    n = len(prompt)
+    try:
+        for trained, want in ((384, attention.QUESTION_STEPS), (8192, 1)):
+            steps.clear()
+            pc = starter_lm.new_cache()
+            remap.attach(pc.cache[0].store, remap.RopeSpec(
+                g.rope_dims, g.rope_traditional, g.rope_base, g.rope_scale, trained))
+            out = list(generate(starter_lm, prompt, SamplingParams(temperature=0.0),
+                                max_tokens=2, prompt_cache=pc))
+            pc.close()
+            assert out and out[-1].finish_reason is not None
+            prompt_steps = [(L, s) for L, s in steps if s < n and L <= attention.SPARSE_MAX_L]
+            covered = sorted(s + i for L, s in prompt_steps for i in range(L))
+            assert covered == list(range(n - want, n)), trained
+    finally:
+        starter_lm.kv_settings = old
