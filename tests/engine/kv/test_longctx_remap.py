@@ -184,12 +184,14 @@ def test_prefill_chunk_past_the_trained_length_reads_the_recent_reach(
     assert float(mx.abs(chosen - out).max()) > 1e-2
 
 
-def _far_step(tmp_path: Path) -> tuple[Any, Any]:
+def _far_step(tmp_path: Path, aligned: tuple[int, int] = (265, 273),
+              infllm: bool = False) -> tuple[Any, Any]:
     """A decode step at 320 over 40 pages, the spec trained at 64 (E = 257): pages 2 and 5
-    hold keys aligned with the query once moved where the reach layout puts chosen blocks
-    (E + S = 265 on), and not at their own positions (base 100: every frequency turns).
-    Returns (attend's output, attention with pages 2 and 5 read at 265 and 273, the sinks
-    at 257)."""
+    hold keys aligned with the query once moved to `aligned` (by default where the reach
+    layout puts chosen blocks, E + S = 265 on), and not at their own positions (base 100:
+    every frequency turns). Returns (attend's output, attention with pages 2 and 5 read at
+    265 and 273, the sinks at 257; `infllm`: the sink page at 0, pages 2 and 5 at 8 and 16,
+    the window page and the query after them, InfLLM's frame)."""
     import mlx.core as mx
 
     mx.random.seed(2)
@@ -203,7 +205,7 @@ def _far_step(tmp_path: Path) -> tuple[Any, Any]:
     q = _rope(uq, mx.array([n]), base=base)
     u = 0.3 * mx.random.normal((n + 1, D))
     want = mx.broadcast_to(2 * q[0], (P, D))
-    for page, at in ((2, 265), (5, 273)):
+    for page, at in zip((2, 5), aligned, strict=True):
         u[page * P:(page + 1) * P] = _rope(want, -mx.arange(at, at + P), base=base)
     k = _rope(u, mx.arange(n + 1), base=base)
     v = mx.random.normal((n + 1, D))
@@ -214,7 +216,8 @@ def _far_step(tmp_path: Path) -> tuple[Any, Any]:
     store.close()
     read = mx.concatenate([mx.arange(0, P), mx.arange(2 * P, 3 * P), mx.arange(5 * P, 6 * P),
                            mx.arange(39 * P, n + 1)])
-    new = mx.concatenate([mx.arange(257, 281), mx.arange(39 * P, n + 1)])
+    new = mx.arange(read.shape[0]) if infllm else mx.concatenate(
+        [mx.arange(257, 281), mx.arange(39 * P, n + 1)])
     sc = _rope(uq, new[-1:], base=base) @ _rope(u[read], new, base=base).T
     return out, mx.softmax(sc, axis=-1) @ v[read]
 
@@ -233,40 +236,6 @@ def test_far_candidates_are_scored_where_they_will_be_read(
     assert float(mx.abs(plain - direct).max()) > 1e-2
 
 
-def _infllm_far_step(tmp_path: Path) -> tuple[Any, Any]:
-    """A decode step at 320 over 40 pages, the spec trained at 64, InfLLM's layout and
-    FAR_DISTANCE 16: pages 2 and 5 hold keys aligned with the query once moved 16 tokens
-    before the step's end (321 - 16 = 305 on), where it scores far candidates. Returns
-    (attend's output, attention over the sink page at 0, pages 2 and 5 at 8 and 16, the window
-    page and the query after them: InfLLM's frame)."""
-    import mlx.core as mx
-
-    mx.random.seed(4)
-    base, n = 100.0, 40 * P
-    s = KVSettings(mode="sparse", page_tokens=P, ssd_dir=tmp_path / "kv", sink_tokens=P,
-                   window_tokens=P, budget_tokens=4 * P).validate()
-    store = KVStore(s, n_layers=1, kv_heads=H, head_dim=D)
-    remap.attach(store, remap.RopeSpec(D, False, base, 1.0, 64))
-    uq = mx.random.normal((1, D))
-    q = _rope(uq, mx.array([n]), base=base)
-    u = 0.3 * mx.random.normal((n + 1, D))
-    want = mx.broadcast_to(2 * q[0], (P, D))
-    for page in (2, 5):
-        u[page * P:(page + 1) * P] = _rope(want, -mx.arange(305, 305 + P), base=base)
-    k = _rope(u, mx.arange(n + 1), base=base)
-    v = mx.random.normal((n + 1, D))
-    cache = PagedLayerCache(store, 0)
-    cache.update_and_fetch(k[None, None, :n], v[None, None, :n])
-    kk, vv = cache.update_and_fetch(k[None, None, n:], v[None, None, n:])
-    out = attention.attend(cache, q[None, None], kk, vv, 1.0)[0, 0]
-    store.close()
-    read = mx.concatenate([mx.arange(0, P), mx.arange(2 * P, 3 * P), mx.arange(5 * P, 6 * P),
-                           mx.arange(39 * P, n + 1)])
-    new = mx.arange(read.shape[0])
-    sc = _rope(uq, new[-1:], base=base) @ _rope(u[read], new, base=base).T
-    return out, mx.softmax(sc, axis=-1) @ v[read]
-
-
 def test_infllm_scores_far_candidates_far_distance_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With InfLLM's layout a decode step scores every candidate further back than
@@ -279,10 +248,11 @@ def test_infllm_scores_far_candidates_far_distance_back(
     monkeypatch.setattr(attention, "FAR_DISTANCE", 16)
     spec = remap.RopeSpec(D, False, 100.0, 1.0, 64)
     assert attention.far_of(spec, 321, P) == (spec, 305, 0)
-    out, direct = _infllm_far_step(tmp_path)
+    # Both pages match 16 back from the step's end (321 - 16 = 305 on).
+    out, direct = _far_step(tmp_path, (305, 305), infllm=True)
     assert float(mx.abs(out - direct).max()) < 1e-4
     monkeypatch.setattr(attention, "FAR_DISTANCE", 64 - P)  # scored where "reach" puts them
-    edge, _ = _infllm_far_step(tmp_path / "b")
+    edge, _ = _far_step(tmp_path / "b", (305, 305), infllm=True)
     assert float(mx.abs(edge - direct).max()) > 1e-2
 
 
