@@ -13,12 +13,14 @@ logits; VOTE_SHARE of the budget's blocks fixed for the reply by the question's 
 exact weights of the prompt's last chunk), within the token budget (a prefill chunk past the
 trained length, which attends sparsely with positions remapped, within the trained length
 instead, over at most PREFILL_REACH_PAST past tokens: PREFILL_REACH, reading the most recent
-of them: PREFILL_RECENT; a decode step there scores the candidates the trained length does
-not reach as moved into it: FAR_ROTATE; with RESELECT_STEPS > 1 the bound's shortlist
+of them: PREFILL_RECENT; a decode step there scores far candidates as moved to where the
+layout reads them: FAR_ROTATE, `far_of`; with RESELECT_STEPS > 1 the bound's shortlist
 serves that many consecutive decode steps; within the trained length, over at most
 DENSE_TOP_PAST tokens, the top DENSE_TOP share of the layers attends exactly); `attend`
 keeps every layer's block summaries as pages are committed, in every mode, and in sparse
-mode the votes of each prefill chunk.
+mode the votes of each prefill chunk within the trained length.
+`question_steps(store, end)`: how many of a prompt's last tokens its prefill sends as
+decode-style steps (past the trained length, sparse: the question must choose its blocks).
 `install_hook(model)` routes the model module's scaled_dot_product_attention here for paged
 layers; every other cache (a sliding-window layer's WindowLayerCache, mlx-lm's caches) goes
 to mlx-lm's function with the mask the model built.
