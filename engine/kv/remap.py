@@ -128,9 +128,8 @@ def block_deltas(top: Any, sink: int, hi: int, n_pages: int, P: int, b: int, end
     the window's first position.
 
     LAYOUT "reach" (and "auto" near the trained length; needs `end`, the chunk's end, and
-    `trained`): every
-    attended token keeps its own position unless it is out of the trained reach of the
-    chunk's last query (distance >= trained): with E = end - trained, the sinks move to
+    `trained`): every attended token keeps its own position unless it is out of the trained
+    reach of the chunk's last query (distance >= trained): with E = end - trained, the sinks move to
     [E, E + S) and chosen block j (in position order, starting at s_j) to max(s_j, E + S +
     j b), the queries and the window stay, so delta = sinks E, window 0, block j max(0, E +
     S + j b - s_j). Just past the trained length (an 8,192-token prompt's answer on a model
