@@ -5,7 +5,9 @@ any text, repeated), the same ids for every subject of a run; `machine_facts()` 
 the machine, the software and the checkout a result was measured on (the `machine` object
 of every result file); `package_version(name)` is an installed package's version or None;
 `say(line)` prints one progress line on stderr, `tenths(unit)` a progress callback that says
-each tenth done; `run_child(module, job, path, what)` runs a suite's child process on a JSON
+each tenth done; `listed(text, what, parse, allowed)` a comma-separated option's items, or
+StrataError naming the option (one that names nothing, or an item unparsed or not allowed);
+`run_child(module, job, path, what)` runs a suite's child process on a JSON
 job and returns the JSON line it prints last. No MLX, no model: the suites' parent
 processes and their tests import this freely.
 """
@@ -18,11 +20,12 @@ import platform as pyplatform
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from engine.errors import StrataError
 from engine.platform import backend, blas_status, memory_facts
 
 FILLER = (
@@ -51,6 +54,23 @@ def prompt_ids(tokenizer: Any, n: int, text: str = FILLER) -> list[int]:
     while len(ids) < n:
         ids.extend(tokenizer.encode(text, add_bos=False))
     return ids[:n]
+
+
+def listed(text: str, what: str, parse: Callable[[str], Any] = str,
+           allowed: Sequence[str] = ()) -> list[Any]:
+    """The items of a comma-separated option (`what`: its flag and suite, for the error),
+    each parsed; StrataError when it names none (a run of nothing is not a result), when an
+    item does not parse, or (`allowed`) when an item is not one of them."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise StrataError(f"{what} {text!r} names nothing")
+    for x in items:
+        if allowed and x not in allowed:
+            raise StrataError(f"{what} {x!r} is unknown ({', '.join(allowed)})")
+    try:
+        return [parse(x) for x in items]
+    except ValueError as exc:
+        raise StrataError(f"{what} {text!r} is not a list of numbers") from exc
 
 
 def say(line: str) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.bench.common import REPO, machine_facts, tenths
+from engine.bench.common import REPO, listed, machine_facts, tenths
 from engine.bench.fill import paged_cache
 from engine.errors import StrataError
 from engine.kv import BITS, KVSettings, close_caches
@@ -222,18 +222,10 @@ def kernel_timings(context: int, kv_heads: int, head_dim: int, page_tokens: int,
 
 # -- the CLI suite ------------------------------------------------------------------------
 def _subjects(args: argparse.Namespace, ssd_dir: Path) -> list[KVSettings]:
-    def ints(text: str, what: str) -> list[int]:
-        try:
-            return [int(x) for x in text.split(",") if x.strip()]
-        except ValueError as exc:
-            raise StrataError(f"bench kvbits: {what} {text!r} is not a list of numbers"
-                              ) from exc
-
-    bits, groups = ints(args.bits, "--bits"), ints(args.groups, "--groups")
-    modes = [m for m in args.paged_modes.split(",") if m]
-    for m in modes:
-        if m not in ("exact", "sparse"):
-            raise StrataError(f"bench kvbits: mode {m!r} is not a paged mode (exact, sparse)")
+    bits = listed(args.bits, "bench kvbits: --bits", int)
+    # (No groups: each bit width's default group.)
+    groups = listed(args.groups, "bench kvbits: --groups", int) if args.groups.strip() else []
+    modes = listed(args.paged_modes, "bench kvbits: --paged-modes", allowed=("exact", "sparse"))
     for b in bits:
         if b not in BITS:
             raise StrataError(f"bench kvbits: KV bits {b} are not supported (16, 8, 4)")

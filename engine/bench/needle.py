@@ -415,24 +415,20 @@ def needle_table(cells: Sequence[NeedleCell]) -> str:
 def run(args: argparse.Namespace) -> int:
     """`strata bench needle`: the table over --needle-lengths x --needle-depths x kinds."""
     # The runtime loads only when the suite runs (engine.bench's contract).
-    from engine.bench.common import machine_facts, say
+    from engine.bench.common import listed, machine_facts, say
     from engine.bench.system import peak_rss_bytes
     from engine.runtime.fit import trained_context
     from engine.runtime.generate import LoadedModel
     from engine.runtime.model import extend_rope, load_weights_into_model
 
-    lengths = [int(x) for x in args.needle_lengths.split(",") if x]
-    depths = [float(x) / 100 for x in args.needle_depths.split(",") if x]
-    budgets = [int(x) for x in args.needle_budgets.split(",") if x]
-    modes = [m for m in args.needle_modes.split(",") if m]
-    kinds = [k for k in args.needle_kinds.split(",") if k]
-    for k in kinds:
-        if k not in KINDS:
-            raise StrataError(f"bench needle: unknown fact kind {k!r} ({', '.join(KINDS)})")
-    asks = [a for a in args.needle_ask.split(",") if a]
-    for a in asks:
-        if a not in ASKS:
-            raise StrataError(f"bench needle: unknown --needle-ask {a!r} ({', '.join(ASKS)})")
+    lengths = listed(args.needle_lengths, "bench needle: --needle-lengths", int)
+    depths = [d / 100 for d in listed(args.needle_depths, "bench needle: --needle-depths",
+                                      float)]
+    budgets = listed(args.needle_budgets, "bench needle: --needle-budgets", int)
+    modes = listed(args.needle_modes, "bench needle: --needle-modes", allowed=("exact",
+                                                                              "sparse"))
+    kinds = listed(args.needle_kinds, "bench needle: --needle-kinds", allowed=KINDS)
+    asks = listed(args.needle_ask, "bench needle: --needle-ask", allowed=ASKS)
     # The options checked before the model loads: a typo costs a line, not a load.
     lm = LoadedModel.load(args.model)
     text = Path(args.text) if args.text else TEXT

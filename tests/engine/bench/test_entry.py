@@ -67,16 +67,24 @@ def test_every_suite_names_a_module_that_runs_it() -> None:
     assert set(engine.bench.SUITE_MODULES) <= set(SUITES)
 
 
-def test_needle_refuses_an_unknown_place_to_ask_before_loading(tmp_path: Path) -> None:
-    """`bench longctx --needle-ask` takes after and both; anything else is one line naming
-    the value and a non-zero exit, before a model is looked up (there is none here)."""
+@pytest.mark.parametrize(("flag", "value", "says"), [
+    ("--needle-ask", "after,before", "--needle-ask 'before' is unknown"),
+    ("--needle-ask", "", "--needle-ask '' names nothing"),
+    ("--needle-kinds", ",", "--needle-kinds ',' names nothing"),
+    ("--needle-depths", "10,half", "--needle-depths '10,half' is not a list of numbers"),
+])
+def test_needle_refuses_a_bad_list_before_loading(tmp_path: Path, flag: str, value: str,
+                                                  says: str) -> None:
+    """`bench longctx`'s list options: an unknown item, a list of nothing (a run of no
+    cells is not a result) or an unparsed number is one line naming the option and a
+    non-zero exit, before a model is looked up (there is none here)."""
     import os
 
     env = {**os.environ, "STRATA_HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-m", "app", "bench", "longctx", "--model", "nosuch",
-                          "--needle-ask", "after,before"], capture_output=True, text=True,
+                          flag, value], capture_output=True, text=True,
                          cwd=REPO, env=env, timeout=120)
     assert out.returncode != 0
-    assert "--needle-ask 'before'" in out.stderr and "Traceback" not in out.stderr
+    assert says in out.stderr and "Traceback" not in out.stderr
     assert _parse("longctx", "--needle-ask", "both").needle_ask == "both"
     assert _parse("needle").needle_ask == "after,both"
