@@ -271,7 +271,7 @@ def _depths(lm: Any, model: Any, base: Any, pre: Any, runs: Sequence[tuple[str, 
     """The depths of one (length, kind), prefilled with settings `pre`, each run of `runs`
     answering from those pages (see run_needle)."""
     from engine.bench.fill import paged_cache  # as in run_needle
-    from engine.kv import SPARSE_MAX_L, close_caches, question_steps
+    from engine.kv import QUESTION_L, close_caches, question_steps
 
     tok = lm.tokenizer
     cells: list[NeedleCell] = []
@@ -290,7 +290,7 @@ def _depths(lm: Any, model: Any, base: Any, pre: Any, runs: Sequence[tuple[str, 
             fact = facts(seed * 1000 + di)[KINDS.index(kind)]
             ids, _ = needle_prompt(tok, length, depth, fact, seed, text, ask)
             # Past the trained length a sparse run prefills the question's last tokens
-            # itself, as decode-style steps at its own budget (as generate.py does), so
+            # itself, as one chunk at its own budget (as generate.py does), so
             # the shared pages stop before them.
             store.settings = pre
             split = len(ids) - 1 - question_steps(store, len(ids) - 1)
@@ -316,7 +316,7 @@ def _depths(lm: Any, model: Any, base: Any, pre: Any, runs: Sequence[tuple[str, 
                 store.settings = base.with_(
                     mode=mode, budget_tokens=max(least, budget) if mode == "sparse"
                     else base.budget_tokens)
-                step = SPARSE_MAX_L if question_steps(store, len(ids) - 1) else 512
+                step = QUESTION_L if question_steps(store, len(ids) - 1) else 512
                 for i in range(split, len(ids) - 1, step):
                     model(mx.array(ids[i:min(i + step, len(ids) - 1)])[None], cache=cache)
                     mx.eval([c.state for c in cache])

@@ -26,6 +26,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.kv.attention import (
+    QUESTION_L,
     SPARSE_CHUNK_L,
     SPARSE_MAX_L,
     SPARSE_PREFILL_PAST,
@@ -56,7 +57,7 @@ from engine.kv.settings import (
 from engine.kv.store import KVStore
 
 __all__ = ["BITS", "SPARSE_CHUNK_L", "SPARSE_MAX_L", "SPARSE_PREFILL_PAST", "DEFAULT_GROUP",
-           "question_steps",
+           "QUESTION_L", "question_steps",
            "GROUP_SIZES", "MODES", "KVGeometry", "KVSettings",
            "KVStore", "KVUnpageable", "LayerCache", "PagedLayerCache", "WindowLayerCache",
            "close_caches", "geometry_of", "make_paged_cache", "settings_from_env",

@@ -19,8 +19,9 @@ serves that many consecutive decode steps; within the trained length, over at mo
 DENSE_TOP_PAST tokens, the top DENSE_TOP share of the layers attends exactly); `attend`
 keeps every layer's block summaries as pages are committed, in every mode, and in sparse
 mode the votes of each prefill chunk within the trained length.
-`question_steps(store, end)`: how many of a prompt's last tokens its prefill sends as
-decode-style steps (past the trained length, sparse: the question must choose its blocks).
+`question_steps(store, end)`: how many of a prompt's last tokens its prefill sends as the
+question, in chunks of QUESTION_L (past the trained length, sparse: the question must choose
+its blocks; one chunk by default, choosing once for all its queries with the far scoring).
 `install_hook(model)` routes the model module's scaled_dot_product_attention here for paged
 layers; every other cache (a sliding-window layer's WindowLayerCache, mlx-lm's caches) goes
 to mlx-lm's function with the mask the model built.
@@ -110,6 +111,10 @@ RESCORE = max(1, int(os.environ.get("STRATA_SPARSE_RESCORE") or 4))
 # (32k, budget 2,048: 5,632 keys a head for 2,048). At 768 with votes (24 blocks a step,
 # 96 shortlisted) the cap changes nothing.
 RESCORE_CAP = float(os.environ.get("STRATA_SPARSE_RESCORE_CAP") or 1.0)
+# Except for the question past the trained length (a chunk choosing with the far scoring,
+# once a prompt): its bound over 144 rows is loose, and at 16k the cap (512 of 1,968 blocks
+# rescored) held 1.7 of the fact's 3 blocks where the full RESCORE x 432 held 2.3, what true
+# logits over every candidate hold (docs/benchmarks.md, issue 19, 2026-12-07, second pass).
 VOTE_SHARE = float(os.environ.get("STRATA_SPARSE_VOTES") or 0.5)
 VOTE_QUERIES = 32
 VOTE_PAST_MAX = SPARSE_PREFILL_PAST
@@ -157,6 +162,15 @@ FAR_DISTANCE = int(os.environ.get("STRATA_SPARSE_FAR_DISTANCE") or 1024)
 # (`question_steps`): at 16k the starter answered from a fact 8,000 tokens back when its
 # question's tokens read it, and never when only the answer did.
 QUESTION_STEPS = 48
+# ... as one chunk that chooses its blocks once, as a decode step does (the decode budget,
+# the far scoring), its queries' weights summed (QUESTION_L = QUESTION_STEPS), rather than
+# as steps of SPARSE_MAX_L that each choose alone: at 16k, ranked offline from the question
+# steps' own queries and keys, the sum over its 12 steps held 2.4 of the fact's 3 blocks
+# among the 432 chosen in the heads the answer rests on (median rank 61), one step 1.9
+# (median 248) (docs/benchmarks.md, issue 19, 2026-12-07, second pass).
+# STRATA_SPARSE_QUESTION_CHUNK=0 sends it as steps.
+QUESTION_CHUNK = (os.environ.get("STRATA_SPARSE_QUESTION_CHUNK") or "1") != "0"
+QUESTION_L = QUESTION_STEPS if QUESTION_CHUNK else SPARSE_MAX_L
 # The two-level first pass bounds far pages in runs of this many, one rotation a run (a page
 # then sits up to 3 pages after E + S): at 32k 1.7 ms a layer once a page, under load.
 FAR_PAGE_RUN = 4
@@ -414,7 +428,7 @@ def attend(cache: Any, queries: Any, keys: Any, values: Any, scale: float,
             acc = _exact(store, layer, qg, n_pages, acc)
         elif sparse:
             budget = None
-            if (spec is not None and PREFILL_REACH and L > SPARSE_MAX_L
+            if (spec is not None and PREFILL_REACH and L > QUESTION_L
                     and past <= PREFILL_REACH_PAST):
                 budget = max(settings.budget_tokens, spec.trained - rk.shape[1])
             acc = _sparse(store, layer, qg, n_pages, recent, spec, start, start + L,
@@ -760,13 +774,14 @@ def _note_or_clear_votes(store: Any, layer: int, queries: Any, scale: float, n_p
 
 
 def question_steps(store: Any, end: int) -> int:
-    """How many of a prompt's last tokens (it ends at token `end`) go as decode-style steps
-    of at most SPARSE_MAX_L tokens, each selecting its blocks with the far scoring: QUESTION_STEPS
-    where the prompt reaches past the trained length in sparse mode with positions remapped,
-    else 0. A chunk there reads only the trained reach (PREFILL_REACH) or chooses without the
-    far scoring, so a question prefilled so never reads a fact further back, and the answer
-    alone reading it is not enough (docs/benchmarks.md, issue 19, 2026-12-07). The steps
-    choose within the reply's budget: the trained reach's (as a prefill chunk there reads,
+    """How many of a prompt's last tokens (it ends at token `end`) go as the question: in
+    chunks of at most QUESTION_L tokens (one chunk, or decode-style steps), each selecting
+    its blocks within the decode budget with the far scoring: QUESTION_STEPS where the prompt
+    reaches past the trained length in sparse mode with positions remapped, else 0. A longer
+    chunk there reads only the trained reach (PREFILL_REACH) or chooses without the far
+    scoring, so a question prefilled so never reads a fact further back, and the answer
+    alone reading it is not enough (docs/benchmarks.md, issue 19, 2026-12-07). The question
+    chooses within the reply's budget: the trained reach's (as a prefill chunk there reads,
     PREFILL_REACH) found the 16k fact at 90% and lost those at 50% and 70%."""
     return QUESTION_STEPS if end > QUESTION_STEPS and remap.spec_for(store, end) else 0
 
@@ -847,9 +862,9 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     arrays (`attend` divides and converts it once)."""
     held = StepReads()
     far = None
-    # Decode steps only: a chunk's rows would multiply the rotated queries (a 64-token chunk
-    # past 128k: 150 MB a layer).
-    if spec is not None and FAR_ROTATE and budget is None and end - start <= SPARSE_MAX_L:
+    # Decode steps and the question (QUESTION_L) only: a chunk's rows multiply the rotated
+    # queries (a 64-token chunk past 128k: 150 MB a layer).
+    if spec is not None and FAR_ROTATE and budget is None and end - start <= QUESTION_L:
         far = far_of(spec, end, min(store.tables[layer].sink_pages, n_pages) * store.P)
     step = end if budget is None and not recent_only and end - start <= SPARSE_MAX_L else None
     chosen = select_blocks(store, layer, qg, n_pages, acc, start, held, budget, recent_only,
@@ -979,7 +994,8 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
         assert voted is not None
         return voted, sink, hi
     if RESCORE > 1:
-        top = _rescore(store, layer, qg, acc, score, k_step, cand, lo, n_pages, held, far)
+        top = _rescore(store, layer, qg, acc, score, k_step, cand, lo, n_pages, held, far,
+                       far is not None and step_end is None)
     else:
         top = mx.argpartition(-score, kth=k_step - 1, axis=-1)[:, :k_step]
         top = top + lo * nb if cand is None else mx.take_along_axis(cand, top, axis=-1)
@@ -1037,9 +1053,7 @@ def _select_np(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial, sta
     pages = -(-k_sel * b // store.P)
     n_first = max(TWO_LEVEL_MIN_PAGES, TWO_LEVEL_FACTOR * pages)
     read_pages = max(2, READ_PAGES_FACTOR * RESCORE * pages)
-    m = RESCORE * k_step
-    if RESCORE_CAP > 0:
-        m = min(m, max(k_step, int(RESCORE_CAP * store.settings.budget_tokens) // b))
+    m = _shortlist_len(store, b, k_step, far is not None and step_end is None)
     if k_step > 0 and RESCORE > 1 and step_end is not None and RESELECT_STEPS == 1:
         # A decode step that bounds afresh: bound, shortlist and rescoring in one compiled
         # pass where every page is in RAM (None otherwise: the steps below).
@@ -1212,9 +1226,20 @@ def _gather_keys(store: Any, layer: int, at: Any, n_pages: int,
                                     for a in store.pool_k[layer]))
 
 
+def _shortlist_len(store: Any, b: int, k_sel: int, question: bool) -> int:
+    """How many blocks the bound shortlists for their true logits when k_sel are chosen:
+    RESCORE x k_sel, within RESCORE_CAP x the budget unless this is the question past the
+    trained length (`question`: a chunk choosing with the far scoring)."""
+    m = RESCORE * k_sel
+    if RESCORE_CAP > 0 and not question:
+        m = min(m, max(k_sel, int(RESCORE_CAP * store.settings.budget_tokens) // b))
+    return m
+
+
 def _rescore(store: Any, layer: int, qg: Any, acc: _Partial, score: Any, k_sel: int,
              cand: Any, lo: int, n_pages: int, held: StepReads | None = None,
-             far: tuple[remap.RopeSpec, int, int] | None = None) -> Any:
+             far: tuple[remap.RopeSpec, int, int] | None = None,
+             question: bool = False) -> Any:
     """The k_sel blocks (H, k_sel) among `score`'s candidates (the blocks of pages lo.., or
     with two levels the blocks `cand` names per head) chosen by their true largest logit: the
     RESCORE * k_sel best by bound are read (keys only, from either tier) and ranked by max
@@ -1223,14 +1248,12 @@ def _rescore(store: Any, layer: int, qg: Any, acc: _Partial, score: Any, k_sel: 
     The box bound of 8 keys in 64 dimensions is loose on natural text: at 4k tokens and a
     768 budget it missed a fact that true logits find (docs/benchmarks.md, issue 19); the
     bound still prunes, so a step reads RESCORE x the chosen blocks' keys, not all keys.
-    `far`: blocks past the trained reach are scored moved, as `_score` bounds them."""
+    `far`: blocks past the trained reach are scored moved, as `_score` bounds them.
+    `question`: the shortlist is not capped (`_shortlist_len`)."""
     h, r, d = qg.shape
     b = store.tables[layer].block_tokens
     nb = store.P // b
-    m = RESCORE * k_sel
-    if RESCORE_CAP > 0:
-        m = min(m, max(k_sel, int(RESCORE_CAP * store.settings.budget_tokens) // b))
-    m = min(m, score.shape[1])
+    m = min(_shortlist_len(store, b, k_sel, question), score.shape[1])
     pre = mx.argpartition(-score, kth=m - 1, axis=-1)[:, :m]             # (H, m) candidates
     at = pre + lo * nb if cand is None else mx.take_along_axis(cand, pre, axis=-1)
     k = _gather_keys(store, layer, at, n_pages, held)                    # (H, m, b, D)

@@ -31,8 +31,8 @@ import mlx.core as mx
 
 from engine.errors import StrataError
 from engine.kv import (
+    QUESTION_L,
     SPARSE_CHUNK_L,
-    SPARSE_MAX_L,
     SPARSE_PREFILL_PAST,
     KVGeometry,
     KVSettings,
@@ -479,8 +479,8 @@ def _generate(
     # weights). Sparse mode keeps that split short of SPARSE_PREFILL_PAST: its last chunk
     # records the question's votes and the last token selects as a decode step does.
     whole_last = lm.head_last_row and not (paged and sparse)
-    # Past the trained length (sparse, remapped) the question's tokens go as decode-style
-    # steps from `steps_at` on, each choosing far blocks (engine.kv.question_steps).
+    # Past the trained length (sparse, remapped) the question's tokens go as one chunk (or
+    # decode-style steps) from `steps_at` on, choosing far blocks (engine.kv.question_steps).
     store = next((c.store for c in cache if hasattr(c, "store")), None) if paged else None
     steps_at = len(prompt) - (question_steps(store, len(prompt)) if sparse and store else 0)
     while len(todo) > 1:
@@ -488,7 +488,7 @@ def _generate(
         done = len(pc.tokens)
         far = paged and sparse and (done > SPARSE_PREFILL_PAST or done >= steps_at)
         if far:
-            step = SPARSE_MAX_L if done >= steps_at else SPARSE_CHUNK_L
+            step = QUESTION_L if done >= steps_at else SPARSE_CHUNK_L
         if ((far or whole_last) and len(todo) <= step
                 and (snap_at is None or not done < snap_at < done + len(todo))):
             break  # one chunk left: it gives the logits (below)

@@ -105,7 +105,10 @@ def test_numpy_steps_equal_the_mlx_ops(tmp_path: Path, slots: int | None, traine
     on, outs_np, q = _run(tmp_path / "np", slots, spec)
     if loops != "numpy":  # the steps went through the loops, not numpy's fallback
         if slots is None:  # every page in RAM: one pass chooses, one attends
-            assert looped == {"choose", "attend_chosen"}
+            # (past the trained length the 30-token chunk is a question, QUESTION_L: it
+            # chooses once for all its rows, far candidates bounded and rescored moved)
+            far = {"far_bound", "far_rescore"} if trained else set()
+            assert looped == {"choose", "attend_chosen"} | far
         else:  # the shortlist read through the store
             assert not {"choose", "attend_chosen"} & looped
             assert {"far_bound", "far_rescore"} <= looped if trained else not looped

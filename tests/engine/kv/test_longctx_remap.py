@@ -174,6 +174,9 @@ def test_prefill_chunk_past_the_trained_length_reads_the_recent_reach(
     import mlx.core as mx
 
     L = 8  # a prefill chunk; trained 48: budget 40 = sink page, window page, 3 pages chosen
+    # (A chunk of at most QUESTION_L tokens is the question, which chooses: this small
+    # geometry's chunk stands for the longer chunks of a prompt's prose.)
+    monkeypatch.setattr(attention, "QUESTION_L", attention.SPARSE_MAX_L)
     spec = remap.RopeSpec(D, False, 10000.0, 1.0, 48)
     recent = mx.concatenate([mx.arange(0, P), mx.arange(6 * P, 10 * P + L)])
     out, direct = _step(tmp_path, spec, L, lambda read: mx.where(read < P, read + 5 * P, read),
@@ -463,33 +466,47 @@ def test_prefill_past_the_trained_length_attends_to_the_trained_reach(
             assert budgets and all(b is None for _, b in budgets), name
 
 
-def test_a_question_past_the_trained_length_goes_as_decode_steps(
+def test_a_question_past_the_trained_length_chooses_as_one_far_scored_chunk(
         starter_lm: Any, prompt: list[int], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """generate.py prefills a prompt past the trained length (sparse, remapped) in chunks,
-    then its last QUESTION_STEPS tokens as steps of at most SPARSE_MAX_L queries, each
-    choosing blocks as a decode step does: the question must read a fact the trained reach
-    of a chunk does not see (docs/benchmarks.md, issue 19). Within the trained length the
-    prompt goes in chunks, and only its last token alone."""
+    then its last QUESTION_STEPS tokens as chunks of QUESTION_L queries (one chunk), each
+    choosing blocks as a decode step does (the decode budget, far candidates scored moved):
+    the question must read a fact the trained reach of a chunk does not see, and its tokens'
+    weights together rank it better than any one step's (docs/benchmarks.md, issue 19).
+    Within the trained length the prompt goes in chunks, and only its last token alone."""
     from engine.runtime.generate import generate
     from engine.runtime.sampling import SamplingParams
 
-    steps: list[tuple[int, int]] = []
+    steps: list[tuple[int, int, Any, Any]] = []
     real = attention.select_blocks
 
     def spied(store: Any, layer: int, qg: Any, n_pages: int, acc: Any, start: int = -1,
-              *a: Any, **k: Any) -> Any:
-        if layer == 0:
-            steps.append((qg.shape[1] // 3, start))  # 9 query heads over 3 KV heads
-        return real(store, layer, qg, n_pages, acc, start, *a, **k)
+              held: Any = None, budget: Any = None, recent_only: bool = False,
+              far: Any = None, *a: Any, **k: Any) -> Any:
+        if layer == 0:  # 9 query heads over 3 KV heads
+            steps.append((qg.shape[1] // 3, start, budget, far))
+        return real(store, layer, qg, n_pages, acc, start, held, budget, recent_only, far,
+                    *a, **k)
 
     monkeypatch.setattr(attention, "select_blocks", spied)  # the real one, observed
+    from engine.kv import cpu_select
+
+    shortlists: list[tuple[int, int, int]] = []
+    real_rescore = cpu_select.rescore
+
+    def rescored(q: Any, m0: Any, sc: Any, k_sel: int, m: int, *a: Any) -> Any:
+        shortlists.append((q.shape[1] // 3, k_sel, m))
+        return real_rescore(q, m0, sc, k_sel, m, *a)
+
+    monkeypatch.setattr(cpu_select, "rescore", rescored)  # the real one, observed
     old = starter_lm.kv_settings
     starter_lm.kv_settings = KVSettings(mode="sparse", page_tokens=64, sink_tokens=64,
                                         window_tokens=128, budget_tokens=256,
                                         ssd_dir=tmp_path / "kv").validate()
     g = starter_lm.kv_geometry
     n = len(prompt)
+    assert attention.QUESTION_L == attention.QUESTION_STEPS  # the default: one chunk
     try:
         for trained, want in ((384, attention.QUESTION_STEPS), (8192, 1)):
             steps.clear()
@@ -500,8 +517,22 @@ def test_a_question_past_the_trained_length_goes_as_decode_steps(
                                 max_tokens=2, prompt_cache=pc))
             pc.close()
             assert out and out[-1].finish_reason is not None
-            prompt_steps = [(L, s) for L, s in steps if s < n and L <= attention.SPARSE_MAX_L]
-            covered = sorted(s + i for L, s in prompt_steps for i in range(L))
+            asked = [(L, s, b, f) for L, s, b, f in steps
+                     if s < n and L <= attention.QUESTION_L and s + L > n - want]
+            covered = sorted(s + i for L, s, _, _ in asked for i in range(L))
             assert covered == list(range(n - want, n)), trained
+            if trained == 384:
+                # One selection, at the decode budget, far candidates scored moved.
+                assert [(L, b) for L, _, b, _ in asked] == [(want, None)]
+                assert all(f is not None for _, _, _, f in asked)
+                # Its shortlist is RESCORE x its blocks, past the cap a decode step keeps
+                # (RESCORE_CAP x the budget: 32 blocks here). (Without the numpy path MLX's
+                # _rescore shortlists, and nothing is recorded here.)
+                cap = int(attention.RESCORE_CAP * 256) // 8
+                if shortlists:
+                    assert {(L, m) for L, k, m in shortlists if L == want} == {
+                        (want, attention.RESCORE * 16)}, shortlists
+                    assert attention.RESCORE * 16 > cap
+            shortlists.clear()
     finally:
         starter_lm.kv_settings = old
