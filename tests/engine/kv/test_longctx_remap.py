@@ -525,10 +525,12 @@ def test_a_question_past_the_trained_length_chooses_as_one_far_scored_chunk(
                 # One selection, at the decode budget, far candidates scored moved.
                 assert [(L, b) for L, _, b, _ in asked] == [(want, None)]
                 assert all(f is not None for _, _, _, f in asked)
-                # Its shortlist is RESCORE x its blocks, past the cap a decode step keeps
-                # (RESCORE_CAP x the budget: 32 blocks here). (Without the numpy path MLX's
-                # _rescore shortlists, and nothing is recorded here.)
+                # Its shortlist is RESCORE x its 16 blocks ((256 - a sink page and a window
+                # page of 64) / 8), past the cap a decode step keeps (RESCORE_CAP x the
+                # budget: 32 blocks here). (Without the numpy path MLX's _rescore
+                # shortlists, and nothing is recorded here.)
                 cap = int(attention.RESCORE_CAP * 256) // 8
+                assert shortlists or not cpu_select.enabled(3 * want)
                 if shortlists:
                     assert {(L, m) for L, k, m in shortlists if L == want} == {
                         (want, attention.RESCORE * 16)}, shortlists
