@@ -1257,6 +1257,10 @@ def _rescore(store: Any, layer: int, qg: Any, acc: _Partial, score: Any, k_sel: 
     pre = mx.argpartition(-score, kth=m - 1, axis=-1)[:, :m]             # (H, m) candidates
     at = pre + lo * nb if cand is None else mx.take_along_axis(cand, pre, axis=-1)
     k = _gather_keys(store, layer, at, n_pages, held)                    # (H, m, b, D)
+    if far is not None and r > b:  # more rows than keys: the keys turned instead (as
+        # cpu_select.rescore; the rows turned per block were (H, m, R, D), ~190 MB a layer)
+        k = remap.rerotate(k, _far_shift(at * b, far), far[0])
+        far = None
     if far is None:
         s = (qg @ k.reshape(h, m * b, d).swapaxes(-1, -2)).reshape(h, r, m, b).max(axis=-1)
     else:  # the query rotated back per block: fewer rows than the keys (1.6 -> 0.9 ms)

@@ -359,14 +359,22 @@ def rescore(q: np.ndarray, m0: np.ndarray, sc: np.ndarray, k_sel: int, m: int,
     (H, k_sel) with the largest true logit against each query row's running max, summed over
     the group; keys_of(at) gives the float32 keys (H, m, b, D) of blocks `at` (H, m), pool_of(at)
     where they are in the RAM tier (`resident_pool`), if it knows: with `far`, the compiled
-    loop then reads them in place."""
+    loop then reads them in place (a decode step's few rows; past b rows the keys are turned
+    instead, as many rows turned per block cost more than the keys)."""
     h, r, d = q.shape
     m = min(m, sc.shape[1])
     pre = np.argpartition(-sc, m - 1, axis=-1)[:, :m]                      # (H, m)
     at = pre + lo * nb if cand is None else np.take_along_axis(cand, pre, axis=-1)
     k = None
     true = None
-    if far is not None:  # one compiled loop, where it is here
+    if far is not None and r > b:
+        # More query rows than a block has keys (the question past the trained length, 144
+        # rows): each block's keys turned forward by its shift instead of the rows back
+        # (the same logits, RoPE being a rotation), then one matmul a piece: the loop
+        # turned and dotted 144 rows a block, 1.2 s of a question after 128k stored tokens.
+        k = keys_of(at)                                                     # (H, m, b, D)
+        true = _true_logits(q, remap.rerotate(k, far_shift(at * b, far), far[0]), m0)
+    elif far is not None:  # one compiled loop, where it is here
         src = pool_of(at) if pool_of is not None else None
         true = cpu_kernels.far_rescore(q, src if src is not None else (k := keys_of(at)), at,
                                        b, m0, far, remap._split_tables(far[0]), remap.SPLIT)

@@ -168,6 +168,38 @@ def test_far_rescore_equals_numpys(monkeypatch: pytest.MonkeyPatch) -> None:
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("numpy_only", [False, True])
+def test_a_question_rescores_far_blocks_with_its_keys_turned(
+        numpy_only: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With more query rows than a block has keys (a 48-token question: 144 rows), rescore
+    turns each block's keys forward by its far shift instead of the rows back: the same
+    logits, so the same picks as the rows-turned reference."""
+    if numpy_only:
+        _numpy_only(monkeypatch)
+    elif not cpu_kernels.available():
+        pytest.skip("numba not installed here")
+    rng = np.random.default_rng(7)
+    h, n, b, r, d = 3, 96, 8, 144, 64
+    keys = rng.standard_normal((h, n, b, d), np.float32)
+    q = rng.standard_normal((h, r, d), np.float32) * 0.3
+    m0 = rng.standard_normal((h, r), np.float32) * 3
+    sc = rng.standard_normal((h, n), np.float32)
+    sc[1, :4] = -np.inf                              # bound ruled out: never picked
+    far = (SPEC, 500, 128)                           # blocks 0..62 start before E: moved
+
+    def keys_of(at: np.ndarray) -> np.ndarray:
+        return keys[np.arange(h)[:, None], at]
+
+    got = np.sort(cpu_select.rescore(q, m0, sc, 12, n, None, 0, 16, b, far, keys_of))
+    at = np.tile(np.arange(n), (h, 1))
+    qr = remap.rerotate(q[:, None], -cpu_select.far_shift(at * b, far), SPEC)  # (H, n, R, D)
+    want = cpu_select.lse((qr @ keys.swapaxes(-1, -2)).max(-1).swapaxes(1, 2)
+                          - m0[:, :, None], axis=1)
+    want[1, :4] = -np.inf
+    np.testing.assert_array_equal(got, np.sort(np.argpartition(-want, 11, axis=-1)[:, :12]))
+    assert (cpu_select.far_shift(at * b, far) != 0).any()
+
+
 @pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed here")
 @pytest.mark.parametrize("engine", ["attend.c", "numba"])
 @pytest.mark.parametrize(("n_first", "moved", "with_votes"),

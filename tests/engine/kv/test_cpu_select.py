@@ -106,8 +106,9 @@ def test_numpy_steps_equal_the_mlx_ops(tmp_path: Path, slots: int | None, traine
     if loops != "numpy":  # the steps went through the loops, not numpy's fallback
         if slots is None:  # every page in RAM: one pass chooses, one attends
             # (past the trained length the 30-token chunk is a question, QUESTION_L: it
-            # chooses once for all its rows, far candidates bounded and rescored moved)
-            far = {"far_bound", "far_rescore"} if trained else set()
+            # chooses once for all its rows, far candidates bounded moved and, with more
+            # rows than a block has keys, rescored with the keys turned: rotate)
+            far = {"far_bound", "rotate"} if trained else set()
             assert looped == {"choose", "attend_chosen"} | far
         else:  # the shortlist read through the store
             assert not {"choose", "attend_chosen"} & looped
