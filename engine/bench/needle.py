@@ -272,6 +272,7 @@ def _depths(lm: Any, model: Any, base: Any, pre: Any, runs: Sequence[tuple[str, 
     answering from those pages (see run_needle)."""
     from engine.bench.fill import paged_cache  # as in run_needle
     from engine.kv import QUESTION_L, close_caches, question_steps
+    from engine.kv import ask as ask_question
 
     tok = lm.tokenizer
     cells: list[NeedleCell] = []
@@ -318,7 +319,8 @@ def _depths(lm: Any, model: Any, base: Any, pre: Any, runs: Sequence[tuple[str, 
                     else base.budget_tokens)
                 step = QUESTION_L if question_steps(store, len(ids) - 1) else 512
                 for i in range(split, len(ids) - 1, step):
-                    model(mx.array(ids[i:min(i + step, len(ids) - 1)])[None], cache=cache)
+                    ask_question(lambda x: model(x, cache=cache), cache,
+                        mx.array(ids[i:min(i + step, len(ids) - 1)])[None])
                     mx.eval([c.state for c in cache])
                 out, tps = _answer(model, lm.eos_ids, cache, ids[-1], MAX_ANSWER_TOKENS)
                 reply = tok.decode(out).strip()

@@ -30,6 +30,7 @@ from engine.kv.attention import (
     SPARSE_CHUNK_L,
     SPARSE_MAX_L,
     SPARSE_PREFILL_PAST,
+    ask,
     install_hook,
     question_steps,
 )
@@ -57,7 +58,7 @@ from engine.kv.settings import (
 from engine.kv.store import KVStore
 
 __all__ = ["BITS", "SPARSE_CHUNK_L", "SPARSE_MAX_L", "SPARSE_PREFILL_PAST", "DEFAULT_GROUP",
-           "QUESTION_L", "question_steps",
+           "QUESTION_L", "question_steps", "ask",
            "GROUP_SIZES", "MODES", "KVGeometry", "KVSettings",
            "KVStore", "KVUnpageable", "LayerCache", "PagedLayerCache", "WindowLayerCache",
            "close_caches", "geometry_of", "make_paged_cache", "settings_from_env",

@@ -22,6 +22,9 @@ mode the votes of each prefill chunk within the trained length.
 `question_steps(store, end)`: how many of a prompt's last tokens its prefill sends as the
 question, in chunks of QUESTION_L (past the trained length, sparse: the question must choose
 its blocks; one chunk by default, choosing once for all its queries with the far scoring).
+`ask(forward, cache, tokens)` sends that chunk: past the trained length in sparse mode twice,
+a wide pass whose attention weights fix the blocks the second pass and the reply hold within
+a narrow budget (engine.kv.question).
 `install_hook(model)` routes the model module's scaled_dot_product_attention here for paged
 layers; every other cache (a sliding-window layer's WindowLayerCache, mlx-lm's caches) goes
 to mlx-lm's function with the mask the model built.
@@ -37,13 +40,14 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from engine.kv import cpu_kernels, cpu_native, cpu_select, remap
+from engine.kv import cpu_kernels, cpu_native, cpu_select, question, remap
 from engine.kv.cache import PagedLayerCache
 
 # A score block of page group x heads x queries x page tokens stays under this many floats.
@@ -765,7 +769,12 @@ def _note_or_clear_votes(store: Any, layer: int, queries: Any, scale: float, n_p
     trained length: there the question goes as steps that choose for themselves
     (`question_steps`), and the last chunk's votes are the prose's, not the question's (at 16k
     with them half the budget held blocks the prose's end looked at, and the 50% fact was
-    missed that the same steps found without them, docs/benchmarks.md)."""
+    missed that the same steps found without them, docs/benchmarks.md). A wide first pass's
+    fixed blocks stay for the same question's second pass (`ask`)."""
+    table = store.tables[layer]
+    if (table.fixed is not None and not question.wide(store)
+            and table.votes_at == past + rk.shape[1] - queries.shape[2]):
+        return
     if (VOTE_SHARE > 0 and past <= VOTE_PAST_MAX
             and remap.spec_for(store, past + rk.shape[1]) is None):
         note_votes(store, layer, queries, scale, n_pages, rk)
@@ -784,6 +793,29 @@ def question_steps(store: Any, end: int) -> int:
     chooses within the reply's budget: the trained reach's (as a prefill chunk there reads,
     PREFILL_REACH) found the 16k fact at 90% and lost those at 50% and 70%."""
     return QUESTION_STEPS if end > QUESTION_STEPS and remap.spec_for(store, end) else 0
+
+
+def ask(forward: Callable[[Any], Any], cache: Sequence[Any], tokens: Any) -> Any:
+    """`forward(tokens)` for a prompt's question chunk (1, n) over `cache` (a model's layer
+    caches), returning what it returns. Past the trained length in sparse mode (remapped) it
+    runs twice (engine.kv.question): a wide first pass records the blocks the question's
+    attention weights favour, the cache is trimmed back, and the second pass, whose output
+    is returned, reads the narrow budget with those blocks held, as does the reply after it."""
+    store = next((c.store for c in cache if hasattr(c, "store")), None)
+    n = tokens.shape[1]
+    end = next((c.offset for c in cache if hasattr(c, "store")), 0) + n
+    if (store is None or not question.enabled() or n <= SPARSE_MAX_L or n > QUESTION_L
+            or remap.spec_for(store, end) is None):
+        return forward(tokens)
+    question.set_wide(store, True)
+    try:
+        forward(tokens)
+        mx.eval([c.state for c in cache])
+    finally:
+        question.set_wide(store, False)
+    for c in cache:
+        c.trim(n)
+    return forward(tokens)
 
 
 def question_tokens(store: Any, end: int) -> int:
@@ -817,6 +849,14 @@ def _key_groups(store: Any, layer: int, pages: np.ndarray, group: int) -> Any:
         r = res[i * group:(i + 1) * group]
         order = np.argsort(np.concatenate([np.flatnonzero(r), np.flatnonzero(~r)]))
         yield k[mx.array(order)]
+
+
+def _fixed(table: Any, k_sel: int, start: int) -> np.ndarray | None:
+    """The blocks a wide first pass fixed for a step starting at `start` (at most k_sel, best
+    first), or None (no such pass for this context)."""
+    if table.fixed is None or table.votes_at > start or not table.fixed.shape[1]:
+        return None
+    return table.fixed[:, :k_sel]  # type: ignore[no-any-return]
 
 
 def _voted(table: Any, lo: int, hi: int, nb: int, k_vote: int, start: int) -> Any:
@@ -867,6 +907,13 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     if spec is not None and FAR_ROTATE and budget is None and end - start <= QUESTION_L:
         far = far_of(spec, end, min(store.tables[layer].sink_pages, n_pages) * store.P)
     step = end if budget is None and not recent_only and end - start <= SPARSE_MAX_L else None
+    table = store.tables[layer]
+    votes = False
+    if spec is not None and budget is None and question.enabled():
+        if question.wide(store) and end - start > SPARSE_MAX_L:
+            budget, votes = question.wide_budget(spec), True  # the question's first pass
+        elif table.fixed is not None and table.votes_at <= start:
+            budget = question.narrow_budget(spec, end)  # its second pass and the reply
     chosen = select_blocks(store, layer, qg, n_pages, acc, start, held, budget, recent_only,
                            far, step, np_top=True)
     if chosen is None:
@@ -884,7 +931,6 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
             return part
     if isinstance(top, np.ndarray):
         top = mx.array(top.astype(np.int32))
-    table = store.tables[layer]
     P = store.P
     b = table.block_tokens
     nb = P // b
@@ -939,7 +985,30 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     rot = mx.concatenate([delta[:, :sink * nb], delta[:, delta.shape[1] - n_top:]], axis=1)
     k_rot = remap.rerotate(gather(0, slice(0, n_rot)), rot, spec).reshape(h, -1, d)
     k_win = gather(0, slice(n_rot, None)).reshape(h, -1, d)
+    if votes:
+        _fix_votes(table, qg, k_rot, k_win, top, sink * nb, hi * nb, start)
     return _merge(acc, _partial_parts(qg, (k_rot, k_win), v))
+
+
+def _fix_votes(table: Any, qg: Any, k_rot: Any, k_win: Any, top: Any, lo: int, hi: int,
+               start: int) -> None:
+    """The wide pass's votes: the softmax weight (over the sinks, the chosen blocks and the
+    window) the question's rows (H, R, D) give each chosen block, summed over the rows, turned
+    into the blocks its second pass and the reply hold (question.fixed_blocks), kept in the
+    layer's table from the question's first position `start`. top: (H, k) chosen blocks in
+    k_rot's order (after the sinks' blocks)."""
+    s_rot = qg @ k_rot.swapaxes(-1, -2)
+    s_win = qg @ k_win.swapaxes(-1, -2)
+    m = mx.maximum(s_rot.max(axis=-1), s_win.max(axis=-1))[..., None]
+    e = mx.exp(s_rot - m)
+    w = e / (e.sum(axis=-1) + mx.exp(s_win - m).sum(axis=-1))[..., None]
+    h, _, t = w.shape
+    b = table.block_tokens
+    k = top.shape[1]
+    per_block = w.sum(axis=1).reshape(h, t // b, b).sum(axis=-1)[:, t // b - k:]
+    mx.eval(per_block, top)
+    fixed = question.fixed_blocks(np.array(per_block, dtype=np.float32), np.array(top), lo, hi)
+    table.set_votes(None, start, fixed)
 
 
 def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
@@ -985,7 +1054,9 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
         got = _select_np(store, layer, qg, n_pages, acc, start, held, budget, far, step_end,
                          sink, hi, k_sel)
         return got if np_top else (mx.array(got[0].astype(np.int32)), sink, hi)
-    voted = _voted(table, lo, hi, nb, int(k_sel * VOTE_SHARE), start)
+    fixed = _fixed(table, k_sel, start)
+    voted = (_voted(table, lo, hi, nb, int(k_sel * VOTE_SHARE), start) if fixed is None
+             else mx.array(fixed))
     _also_voted(held, voted, nb)
     k_step = k_sel - (0 if voted is None else voted.shape[1])
     score, cand = _shortlist(table, (n_pages, budget, False), start, step_end, lambda: _bounded(
@@ -1046,8 +1117,10 @@ def _select_np(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial, sta
     q, m0 = cpu_select.to_np(qg), cpu_select.to_np(acc[0])
     if held is not None and acc[1] is not None and acc[2] is not None:
         held.np_in = (q, (m0, cpu_select.to_np(acc[1]), cpu_select.to_np(acc[2])))
-    voted = cpu_select.voted(table.votes, table.votes_at, lo, hi, nb, int(k_sel * VOTE_SHARE),
-                             start)
+    voted = _fixed(table, k_sel, start)
+    if voted is None:
+        voted = cpu_select.voted(table.votes, table.votes_at, lo, hi, nb,
+                                 int(k_sel * VOTE_SHARE), start)
     _also_voted(held, voted, nb)
     k_step = k_sel - (0 if voted is None else voted.shape[1])
     pages = -(-k_sel * b // store.P)

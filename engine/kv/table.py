@@ -59,6 +59,10 @@ class LayerTable:
         # prompt's last chunk when it ended at token `votes_at`; a later chunk replaces them.
         self.votes: Any = None
         self.votes_at = -1
+        # Past the trained length, the blocks the question's wide first pass voted for
+        # (engine.kv.question): (kv_heads, k) int64, best first, held by the second pass and
+        # the reply from `votes_at` (the question's first position) on; or None.
+        self.fixed: Any = None
         # The last decode step's shortlist (engine.kv.attention.RESELECT_STEPS): (key, next
         # position, steps it served, (bound, candidates)), or None.
         self.chosen: Any = None
@@ -196,9 +200,10 @@ class LayerTable:
             self._join()
         return self._kmax
 
-    def set_votes(self, votes: Any, at: int) -> None:
-        """The question's votes (kv_heads, blocks) of a chunk that ended at token `at`."""
-        self.votes, self.votes_at = votes, at
+    def set_votes(self, votes: Any, at: int, fixed: Any = None) -> None:
+        """The question's votes (kv_heads, blocks) of a chunk that ended at token `at`, or
+        the blocks a wide first pass fixed (`fixed`) for the chunk starting at `at`."""
+        self.votes, self.votes_at, self.fixed = votes, at, fixed
 
     def add_blocks(self, bmin: Any, bmax: Any) -> None:
         """Append the block summaries of pages [block_pages, block_pages + n): (n, kv_heads,

@@ -37,6 +37,7 @@ from engine.kv import (
     KVGeometry,
     KVSettings,
     LayerCache,
+    ask,
     close_caches,
     geometry_of,
     make_paged_cache,
@@ -490,6 +491,7 @@ def _generate(
         if far:
             step = QUESTION_L if done >= steps_at else SPARSE_CHUNK_L
         if ((far or whole_last) and len(todo) <= step
+                and not done < steps_at < done + len(todo)  # the question goes alone
                 and (snap_at is None or not done < snap_at < done + len(todo))):
             break  # one chunk left: it gives the logits (below)
         n = min(step, len(todo) - 1)
@@ -512,7 +514,9 @@ def _generate(
             return
     if todo:
         with last_row_head():  # only the last position's logits are sampled from
-            logits = _forward(lm, mx.array(todo)[None], cache, pc, repair)[:, -1, :]
+            # (past the trained length the question's chunk reads twice: engine.kv.ask)
+            logits = ask(lambda x: _forward(lm, x, cache, pc, repair), cache,
+                         mx.array(todo)[None])[:, -1, :]
         pc.tokens.extend(todo)
     else:
         assert plan is not None and plan.logits is not None  # the whole prompt was stored
