@@ -851,12 +851,26 @@ def _key_groups(store: Any, layer: int, pages: np.ndarray, group: int) -> Any:
         yield k[mx.array(order)]
 
 
-def _fixed(table: Any, k_sel: int, start: int) -> np.ndarray | None:
-    """The blocks a wide first pass fixed for a step starting at `start` (at most k_sel, best
-    first), or None (no such pass for this context)."""
-    if table.fixed is None or table.votes_at > start or not table.fixed.shape[1]:
+def _fixed(table: Any, start: int) -> np.ndarray | None:
+    """The blocks a wide first pass fixed for a step starting at `start` ((H, n), best first,
+    -1 past a head's own count), or None (no such pass for this context)."""
+    if table.fixed is None or table.votes_at > start:
         return None
-    return table.fixed[:, :k_sel]  # type: ignore[no-any-return]
+    return table.fixed  # type: ignore[no-any-return]
+
+
+def _hold(fixed: np.ndarray, top: np.ndarray, lo: int, hi: int, k_sel: int) -> np.ndarray:
+    """Each head's fixed blocks within [lo, hi) (at most k_sel), then its own choice `top`
+    (H, k_sel) without them, in the order given, cut to k_sel in all: the step chooses as if
+    nothing were fixed (the scratch that found 5 of 5 facts at 32k did so), and the fixed
+    blocks take the places of the last of its choice."""
+    out = np.empty((top.shape[0], k_sel), np.int64)
+    for h, (f, row) in enumerate(zip(fixed, top, strict=True)):
+        f = f[(f >= lo) & (f < hi)][:k_sel]
+        rest = row[~np.isin(row, f)]
+        out[h, :len(f)] = f
+        out[h, len(f):] = rest[:k_sel - len(f)]
+    return out
 
 
 def _voted(table: Any, lo: int, hi: int, nb: int, k_vote: int, start: int) -> Any:
@@ -1040,8 +1054,8 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     if (hi - lo) * nb <= k_sel or k_sel <= 0:
         return None
     if recent_only:
-        top = mx.arange(hi * nb - k_sel, hi * nb)
-        return mx.broadcast_to(top[None], (store.kv_heads, k_sel)), sink, hi
+        recent = mx.arange(hi * nb - k_sel, hi * nb)
+        return mx.broadcast_to(recent[None], (store.kv_heads, k_sel)), sink, hi
     if far is not None and lo * P >= far[1]:
         far = None  # every candidate within the trained reach
     _catch_up(store, layer, n_pages)
@@ -1050,29 +1064,47 @@ def select_blocks(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
         # (`_step_pages`), so the attention after it finds every page in one read batch.
         # (as page ranges: most steps read nothing, and building the array cost 0.04 ms)
         held.also = (sink, hi, n_pages)
+    fixed = _fixed(table, start)
+    if fixed is not None:  # (their pages join a read for the step, as voted blocks do)
+        _also_voted(held, np.where(fixed < 0, fixed[:, :1], fixed), nb)
+    top: Any = _select(store, layer, qg, n_pages, acc, start, held, budget, far, step_end,
+                       sink, hi, k_sel)
+    if fixed is not None:
+        top = _hold(fixed, np.asarray(top), sink * nb, hi * nb, k_sel)
+    if isinstance(top, np.ndarray) and not np_top:
+        top = mx.array(top.astype(np.int32))
+    return top, sink, hi
+
+
+def _select(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial, start: int,
+            held: StepReads | None, budget: int,
+            far: tuple[remap.RopeSpec, int, int] | None, step_end: int | None, sink: int,
+            hi: int, k_sel: int) -> Any:
+    """`select_blocks`' choice past its early returns: top (H, k_sel), numpy (the numpy
+    steps, `_select_np`) or MLX."""
     if cpu_select.enabled(qg.shape[1]):
-        got = _select_np(store, layer, qg, n_pages, acc, start, held, budget, far, step_end,
-                         sink, hi, k_sel)
-        return got if np_top else (mx.array(got[0].astype(np.int32)), sink, hi)
-    fixed = _fixed(table, k_sel, start)
-    voted = (_voted(table, lo, hi, nb, int(k_sel * VOTE_SHARE), start) if fixed is None
-             else mx.array(fixed))
+        return _select_np(store, layer, qg, n_pages, acc, start, held, budget, far, step_end,
+                          sink, hi, k_sel)[0]
+    table = store.tables[layer]
+    nb = store.P // table.block_tokens
+    lo = sink
+    voted = _voted(table, lo, hi, nb, int(k_sel * VOTE_SHARE), start)
     _also_voted(held, voted, nb)
     k_step = k_sel - (0 if voted is None else voted.shape[1])
     score, cand = _shortlist(table, (n_pages, budget, False), start, step_end, lambda: _bounded(
         store, layer, qg, n_pages, acc, lo, hi, k_sel, voted, far))
     if k_step <= 0:
         assert voted is not None
-        return voted, sink, hi
+        return voted
     if RESCORE > 1:
         top = _rescore(store, layer, qg, acc, score, k_step, cand, lo, n_pages, held, far,
-                       far is not None and step_end is None)
+                       far is not None and step_end is None, budget)
     else:
         top = mx.argpartition(-score, kth=k_step - 1, axis=-1)[:, :k_step]
         top = top + lo * nb if cand is None else mx.take_along_axis(cand, top, axis=-1)
     if voted is not None:
         top = mx.concatenate([voted.astype(top.dtype), top], axis=1)
-    return top, sink, hi
+    return top
 
 
 def _also_voted(held: StepReads | None, voted: Any, nb: int) -> None:
@@ -1117,16 +1149,14 @@ def _select_np(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial, sta
     q, m0 = cpu_select.to_np(qg), cpu_select.to_np(acc[0])
     if held is not None and acc[1] is not None and acc[2] is not None:
         held.np_in = (q, (m0, cpu_select.to_np(acc[1]), cpu_select.to_np(acc[2])))
-    voted = _fixed(table, k_sel, start)
-    if voted is None:
-        voted = cpu_select.voted(table.votes, table.votes_at, lo, hi, nb,
-                                 int(k_sel * VOTE_SHARE), start)
+    voted = cpu_select.voted(table.votes, table.votes_at, lo, hi, nb, int(k_sel * VOTE_SHARE),
+                             start)
     _also_voted(held, voted, nb)
     k_step = k_sel - (0 if voted is None else voted.shape[1])
     pages = -(-k_sel * b // store.P)
     n_first = max(TWO_LEVEL_MIN_PAGES, TWO_LEVEL_FACTOR * pages)
     read_pages = max(2, READ_PAGES_FACTOR * RESCORE * pages)
-    m = _shortlist_len(store, b, k_step, far is not None and step_end is None)
+    m = _shortlist_len(store, b, k_step, far is not None and step_end is None, budget)
     if k_step > 0 and RESCORE > 1 and step_end is not None and RESELECT_STEPS == 1:
         # A decode step that bounds afresh: bound, shortlist and rescoring in one compiled
         # pass where every page is in RAM (None otherwise: the steps below).
@@ -1299,20 +1329,23 @@ def _gather_keys(store: Any, layer: int, at: Any, n_pages: int,
                                     for a in store.pool_k[layer]))
 
 
-def _shortlist_len(store: Any, b: int, k_sel: int, question: bool) -> int:
+def _shortlist_len(store: Any, b: int, k_sel: int, question: bool,
+                   budget: int | None = None) -> int:
     """How many blocks the bound shortlists for their true logits when k_sel are chosen:
-    RESCORE x k_sel, within RESCORE_CAP x the budget unless this is the question past the
-    trained length (`question`: a chunk choosing with the far scoring)."""
+    RESCORE x k_sel, within RESCORE_CAP x the budget (the one in effect; None: the
+    settings') unless this is the question past the trained length (`question`: a chunk
+    choosing with the far scoring)."""
     m = RESCORE * k_sel
     if RESCORE_CAP > 0 and not question:
-        m = min(m, max(k_sel, int(RESCORE_CAP * store.settings.budget_tokens) // b))
+        budget = store.settings.budget_tokens if budget is None else budget
+        m = min(m, max(k_sel, int(RESCORE_CAP * budget) // b))
     return m
 
 
 def _rescore(store: Any, layer: int, qg: Any, acc: _Partial, score: Any, k_sel: int,
              cand: Any, lo: int, n_pages: int, held: StepReads | None = None,
              far: tuple[remap.RopeSpec, int, int] | None = None,
-             question: bool = False) -> Any:
+             question: bool = False, budget: int | None = None) -> Any:
     """The k_sel blocks (H, k_sel) among `score`'s candidates (the blocks of pages lo.., or
     with two levels the blocks `cand` names per head) chosen by their true largest logit: the
     RESCORE * k_sel best by bound are read (keys only, from either tier) and ranked by max
@@ -1326,7 +1359,7 @@ def _rescore(store: Any, layer: int, qg: Any, acc: _Partial, score: Any, k_sel: 
     h, r, d = qg.shape
     b = store.tables[layer].block_tokens
     nb = store.P // b
-    m = min(_shortlist_len(store, b, k_sel, question), score.shape[1])
+    m = min(_shortlist_len(store, b, k_sel, question, budget), score.shape[1])
     pre = mx.argpartition(-score, kth=m - 1, axis=-1)[:, :m]             # (H, m) candidates
     at = pre + lo * nb if cand is None else mx.take_along_axis(cand, pre, axis=-1)
     k = _gather_keys(store, layer, at, n_pages, held)                    # (H, m, b, D)

@@ -5,8 +5,9 @@ first pass), the question's chunk past the trained length attends `wide_budget(s
 tokens and records, per layer and KV head, the softmax weight its rows give each chosen
 block; `fixed_blocks(weights, blocks, ...)` turns them into the blocks the second pass and
 the reply hold: the FIXED_VOTES best with FIXED_NEIGHBOURS blocks either side, best first,
-one row per head. Those then read `narrow_budget(spec, end)` tokens: the fixed blocks plus
-what each step chooses. No state here but the set of stores in a wide pass.
+one row per head. Those then read `narrow_budget(spec, end)` tokens: the fixed blocks, then
+what each step chooses as if none were fixed, cut to the budget. No state here but the set
+of stores in a wide pass.
 
 Why: at 32k (four times the starter's trained 8k) the starter answered from remapped
 positions only when its question and its answer both read the fact from a small read
@@ -71,8 +72,9 @@ def narrow_budget(spec: remap.RopeSpec, end: int) -> int:
 
 def fixed_blocks(weights: np.ndarray, blocks: np.ndarray, lo: int, hi: int) -> np.ndarray:
     """Per head, the FIXED_VOTES blocks of most weight (weights (H, n) for blocks (H, n)),
-    each followed by its neighbours within [lo, hi), without repeats: (H, k) block indices,
-    best first, k the shortest head's count (so every row is whole)."""
+    each after its left neighbour and before its right one, within [lo, hi), without
+    repeats: (H, k) block indices, best first, k the longest head's count, the shorter
+    rows ending in -1."""
     rows: list[list[int]] = []
     for w, blk in zip(weights, blocks, strict=True):
         row: list[int] = []
@@ -83,5 +85,7 @@ def fixed_blocks(weights: np.ndarray, blocks: np.ndarray, lo: int, hi: int) -> n
                     seen.add(x)
                     row.append(x)
         rows.append(row)
-    k = min(len(r) for r in rows)
-    return np.array([r[:k] for r in rows], dtype=np.int64).reshape(len(rows), k)
+    out = np.full((len(rows), max(map(len, rows), default=0)), -1, np.int64)
+    for h, row in enumerate(rows):
+        out[h, :len(row)] = row
+    return out

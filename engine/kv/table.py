@@ -60,8 +60,9 @@ class LayerTable:
         self.votes: Any = None
         self.votes_at = -1
         # Past the trained length, the blocks the question's wide first pass voted for
-        # (engine.kv.question): (kv_heads, k) int64, best first, held by the second pass and
-        # the reply from `votes_at` (the question's first position) on; or None.
+        # (engine.kv.question): (kv_heads, k) int64, best first (-1 past a head's count),
+        # held by the second pass and the reply from `votes_at` (the question's first
+        # position) on; or None.
         self.fixed: Any = None
         # The last decode step's shortlist (engine.kv.attention.RESELECT_STEPS): (key, next
         # position, steps it served, (bound, candidates)), or None.

@@ -532,14 +532,14 @@ def test_a_question_past_the_trained_length_chooses_as_one_far_scored_chunk(
                 assert all(f is not None for _, _, _, f in asked)
                 # The wide pass's shortlist is RESCORE x its 20 blocks ((288 - a sink page
                 # and a window page of 64) / 8), past the cap a decode step keeps
-                # (RESCORE_CAP x the budget: 32 blocks here); the narrow pass's 2 blocks are
-                # the fixed ones, nothing rescored. (Without the numpy path MLX's _rescore
+                # (RESCORE_CAP x the budget: 32 blocks here); the narrow pass's RESCORE x
+                # its 2 ((144 - 128) / 8). (Without the numpy path MLX's _rescore
                 # shortlists, and nothing is recorded here.)
                 cap = int(attention.RESCORE_CAP * 256) // 8
                 assert shortlists or not cpu_select.enabled(3 * want)
                 if shortlists:
                     assert {(L, m) for L, k, m in shortlists if L == want} == {
-                        (want, attention.RESCORE * 20)}, shortlists
+                        (want, attention.RESCORE * 20), (want, attention.RESCORE * 2)}
                     assert attention.RESCORE * 20 > cap
             shortlists.clear()
     finally:

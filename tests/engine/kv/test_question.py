@@ -20,10 +20,18 @@ def test_fixed_blocks_best_first_with_neighbours() -> None:
     blocks = np.array([[20, 10, 11, 40], [5, 30, 31, 7]])
     fixed = question.fixed_blocks(weights, blocks, lo=4, hi=32)
     # Head 0: 10 (9, 10, 11), 11 (12), 20 (19, 20, 21); 40 is past hi. Head 1: 7 (6, 7, 8),
-    # 5 (4, 5; 3 is a sink block), 31 (30, 31; 32 is the window's), 30. Rows cut to the
-    # shorter head's 7.
-    assert fixed.tolist() == [[9, 10, 11, 12, 19, 20, 21], [6, 7, 8, 4, 5, 30, 31]]
+    # 5 (4, 5; 3 is a sink block), 31 (30, 31; 32 is the window's), 30 (29). The shorter
+    # row ends in -1.
+    assert fixed.tolist() == [[9, 10, 11, 12, 19, 20, 21, -1], [6, 7, 8, 4, 5, 30, 31, 29]]
     assert fixed.dtype == np.int64
+
+
+def test_held_blocks_come_first_and_the_choice_fills_the_rest() -> None:
+    fixed = np.array([[5, 6, -1], [9, 40, -1]])
+    top = np.array([[6, 1, 2, 3], [1, 9, 2, 3]])
+    # Head 0 keeps 5 and 6 (6 is its own choice too), then 1 and 2; head 1's 40 is past hi.
+    held = attention._hold(fixed, top, 0, 32, 4)
+    assert held.tolist() == [[5, 6, 1, 2], [9, 1, 2, 3]]
 
 
 def test_narrow_budget_follows_the_context() -> None:
@@ -79,6 +87,13 @@ def _prefilled(lm: Any, ids: list[int], tmp_path: Path, trained: int) -> tuple[A
     return cache, spec
 
 
+def _starts_with_fixed(top: np.ndarray, fixed: np.ndarray) -> None:
+    assert top.shape[0] == fixed.shape[0]
+    for row, f in zip(top, fixed, strict=True):
+        f = f[f >= 0][:len(row)]
+        assert len(f) and row[:len(f)].tolist() == f.tolist()
+
+
 def test_the_question_reads_twice_and_the_reply_holds_its_blocks(
         starter_lm: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The starter past a trained length of 512 (a 1,100-token needle prompt): the question's
@@ -125,9 +140,7 @@ def test_the_question_reads_twice_and_the_reply_holds_its_blocks(
             assert table.votes_at == split
             assert table.fixed is not None and table.fixed.shape[0] == store.kv_heads
             # The second pass chose the fixed blocks first (within its k).
-            top = tops[n_layers + layer]
-            k = min(table.fixed.shape[1], top.shape[1])
-            assert (top[:, :k] == table.fixed[:, :k]).all()
+            _starts_with_fixed(tops[n_layers + layer], table.fixed)
         budgets.clear()
         tops.clear()
         logits = starter_lm.model(mx.array(ids[-1:])[None], cache=cache)[0, -1]
@@ -135,8 +148,7 @@ def test_the_question_reads_twice_and_the_reply_holds_its_blocks(
         assert bool(mx.isfinite(logits).all())
         assert [b for _, b in budgets] == [question.narrow_budget(spec, len(ids))] * n_layers
         for layer, table in enumerate(store.tables):
-            k = min(table.fixed.shape[1], tops[layer].shape[1])
-            assert (tops[layer][:, :k] == table.fixed[:, :k]).all()
+            _starts_with_fixed(tops[layer], table.fixed)
         # A new prompt's chunk (not this question's) drops them.
         starter_lm.model(mx.array(ids[:40])[None], cache=cache)
         assert all(t.fixed is None for t in store.tables)
