@@ -825,7 +825,10 @@ def question_tokens(store: Any, end: int) -> int:
     votes (not sparse, votes off, or past VOTE_PAST_MAX or the trained length, where a chunk
     records none), or none that matter soon: a prompt under half the budget (a reply must
     pass the rest of the budget before a block is chosen) keeps its whole restore, logits
-    and all."""
+    and all. Past the trained length with the question read twice (`ask`): the question
+    (`question_steps`), whose first pass fixes the blocks its reply holds."""
+    if question.enabled() and question_steps(store, end):
+        return question_steps(store, end)
     settings = store.settings
     if (getattr(settings, "mode", None) != "sparse" or VOTE_SHARE <= 0
             or end - VOTE_QUERIES - 1 > VOTE_PAST_MAX or 2 * end <= settings.budget_tokens

@@ -182,3 +182,49 @@ def test_inside_the_trained_window_ask_is_one_pass(starter_lm: Any, tmp_path: Pa
             close_caches(cache)
     assert not calls
     assert float(mx.abs(got[0] - got[1]).max()) == 0.0
+
+
+def test_a_restored_question_is_read_twice_again(starter_lm: Any, tmp_path: Path) -> None:
+    """A prompt past the trained length (512 here) stored with its tail: restored into a
+    fresh cache, its question is prefilled again (a whole restore would skip the wide pass),
+    and the fixed blocks and the greedy reply equal the fresh prefill's. (The tail after the
+    last page holds the question here; a question across a page boundary is prefilled only
+    from the tail on, as the question's votes are inside the trained length.)"""
+    from engine.bench.needle import facts, needle_prompt
+    from engine.kv.prefix import PrefixSettings
+    from engine.runtime.generate import generate
+    from engine.runtime.sampling import SamplingParams
+
+    ids, _ = needle_prompt(starter_lm.tokenizer, 1140, 0.3, facts(3)[0], seed=3)
+    assert len(ids) % 64 > attention.QUESTION_STEPS
+    g = starter_lm.kv_geometry
+    spec = remap.RopeSpec(g.rope_dims, g.rope_traditional, g.rope_base, g.rope_scale, 512)
+    old = starter_lm.kv_settings
+    runs = []
+    try:
+        for run in ("fresh", "restored"):
+            starter_lm.kv_settings = KVSettings(
+                mode="sparse", page_tokens=64, sink_tokens=64, window_tokens=128,
+                budget_tokens=256, ssd_dir=tmp_path / run).validate()
+            px = starter_lm.enable_prefix_cache(PrefixSettings(folder=tmp_path / "px",
+                                                               tails=True))
+            pc = starter_lm.new_cache()
+            store = pc.cache[0].store  # type: ignore[attr-defined]
+            remap.attach(store, spec)
+            try:
+                events = list(generate(starter_lm, ids, SamplingParams(temperature=0.0),
+                                       max_tokens=4, prompt_cache=pc))
+                runs.append(([e.token for e in events if e.token is not None],
+                             events[-1].cached_tokens, [t.fixed for t in store.tables]))
+                px.flush()
+            finally:
+                pc.close()
+                starter_lm.disable_prefix_cache()
+    finally:
+        starter_lm.kv_settings = old
+    (tok_f, cached_f, fixed_f), (tok_r, cached_r, fixed_r) = runs
+    assert cached_f == 0
+    assert cached_r == len(ids) - attention.QUESTION_STEPS
+    assert all(f is not None for f in fixed_f)
+    assert all((a == b).all() for a, b in zip(fixed_f, fixed_r, strict=True))
+    assert tok_r == tok_f and tok_f
