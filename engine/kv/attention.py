@@ -797,15 +797,16 @@ def question_steps(store: Any, end: int) -> int:
 
 def ask(forward: Callable[[Any], Any], cache: Sequence[Any], tokens: Any) -> Any:
     """`forward(tokens)` for a prompt's question chunk (1, n) over `cache` (a model's layer
-    caches), returning what it returns. Past the trained length in sparse mode (remapped) it
-    runs twice (engine.kv.question): a wide first pass records the blocks the question's
-    attention weights favour, the cache is trimmed back, and the second pass, whose output
-    is returned, reads the narrow budget with those blocks held, as does the reply after it."""
+    caches), returning what it returns. Past the trained length in sparse mode (remapped),
+    up to question.WIDE_MAX x it, it runs twice (engine.kv.question): a wide first pass
+    records the blocks the question's attention weights favour, the cache is trimmed back,
+    and the second pass, whose output is returned, reads the narrow budget with those blocks
+    held, as does the reply after it."""
     store = next((c.store for c in cache if hasattr(c, "store")), None)
     n = tokens.shape[1]
     end = next((c.offset for c in cache if hasattr(c, "store")), 0) + n
-    if (store is None or not question.enabled() or n <= SPARSE_MAX_L or n > QUESTION_L
-            or remap.spec_for(store, end) is None):
+    spec = None if store is None else remap.spec_for(store, end)
+    if spec is None or not question.applies(spec, end) or not SPARSE_MAX_L < n <= QUESTION_L:
         return forward(tokens)
     question.set_wide(store, True)
     try:
@@ -827,7 +828,8 @@ def question_tokens(store: Any, end: int) -> int:
     pass the rest of the budget before a block is chosen) keeps its whole restore, logits
     and all. Past the trained length with the question read twice (`ask`): the question
     (`question_steps`), whose first pass fixes the blocks its reply holds."""
-    if question.enabled() and question_steps(store, end):
+    spec = remap.spec_for(store, end)
+    if spec is not None and question.applies(spec, end) and question_steps(store, end):
         return question_steps(store, end)
     settings = store.settings
     if (getattr(settings, "mode", None) != "sparse" or VOTE_SHARE <= 0
@@ -926,7 +928,7 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     step = end if budget is None and not recent_only and end - start <= SPARSE_MAX_L else None
     table = store.tables[layer]
     votes = False
-    if spec is not None and budget is None and question.enabled():
+    if spec is not None and budget is None:
         if question.wide(store) and end - start > SPARSE_MAX_L:
             budget, votes = question.wide_budget(spec), True  # the question's first pass
         elif table.fixed is not None and table.votes_at <= start:

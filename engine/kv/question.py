@@ -1,7 +1,8 @@
 """The question past the trained length, read twice: a wide read votes, a narrow one answers.
 
-Contract: while `wide(store)` holds (engine.kv.attention.ask sets it for the question's
-first pass), the question's chunk past the trained length attends `wide_budget(spec)`
+Contract: `applies(spec, end)` says whether a question ending at `end` is read twice; while
+`wide(store)` holds (engine.kv.attention.ask sets it for the question's first pass), the
+question's chunk past the trained length attends `wide_budget(spec)`
 tokens and records, per layer and KV head, the softmax weight its rows give each chosen
 block; `fixed_blocks(weights, blocks, ...)` turns them into the blocks the second pass and
 the reply hold: the FIXED_VOTES best with FIXED_NEIGHBOURS blocks either side, best first,
@@ -36,6 +37,12 @@ WIDE_SHARE = float(os.environ.get("STRATA_SPARSE_WIDE") or 0.75)
 # blocks, and the votes mark its most-read one).
 FIXED_VOTES = 48
 FIXED_NEIGHBOURS = 1
+# Only up to this many times the trained length, where it was measured (2x and 4x): past
+# it the question goes once, as before. The wide pass reads ~3.5x the pages a decode budget
+# of 2,048 reads: after 128k stored tokens (16x) it took the first token from 2.3 s to 8.6 s
+# and peak RSS from 2.4 to 3.4 GB (issue 18 asks 2 s and 3 GB), for retrieval there that
+# nothing measured. STRATA_SPARSE_WIDE_MAX sets it.
+WIDE_MAX = float(os.environ.get("STRATA_SPARSE_WIDE_MAX") or 4)
 
 _wide: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -52,8 +59,10 @@ def set_wide(store: Any, on: bool) -> None:
         _wide.discard(store)
 
 
-def enabled() -> bool:
-    return WIDE_SHARE > 0
+def applies(spec: remap.RopeSpec, end: int) -> bool:
+    """Whether a question ending at token `end` past `spec`'s trained length is read twice:
+    two passes on (WIDE_SHARE) and `end` within WIDE_MAX x the trained length."""
+    return WIDE_SHARE > 0 and end <= WIDE_MAX * spec.trained
 
 
 def wide_budget(spec: remap.RopeSpec) -> int:
@@ -65,7 +74,7 @@ def narrow_budget(spec: remap.RopeSpec, end: int) -> int:
     """The second pass's and the reply's tokens at a context ending at `end`: 3/8 of the
     trained length T at 2T, falling as 1/end to T/4 (reached at 3T). Measured at 16k (2T):
     3,072 found 5 of 5 facts, 2,048 3 of 5; at 32k (4T): 2,048 found 5 of 5, 3,072 2 of 3
-    (the starter, docs/benchmarks.md). Beyond 4T untested: the floor holds."""
+    (the starter, docs/benchmarks.md). Beyond WIDE_MAX x T the question goes once."""
     t = spec.trained
     return max(t // 4, min(3 * t // 8, 3 * t * t // (4 * max(end, 1))))
 

@@ -41,6 +41,9 @@ def test_narrow_budget_follows_the_context() -> None:
     assert question.narrow_budget(spec, 20480) == 2457
     assert question.narrow_budget(spec, 32768) == 2048   # 4x: the floor
     assert question.narrow_budget(spec, 1 << 20) == 2048
+    # Read twice only up to WIDE_MAX x the trained length (measured there).
+    assert question.applies(spec, int(question.WIDE_MAX * 8192))
+    assert not question.applies(spec, int(question.WIDE_MAX * 8192) + 1)
 
 
 def test_the_wide_pass_fixes_the_block_its_rows_weigh_most() -> None:
