@@ -2,10 +2,10 @@
 
 Contract: `applies(spec, end)` says whether a question ending at `end` is read twice; while
 `wide(store)` holds (engine.kv.attention.ask sets it for the question's first pass), the
-question's chunk past the trained length attends `wide_budget(spec)`
-tokens and records, per layer and KV head, the softmax weight its rows give each chosen
-block; `fixed_blocks(weights, blocks, ...)` turns them into the blocks the second pass and
-the reply hold: the FIXED_VOTES best with FIXED_NEIGHBOURS blocks either side, best first,
+question's chunk past the trained length attends `wide_budget(spec)` tokens and records,
+per layer and KV head, the softmax weight its rows give each chosen block;
+`fixed_blocks(weights, blocks, ...)` turns them into the blocks the second pass and the
+reply hold: the FIXED_VOTES best with FIXED_NEIGHBOURS blocks either side, best first,
 one row per head. Those then read `narrow_budget(spec, end)` tokens: the fixed blocks, then
 what each step chooses as if none were fixed, cut to the budget. No state here but the set
 of stores in a wide pass.
@@ -72,9 +72,10 @@ def wide_budget(spec: remap.RopeSpec) -> int:
 
 def narrow_budget(spec: remap.RopeSpec, end: int) -> int:
     """The second pass's and the reply's tokens at a context ending at `end`: 3/8 of the
-    trained length T at 2T, falling as 1/end to T/4 (reached at 3T). Measured at 16k (2T):
-    3,072 found 5 of 5 facts, 2,048 3 of 5; at 32k (4T): 2,048 found 5 of 5, 3,072 2 of 3
-    (the starter, docs/benchmarks.md). Beyond WIDE_MAX x T the question goes once."""
+    trained length T at 2T, falling as 1/end to T/4 (reached at 3T). In the scratch that
+    chose these (the starter): at 16k (2T) 3,072 found 5 of 5 facts, 2,048 3 of 5; at 32k
+    (4T) 2,048 found 5 of 5, 3,072 2 of 3; the suite then found 4 of 5 at each
+    (docs/benchmarks.md). Beyond WIDE_MAX x T the question goes once."""
     t = spec.trained
     return max(t // 4, min(3 * t // 8, 3 * t * t // (4 * max(end, 1))))
 
