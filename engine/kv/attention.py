@@ -917,8 +917,11 @@ def _sparse(store: Any, layer: int, qg: Any, n_pages: int, acc: _Partial,
     `end`: the chunk's end (the remapped layout keeps what the trained length reaches);
     `budget`: tokens to attend instead of the settings' (a prefill chunk past the trained
     length, PREFILL_REACH); `recent_only`: the budget's blocks are the most recent ones
-    (PREFILL_RECENT). A decode step the numpy steps attend returns its partial as numpy
-    arrays (`attend` divides and converts it once)."""
+    (PREFILL_RECENT). Past the trained length the question's wide pass (`ask`) reads
+    question.wide_budget and fixes its best-weighted blocks (`_fix_votes`); its second pass
+    and the reply then read question.narrow_budget, those blocks first (`_hold`). A decode
+    step the numpy steps attend returns its partial as numpy arrays (`attend` divides and
+    converts it once)."""
     held = StepReads()
     far = None
     # Decode steps and the question (QUESTION_L) only: a chunk's rows multiply the rotated
